@@ -1,0 +1,171 @@
+"""The per-node agent: join -> start workers -> monitor -> report -> rejoin, until the job ends."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from convoy.agent.client import MasterClient, free_port
+from convoy.agent.workers import Worker, WorkerGroup
+from convoy.config import WorkerConfig
+from convoy.control import protocol as p
+from convoy.errors import ConvoyError, MasterUnreachableError
+from convoy.procs import Interrupted, raise_interrupted, signal_name
+
+POLL_S = 0.02
+EXIT_OK, EXIT_FAILED, EXIT_ERROR = 0, 1, 2
+
+
+@dataclass
+class AgentConfig:
+    master_host: str
+    master_port: int
+    token: str
+    node_id: str
+    host: str
+    """The address other nodes reach this one at (MASTER_ADDR when it gets node rank 0)."""
+    run_dir: Path
+    workers: WorkerConfig
+    heartbeat_s: float = 1.0
+    master_timeout_s: float = 30.0
+    """How long the master may be unreachable before the agent stops its workers and exits."""
+
+
+class _Heartbeat(threading.Thread):
+    """Long-polls the master; ``changed`` is set whenever the round or job status moves."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        super().__init__(name="convoy-heartbeat", daemon=True)
+        self.config = config
+        self.client = MasterClient(config.master_host, config.master_port, config.token, config.master_timeout_s)
+        self.latest: p.HeartbeatResponse | None = None
+        self.error: ConvoyError | None = None
+        self.changed = threading.Event()
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            known_round = self.latest.round_id if self.latest else 0
+            request = p.HeartbeatRequest(node_id=self.config.node_id, round_id=known_round,
+                                         wait_s=self.config.heartbeat_s)
+            try:
+                reply = self.client.call("/heartbeat", request, p.HeartbeatResponse, wait_s=request.wait_s)
+            except ConvoyError as exc:
+                self.error = exc
+                self.changed.set()
+                return
+            if self.latest is None or (reply.round_id, reply.job_status) != (self.latest.round_id, self.latest.job_status):
+                self.latest = reply
+                self.changed.set()
+            if reply.job_status != "running":
+                return
+
+
+class Agent:
+    """One node of a job. ``run()`` returns the agent's exit code."""
+
+    def __init__(self, config: AgentConfig, group: WorkerGroup | None = None) -> None:
+        self.config = config
+        self.client = MasterClient(config.master_host, config.master_port, config.token, config.master_timeout_s)
+        self.group = group or WorkerGroup(config.workers, config.run_dir)
+        self.heartbeat = _Heartbeat(config)
+        self.master_url = f"{config.master_host}:{config.master_port}"
+        self._final_status = ""
+
+    def run(self) -> int:
+        previous = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.group.fill_standbys()  # import torch while the round assembles
+            return self._loop()
+        except Interrupted as exc:
+            self._leave(f"interrupted by {exc}")
+            return exc.exit_code
+        except MasterUnreachableError as exc:
+            print(f"convoy agent {self.config.node_id}: {exc}; stopping workers", file=sys.stderr)
+            return EXIT_FAILED
+        finally:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            self.heartbeat.stopping.set()
+            self.group.close()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _loop(self) -> int:
+        while True:
+            round_info = self._rendezvous()
+            if round_info is None:
+                return self._job_exit_code()
+            ended = self._run_round(round_info)
+            if ended:
+                return self._job_exit_code()
+
+    def _rendezvous(self) -> p.RoundInfo | None:
+        """Join and wait for the round to close; None when the job has ended."""
+        while True:
+            join = p.JoinRequest(node_id=self.config.node_id, host=self.config.host,
+                                 nproc=self.config.workers.nproc_per_node, port=free_port())
+            round_id = self.client.call("/join", join, p.JoinResponse).round_id
+            if not self.heartbeat.is_alive() and not self.heartbeat.stopping.is_set():
+                self.heartbeat.start()
+            while True:
+                wait = p.WaitRequest(node_id=self.config.node_id, round_id=round_id, timeout_s=self.config.heartbeat_s)
+                reply = self.client.call("/wait", wait, p.WaitResponse, wait_s=wait.timeout_s)
+                if reply.state == "ready":
+                    return reply.round
+                if reply.state == "ended":
+                    self._final_status = reply.job_status
+                    return None
+                if reply.state == "rejoin":
+                    break
+
+    def _run_round(self, round_info: p.RoundInfo) -> bool:
+        """Run this node's workers until the round ends; True when the whole job has ended."""
+        member = next(m for m in round_info.members if m.node_id == self.config.node_id)
+        self.group.start(round_info, member, self.master_url)
+        reported_failure = reported_done = False
+        while True:
+            if self.heartbeat.error is not None:
+                raise self.heartbeat.error
+            latest = self.heartbeat.latest
+            if latest is not None and latest.job_status != "running":
+                self._final_status = latest.job_status
+                self.group.stop()
+                return True
+            if latest is not None and latest.round_id > round_info.round_id:
+                self.group.stop()
+                return False
+            done, failed = self.group.poll()
+            if failed and not reported_failure:
+                reported_failure = True
+                self._report_failure(round_info, min(failed, key=lambda w: w.rank))
+            elif len(done) == len(self.group.workers) and not reported_done:
+                reported_done = True
+                self.client.call("/node_done", p.NodeDone(node_id=self.config.node_id, round_id=round_info.round_id),
+                                 p.Ack)
+            self.group.refill_when_idle()
+            self.heartbeat.changed.wait(POLL_S)
+            self.heartbeat.changed.clear()
+
+    def _report_failure(self, round_info: p.RoundInfo, worker: Worker) -> None:
+        code = worker.returncode or 0
+        worker.pump.join(timeout=0.2)  # let the last lines reach the tail
+        report = p.WorkerExit(
+            node_id=self.config.node_id, round_id=round_info.round_id, rank=worker.rank,
+            local_rank=worker.local_rank, exitcode=code if code >= 0 else None, signal=signal_name(code),
+            log_path=worker.pump.log_path, log_tail=list(worker.pump.tail),
+        )
+        self.client.call("/worker_exit", report, p.Ack)
+
+    def _job_exit_code(self) -> int:
+        return EXIT_OK if self._final_status == "succeeded" else EXIT_FAILED
+
+    def _leave(self, reason: str) -> None:
+        try:
+            quick = MasterClient(self.config.master_host, self.config.master_port, self.config.token, 1.0)
+            quick.call("/leave", p.LeaveRequest(node_id=self.config.node_id, reason=reason), p.Ack)
+        except ConvoyError:
+            pass  # the master may already be gone; leaving is a courtesy

@@ -1,0 +1,82 @@
+"""HTTP client for the master's API: persistent connection, retries with backoff."""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import time
+from typing import TypeVar
+
+from pydantic import BaseModel
+
+from convoy.control import protocol as p
+from convoy.errors import AuthError, ConvoyError, MasterUnreachableError
+
+Reply = TypeVar("Reply", bound=BaseModel)
+
+
+class MasterClient:
+    """One keep-alive connection to the master; not shared between threads."""
+
+    def __init__(self, host: str, port: int, token: str, give_up_after_s: float = 30.0) -> None:
+        self.host, self.port, self.token = host, port, token
+        self.give_up_after_s = give_up_after_s
+        self._conn: http.client.HTTPConnection | None = None
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def call(self, path: str, request: BaseModel, reply: type[Reply], wait_s: float = 0.0) -> Reply:
+        """POST ``request`` to ``path``; retry on connection faults until ``give_up_after_s``."""
+        body = request.model_dump_json().encode()
+        headers = {"Content-Type": "application/json", p.TOKEN_HEADER: f"Bearer {self.token}"}
+        deadline = time.monotonic() + self.give_up_after_s
+        backoff = 0.05
+        while True:
+            try:
+                status, data = self._post(p.API_PREFIX + path, body, headers, wait_s + 10.0)
+            except (OSError, http.client.HTTPException) as exc:
+                self.close()
+                if time.monotonic() + backoff > deadline:
+                    raise MasterUnreachableError(
+                        f"master at {self.host}:{self.port} unreachable for {self.give_up_after_s:.0f} s ({exc})"
+                    ) from exc
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+                continue
+            if status == 200:
+                return reply.model_validate_json(data)
+            if status == 401:
+                raise AuthError(f"master at {self.host}:{self.port} rejected the token: check --token-file")
+            raise ConvoyError(f"master answered {status} to {path}: {data.decode(errors='replace')}")
+
+    def _post(self, path: str, body: bytes, headers: dict[str, str], timeout: float) -> tuple[int, bytes]:
+        if self._conn is None:
+            self._conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        self._conn.timeout = timeout
+        if self._conn.sock is not None:
+            self._conn.sock.settimeout(timeout)
+        self._conn.request("POST", path, body=body, headers=headers)
+        response = self._conn.getresponse()
+        return response.status, response.read()
+
+
+def free_port(host: str = "") -> int:
+    """A port that is free on this host right now (the next round's MASTER_PORT candidate)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def local_address_towards(host: str, port: int) -> str:
+    """The address of this host that the master (and so other nodes) can reach."""
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect((host, port))
+            return str(sock.getsockname()[0])
+        except OSError:
+            return socket.gethostname()

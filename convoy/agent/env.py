@@ -1,0 +1,56 @@
+"""The environment a worker gets: torchrun's variables plus the documented CONVOY_* ones."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from convoy.control.protocol import MemberInfo, RoundInfo
+
+
+def spawn_env(nproc_per_node: int, base: dict[str, str] | None = None) -> dict[str, str]:
+    """What a standby starts with: the agent's environment plus settings read at import time."""
+    env = dict(os.environ if base is None else base)
+    env["LOCAL_WORLD_SIZE"] = str(nproc_per_node)
+    env.setdefault("PYTHONUNBUFFERED", "1")  # worker output reaches the console as it is printed
+    if nproc_per_node > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: one thread per worker unless told
+    return env
+
+
+def worker_env(
+    round_info: RoundInfo, member: MemberInfo, local_rank: int, run_dir: str, master_url: str, log_file: str
+) -> dict[str, str]:
+    """The per-round variables for one worker (RANK, MASTER_PORT, ... and CONVOY_*)."""
+    rank = member.rank_offset + local_rank
+    topology = [[m.node_rank, m.host, m.nproc] for m in round_info.members]
+    restart_count = str(round_info.restart_count)
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(round_info.world_size),
+        "LOCAL_WORLD_SIZE": str(member.nproc),
+        "GROUP_RANK": str(member.node_rank),
+        "GROUP_WORLD_SIZE": str(len(round_info.members)),
+        "ROLE_NAME": "default",
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(round_info.world_size),
+        "MASTER_ADDR": round_info.master_addr,
+        "MASTER_PORT": str(round_info.master_port),
+        "TORCHELASTIC_RESTART_COUNT": restart_count,
+        "TORCHELASTIC_MAX_RESTARTS": str(round_info.max_restarts),
+        "TORCHELASTIC_RUN_ID": round_info.job_id,
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "CONVOY_JOB_ID": round_info.job_id,
+        "CONVOY_ROUND": str(round_info.round_id),
+        "CONVOY_RESTART_COUNT": restart_count,
+        "CONVOY_RUN_DIR": run_dir,
+        "CONVOY_NODE_ID": member.node_id,
+        "CONVOY_NODE_RANK": str(member.node_rank),
+        "CONVOY_NUM_NODES": str(len(round_info.members)),
+        "CONVOY_TOPOLOGY": json.dumps(topology),
+        "CONVOY_MASTER": master_url,
+        "CONVOY_LOG_FILE": log_file,
+    }

@@ -1,0 +1,206 @@
+"""Worker processes of one node: warm standbys, log pumps, start, poll, and stop."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
+
+from convoy.agent.env import spawn_env, worker_env
+from convoy.config import WorkerConfig
+from convoy.procs import die_with_parent
+
+if TYPE_CHECKING:
+    from convoy.control.protocol import MemberInfo, RoundInfo
+
+TAIL_LINES = 20
+
+
+class LogPump(threading.Thread):
+    """Copies a worker's output to its log file and, prefixed with its rank, to the console.
+
+    Lines printed before the worker has a rank (e.g. import warnings) are held, then written.
+    """
+
+    def __init__(self, stream: BinaryIO, console: BinaryIO, console_lock: threading.Lock) -> None:
+        super().__init__(name="convoy-log", daemon=True)
+        self._stream, self._console, self._console_lock = stream, console, console_lock
+        self._lock = threading.Lock()
+        self._held: list[bytes] = []
+        self._file: BinaryIO | None = None
+        self._prefix = b""
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.log_path = ""
+
+    def assign(self, rank: int, log_path: Path) -> None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            self._file = open(log_path, "ab")  # noqa: SIM115 (closed when the stream ends)
+            self._prefix = f"[rank{rank}]: ".encode()  # torch prefixes its own errors the same way
+            self.log_path = str(log_path)
+            held, self._held = self._held, []
+            for line in held:
+                self._write(line)
+
+    def run(self) -> None:
+        for line in iter(self._stream.readline, b""):
+            with self._lock:
+                if self._file is None:
+                    self._held.append(line)
+                else:
+                    self._write(line)
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+        self._stream.close()
+
+    def _write(self, line: bytes) -> None:
+        assert self._file is not None
+        self._file.write(line)
+        self._file.flush()
+        self.tail.append(line.decode(errors="replace").rstrip("\n"))
+        text = line if line.startswith(self._prefix) else self._prefix + line
+        with self._console_lock:
+            self._console.write(text if text.endswith(b"\n") else text + b"\n")
+            self._console.flush()
+
+
+@dataclass
+class Worker:
+    proc: subprocess.Popen[bytes]
+    pump: LogPump
+    ready_fd: int
+    """Read end of a pipe the standby writes to once its preloading is done."""
+    local_rank: int = -1
+    rank: int = -1
+    _ready: bool = False
+
+    def preloaded(self) -> bool:
+        """True once the standby has imported its preload modules (or has died)."""
+        if not self._ready and select.select([self.ready_fd], [], [], 0)[0]:
+            self._ready = True
+            os.close(self.ready_fd)
+        return self._ready
+
+    def release(self) -> None:
+        if not self._ready:
+            self._ready = True
+            os.close(self.ready_fd)
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class WorkerGroup:
+    """The local workers of one node. Keeps ``nproc`` warm standbys ready for the next round."""
+
+    def __init__(self, config: WorkerConfig, run_dir: Path, console: BinaryIO | None = None) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self._env = spawn_env(config.nproc_per_node)
+        self._console = console or sys.stdout.buffer
+        self._console_lock = threading.Lock()
+        self._standbys: list[Worker] = []
+        self.workers: list[Worker] = []
+
+    def fill_standbys(self) -> None:
+        """Start standbys until there is one per local worker (call from the main thread)."""
+        while len(self._standbys) < self.config.nproc_per_node:
+            self._standbys.append(self._spawn())
+
+    def refill_when_idle(self) -> None:
+        """Warm the next round's standbys once this round's workers are done importing.
+
+        Waiting keeps the new imports from competing for CPU with the workers' own start.
+        """
+        if len(self._standbys) < self.config.nproc_per_node and all(w.preloaded() for w in self.workers):
+            self.fill_standbys()
+
+    def _spawn(self) -> Worker:
+        ready_read, ready_write = os.pipe()
+        command = [sys.executable, "-m", "convoy.agent.standby", ",".join(self.config.preload), str(ready_write)]
+        try:
+            proc = subprocess.Popen(
+                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self._env,
+                start_new_session=True, pass_fds=(ready_write,), preexec_fn=lambda: die_with_parent(signal.SIGKILL),
+            )
+        except BaseException:
+            os.close(ready_read)
+            raise
+        finally:
+            os.close(ready_write)
+        assert proc.stdout is not None
+        pump = LogPump(proc.stdout, self._console, self._console_lock)  # type: ignore[arg-type]
+        pump.start()
+        return Worker(proc, pump, ready_read)
+
+    def start(self, round_info: RoundInfo, member: MemberInfo, master_url: str) -> None:
+        """Hand each standby its rank for this round, then warm new standbys for the next one."""
+        self.fill_standbys()
+        self.workers, self._standbys = self._standbys[: member.nproc], self._standbys[member.nproc :]
+        log_dir = self.run_dir / "logs" / f"round{round_info.round_id}"
+        for local_rank, worker in enumerate(self.workers):
+            worker.local_rank, worker.rank = local_rank, member.rank_offset + local_rank
+            log_file = log_dir / f"rank{worker.rank}.log"
+            worker.pump.assign(worker.rank, log_file)
+            env = worker_env(round_info, member, local_rank, str(self.run_dir), master_url, str(log_file))
+            order = {"env": env, "argv": self._argv(), "entrypoint": self.config.entrypoint,
+                     "module": self.config.module}
+            try:
+                assert worker.proc.stdin is not None
+                worker.proc.stdin.write(json.dumps(order).encode() + b"\n")
+                worker.proc.stdin.close()
+            except BrokenPipeError:
+                pass  # the standby died before its order arrived; poll() reports its exit
+
+    def _argv(self) -> list[str]:
+        first = self.config.entrypoint if not self.config.module else f"-m {self.config.entrypoint}"
+        return [first, *self.config.args]
+
+    def poll(self) -> tuple[list[Worker], list[Worker]]:
+        """Return (finished with 0, failed) among this round's workers."""
+        done = [w for w in self.workers if w.returncode == 0]
+        failed = [w for w in self.workers if w.returncode not in (None, 0)]
+        return done, failed
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """SIGTERM this round's workers (each its own process group), SIGKILL after the grace period."""
+        grace = self.config.stop_grace_s if grace_s is None else grace_s
+        alive = [w for w in self.workers if w.returncode is None]
+        for worker in alive:
+            worker.signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.01)
+            alive = [w for w in alive if w.returncode is None]
+        for worker in self.workers:
+            worker.signal(signal.SIGKILL)  # also reaches children a finished worker left behind
+            worker.proc.wait()
+            worker.pump.join(timeout=2.0)
+            worker.release()
+        self.workers = []
+
+    def close(self) -> None:
+        """Stop everything this group started, standbys included."""
+        self.stop()
+        for standby in self._standbys:
+            standby.signal(signal.SIGKILL)
+            standby.proc.wait()
+            standby.release()
+        self._standbys = []

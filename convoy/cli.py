@@ -1,0 +1,159 @@
+"""``convoy run | master | agent | status``: parse the command line, then call the library."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from convoy.config import (
+    JobConfig, MasterConfig, RendezvousConfig, WorkerConfig, check_run_dir, default_run_dir, parse_address,
+    parse_nnodes,
+)
+from convoy.errors import ConfigError, ConvoyError
+
+EXIT_USAGE = 2
+_WORKERS, _MASTER, _RDZV = WorkerConfig(), MasterConfig(run_dir=Path(".")), RendezvousConfig()
+
+
+def _add_worker_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nproc-per-node", type=int, default=_WORKERS.nproc_per_node, help="worker processes per node")
+    parser.add_argument("--stop-grace", type=float, default=_WORKERS.stop_grace_s,
+                        help="seconds from SIGTERM to SIGKILL (default %(default)s)")
+    parser.add_argument("--preload", default=",".join(_WORKERS.preload),
+                        help="comma-separated modules standby workers import ahead of time ('' for none; "
+                             "default %(default)s)")
+    parser.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")
+    parser.add_argument("script", metavar="SCRIPT", nargs="?", default="", help="training script (or module with -m)")
+    parser.add_argument("args", metavar="ARGS", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def _add_master_options(parser: argparse.ArgumentParser, host: str) -> None:
+    parser.add_argument("--nnodes", default="1", help="N or MIN:MAX nodes (default 1)")
+    parser.add_argument("--max-restarts", type=int, default=_MASTER.max_restarts,
+                        help="worker failures to survive (default %(default)s)")
+    parser.add_argument("--run-dir", type=Path, default=None, help="state, token and logs (default ./convoy-runs/...)")
+    parser.add_argument("--host", default=host, help=f"address the master listens on (default {host})")
+    parser.add_argument("--port", type=int, default=0, help="port of the master's API (default: any free one)")
+    parser.add_argument("--rdzv-wait", type=float, default=_RDZV.wait_s, help="seconds to wait for more than MIN nodes")
+    parser.add_argument("--join-timeout", type=float, default=_RDZV.join_timeout_s,
+                        help="seconds a round may lack MIN nodes before the job fails")
+    parser.add_argument("--heartbeat-timeout", type=float, default=_MASTER.heartbeat_timeout_s,
+                        help="seconds before a silent node counts as lost")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="convoy", description="Elastic distributed training for PyTorch.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="run a job on this machine: a master and N local agents")
+    _add_master_options(run, "127.0.0.1")
+    _add_worker_options(run)
+    master = commands.add_parser("master", help="serve the control plane for agents on other hosts")
+    _add_master_options(master, "0.0.0.0")
+    agent = commands.add_parser("agent", help="join a master as one node and run its workers")
+    agent.add_argument("--master", required=True, help="the master's HOST:PORT")
+    agent.add_argument("--token-file", type=Path, required=True, help="the job's token file (from the master)")
+    agent.add_argument("--node-id", default=None, help="a name unique in the job (default HOSTNAME-PID)")
+    agent.add_argument("--host", default=None, help="address other nodes reach this one at (default: detected)")
+    agent.add_argument("--run-dir", type=Path, default=None, help="where worker logs go (default: the token's dir)")
+    _add_worker_options(agent)
+    status = commands.add_parser("status", help="show a job's nodes, round, restarts and recent events")
+    status.add_argument("--run-dir", type=Path, required=True, help="the job's run directory")
+    return parser
+
+
+def _worker_config(args: argparse.Namespace) -> WorkerConfig:
+    return WorkerConfig(
+        entrypoint=args.script, args=list(args.args), module=args.module, nproc_per_node=args.nproc_per_node,
+        stop_grace_s=args.stop_grace, preload=tuple(filter(None, args.preload.split(","))),
+    )
+
+
+def _master_config(args: argparse.Namespace) -> MasterConfig:
+    min_nodes, max_nodes = parse_nnodes(args.nnodes)
+    rendezvous = RendezvousConfig(min_nodes, max_nodes, args.rdzv_wait, args.join_timeout)
+    return MasterConfig(
+        host=args.host, port=args.port, max_restarts=args.max_restarts, heartbeat_timeout_s=args.heartbeat_timeout,
+        run_dir=args.run_dir or default_run_dir(), rendezvous=rendezvous,
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    from convoy.control.launcher import run_local_job
+
+    config = JobConfig(master=_master_config(args), workers=_worker_config(args))
+    return run_local_job(config, console=_console)
+
+
+def _master(args: argparse.Namespace) -> int:
+    from convoy.control.master import TOKEN_FILE, JobMaster
+
+    config = _master_config(args)
+    config.validate()
+    master = JobMaster(config, console=_console)
+    master.start()
+    token_file = config.run_dir / TOKEN_FILE
+    _console(f"convoy: master of job {master.job.job_id} at {master.url}; token file {token_file}")
+    _console(f"convoy: on each node: convoy agent --master HOST:{master.api.address[1]} --token-file "
+             f"{token_file} --nproc-per-node K SCRIPT")
+    try:
+        master.wait_ended()
+        code = 0 if master.job.status == "succeeded" else 1
+    except KeyboardInterrupt:
+        master.abort("master interrupted")
+        code = 130
+    finally:
+        time.sleep(2 * config.heartbeat_s)  # keep answering briefly so every agent hears the outcome
+        master.stop()
+    return code
+
+
+def _agent(args: argparse.Namespace) -> int:
+    workers = _worker_config(args)
+    workers.validate()
+    host, port = parse_address(args.master)
+    try:
+        token = args.token_file.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"--token-file {str(args.token_file)!r} cannot be read: {exc.strerror}") from exc
+    run_dir = args.run_dir or args.token_file.parent
+    check_run_dir(run_dir)
+    from convoy.agent.workers import WorkerGroup
+
+    group = WorkerGroup(workers, run_dir)
+    group.fill_standbys()  # start importing torch before anything else
+    from convoy.agent.agent import Agent, AgentConfig
+    from convoy.agent.client import local_address_towards
+
+    config = AgentConfig(
+        master_host=host, master_port=port, token=token,
+        node_id=args.node_id or f"{socket.gethostname()}-{os.getpid()}",
+        host=args.host or local_address_towards(host, port), run_dir=run_dir, workers=workers,
+    )
+    return Agent(config, group).run()
+
+
+def _status(args: argparse.Namespace) -> int:
+    from convoy.control.status import format_status
+    from convoy.control.store import read_status
+
+    print(format_status(read_status(args.run_dir)))
+    return 0
+
+
+def _console(line: str) -> None:
+    print(line, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers = {"run": _run, "master": _master, "agent": _agent, "status": _status}
+    try:
+        return handlers[args.command](args)
+    except ConvoyError as exc:
+        print(f"convoy: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USAGE

@@ -1,0 +1,156 @@
+"""Typed job configuration: dataclasses with one validate() that names the bad field."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from convoy.errors import ConfigError
+
+
+def parse_nnodes(spec: str) -> tuple[int, int]:
+    """Parse ``--nnodes`` as ``N`` or ``MIN:MAX`` into ``(min_nodes, max_nodes)``."""
+    parts = str(spec).split(":")
+    if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
+        raise ConfigError(f"--nnodes {spec!r} is not N or MIN:MAX with whole numbers, e.g. 2 or 1:4")
+    low, high = int(parts[0]), int(parts[-1])
+    if low < 1 or high < low:
+        raise ConfigError(f"--nnodes {spec!r}: need 1 <= MIN <= MAX")
+    return low, high
+
+
+def parse_address(spec: str) -> tuple[str, int]:
+    """Parse ``HOST:PORT`` (the master's address as an agent gives it)."""
+    host, sep, port = spec.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--master {spec!r} is not HOST:PORT, e.g. 10.0.0.5:29400")
+    return host.strip("[]"), int(port)
+
+
+def default_run_dir() -> Path:
+    """A fresh run directory under ./convoy-runs named by time and a random suffix."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path("convoy-runs") / f"{stamp}-{secrets.token_hex(3)}"
+
+
+@dataclass
+class RendezvousConfig:
+    min_nodes: int = 1
+    """Fewest nodes a round may start with."""
+    max_nodes: int = 1
+    """Most nodes a round admits; a round closes at once when this many have joined."""
+    wait_s: float = 3.0
+    """Once MIN nodes have joined, how long to wait for more before closing the round."""
+    join_timeout_s: float = 600.0
+    """How long a round may wait for MIN nodes before the job fails."""
+
+    def validate(self) -> None:
+        if not 1 <= self.min_nodes <= self.max_nodes:
+            raise ConfigError(f"nnodes {self.min_nodes}:{self.max_nodes}: need 1 <= MIN <= MAX")
+        if self.wait_s < 0 or self.join_timeout_s <= 0:
+            raise ConfigError("rendezvous wait and join timeout must be positive seconds")
+
+
+@dataclass
+class WorkerConfig:
+    entrypoint: str = ""
+    """The training script's path, or a module name when ``module`` is set."""
+    args: list[str] = field(default_factory=list)
+    """Arguments passed to the script unchanged."""
+    module: bool = False
+    """Run ``entrypoint`` as ``python -m entrypoint``."""
+    nproc_per_node: int = 1
+    """Worker processes per node (per agent)."""
+    stop_grace_s: float = 5.0
+    """After SIGTERM, how long a worker may take to exit before it gets SIGKILL."""
+    preload: tuple[str, ...] = ("torch", "torch._dynamo")
+    """Modules a standby worker imports before it is given a rank (empty: none).
+
+    torch._dynamo is in the default because DistributedDataParallel imports it on construction (~3 s).
+    """
+
+    def validate(self) -> None:
+        if self.nproc_per_node < 1:
+            raise ConfigError(f"--nproc-per-node {self.nproc_per_node}: need at least 1 worker per node")
+        if self.stop_grace_s < 0:
+            raise ConfigError(f"--stop-grace {self.stop_grace_s}: need seconds >= 0")
+        if not self.entrypoint:
+            raise ConfigError("no training script given: convoy run [options] SCRIPT [ARGS...]")
+        if self.module:
+            try:
+                found = importlib.util.find_spec(self.entrypoint) is not None
+            except (ImportError, ValueError):
+                found = False
+            if not found:
+                raise ConfigError(f"module {self.entrypoint!r} not found: check the name and PYTHONPATH")
+            return
+        path = Path(self.entrypoint)
+        if not path.exists():
+            raise ConfigError(f"script {self.entrypoint!r} not found: give the path of a Python file")
+        if path.is_dir() and not (path / "__main__.py").is_file():
+            raise ConfigError(f"script {self.entrypoint!r} is a directory without __main__.py")
+        if path.is_file() and not os.access(path, os.R_OK):
+            raise ConfigError(f"script {self.entrypoint!r} is not readable")
+
+
+@dataclass
+class MasterConfig:
+    host: str = "127.0.0.1"
+    """Address the master's HTTP API listens on."""
+    port: int = 0
+    """Port of the HTTP API; 0 picks a free one."""
+    max_restarts: int = 3
+    """Worker failures the job survives; the next one fails the job."""
+    heartbeat_s: float = 1.0
+    """How often agents check in (a long poll, so changes still arrive at once)."""
+    heartbeat_timeout_s: float = 30.0
+    """An agent silent for this long is considered lost."""
+    run_dir: Path = field(default_factory=default_run_dir)
+    """Where the state database, token, and logs go."""
+    rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
+
+    def validate(self) -> None:
+        self.rendezvous.validate()
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts {self.max_restarts}: need 0 or more")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"--port {self.port}: need 0..65535 (0 picks a free port)")
+        if self.heartbeat_s <= 0 or self.heartbeat_timeout_s <= self.heartbeat_s:
+            raise ConfigError("need 0 < heartbeat interval < heartbeat timeout")
+        check_run_dir(self.run_dir)
+
+
+@dataclass
+class JobConfig:
+    """A whole local job, as ``convoy run`` starts it: one master plus N local agents."""
+
+    master: MasterConfig = field(default_factory=MasterConfig)
+    workers: WorkerConfig = field(default_factory=WorkerConfig)
+
+    @property
+    def num_agents(self) -> int:
+        return self.master.rendezvous.max_nodes
+
+    def validate(self) -> None:
+        self.workers.validate()
+        self.master.validate()
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """Create the run directory, or say why it cannot be used."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"run dir {str(run_dir)!r} cannot be created: {exc.strerror}") from exc
+    if not run_dir.is_dir():
+        raise ConfigError(f"run dir {str(run_dir)!r} is not a directory")
+    probe = run_dir / f".write-test-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"run dir {str(run_dir)!r} is not writable: {exc.strerror}") from exc

@@ -1,0 +1,116 @@
+"""The master's HTTP API: a real threaded HTTP/1.1 server that feeds a JobMaster."""
+
+from __future__ import annotations
+
+import errno
+import hmac
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any, Callable
+
+from pydantic import BaseModel, ValidationError
+
+from convoy.control import protocol as p
+from convoy.errors import ConfigError
+
+if TYPE_CHECKING:
+    from convoy.control.master import JobMaster
+
+MAX_BODY = 1 << 20
+
+
+def _routes(master: JobMaster) -> dict[str, tuple[type[BaseModel] | None, Callable[[Any], Any]]]:
+    return {
+        "/join": (p.JoinRequest, master.join),
+        "/wait": (p.WaitRequest, master.wait),
+        "/heartbeat": (p.HeartbeatRequest, master.heartbeat),
+        "/worker_exit": (p.WorkerExit, master.worker_exit),
+        "/node_done": (p.NodeDone, master.node_done),
+        "/leave": (p.LeaveRequest, master.leave),
+        "/status": (None, lambda _: master.status()),
+    }
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Server
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        self._handle(with_body=False)
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._handle(with_body=True)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (signature of the base class)
+        """Requests are not logged: the job's events are the record."""
+
+    def _handle(self, with_body: bool) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > MAX_BODY:
+            self.close_connection = True
+            return self._reply(413, p.ErrorBody(error="request body too large"))
+        body = self.rfile.read(length) if length else b""
+        master = self.server.master
+        if not self._authorized():
+            master.unauthorized(self.client_address[0], self.path)
+            return self._reply(401, p.ErrorBody(error="missing or wrong job token"))
+        path = self.path.split("?", 1)[0]
+        route = self.server.routes.get(path.removeprefix(p.API_PREFIX)) if path.startswith(p.API_PREFIX) else None
+        if route is None:
+            return self._reply(404, p.ErrorBody(error=f"no such endpoint {path}"))
+        model, call = route
+        try:
+            request = model.model_validate_json(body or b"{}") if model and with_body else None
+        except ValidationError as exc:
+            return self._reply(400, p.ErrorBody(error=f"bad request to {path}: {exc.errors()[0]['msg']}"))
+        if model is not None and request is None:
+            return self._reply(405, p.ErrorBody(error=f"{path} takes POST"))
+        self._reply(200, call(request))
+
+    def _authorized(self) -> bool:
+        given = self.headers.get(p.TOKEN_HEADER, "")
+        expected = f"Bearer {self.server.token}"
+        return hmac.compare_digest(given.encode(), expected.encode())
+
+    def _reply(self, code: int, payload: BaseModel | dict[str, Any]) -> None:
+        data = payload.model_dump_json().encode() if isinstance(payload, BaseModel) else json.dumps(payload).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    master: JobMaster
+    token: str
+    routes: dict[str, tuple[type[BaseModel] | None, Callable[[Any], Any]]]
+
+
+class ApiServer:
+    """Binds the API (a clear ConfigError if the port is taken) and serves it on a thread."""
+
+    def __init__(self, master: JobMaster, host: str, port: int, token: str) -> None:
+        try:
+            self._server = _Server((host, port), _Handler)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ConfigError(f"port {port} on {host} is already in use: pick another --port or 0 for any") from exc
+            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+        self._server.master, self._server.token, self._server.routes = master, token, _routes(master)
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.1,), name="convoy-api", daemon=True)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self._server.server_address[:2]
+        return str(host), int(port)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -1,0 +1,136 @@
+"""The job's life as a pure state machine: joins, failures, restarts, success.
+
+Every call takes the current time and returns the events it caused; the master records
+them and prints the ones marked for the console. No I/O happens here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from convoy.control.protocol import WorkerExit
+from convoy.control.rendezvous import Membership, Rendezvous
+
+RUNNING, SUCCEEDED, FAILED = "running", "succeeded", "failed"
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str
+    message: str
+    node_id: str | None = None
+    round_id: int | None = None
+    console: bool = False
+
+
+@dataclass
+class Job:
+    job_id: str
+    rendezvous: Rendezvous
+    max_restarts: int
+    join_timeout_s: float
+    status: str = RUNNING
+    restart_count: int = 0
+    outcome: str = ""
+    done_nodes: set[str] = field(default_factory=set)
+    announced_round: int = 0
+
+    @property
+    def round_id(self) -> int:
+        return self.rendezvous.round_id
+
+    @property
+    def membership(self) -> Membership | None:
+        return self.rendezvous.membership
+
+    def join(self, node_id: str, host: str, nproc: int, port: int, now: float) -> tuple[int, list[Event]]:
+        """A node asks for a place; returns the round it waits for."""
+        events: list[Event] = []
+        if self.status != RUNNING:
+            return self.round_id, events
+        if self.membership is not None and self.membership.member(node_id) is not None:
+            events += self._restart(f"node {node_id} rejoined while its round was running", now)
+            if self.status != RUNNING:
+                return self.round_id, events
+        round_id = self.rendezvous.join(node_id, host, nproc, port, now)
+        events.append(Event("node_joined", f"node {node_id} ({host}, {nproc} workers) joined", node_id, round_id))
+        return round_id, events + self._closed_events()
+
+    def tick(self, now: float) -> list[Event]:
+        """Advance timers: close a round whose window passed, fail a round that waits too long."""
+        if self.status != RUNNING:
+            return []
+        self.rendezvous.tick(now)
+        events = self._closed_events()
+        short_since = self.rendezvous.short_of_min_since()
+        if short_since is not None and now - short_since > self.join_timeout_s:
+            have = len(self.rendezvous.joined)
+            events += self._end(
+                FAILED,
+                f"round {self.round_id} waited {self.join_timeout_s:.0f} s with {have} of at least "
+                f"{self.rendezvous.min_nodes} nodes; start more agents or lower --nnodes MIN",
+            )
+        return events
+
+    def worker_exited(self, report: WorkerExit, now: float) -> list[Event]:
+        """A worker of ``report.round_id`` failed: restart the job in a new round, or fail it."""
+        if self.status != RUNNING or report.round_id != self.round_id or self.membership is None:
+            return [Event("stale_report", f"ignored a failure report from round {report.round_id}",
+                          report.node_id, report.round_id)]
+        member = self.membership.member(report.node_id)
+        where = f"node {member.node_rank}" if member else f"node {report.node_id}"
+        what = f"rank {report.rank} ({where}, local rank {report.local_rank}) {report.describe()}"
+        events = [Event("worker_failed", f"{what} in round {self.round_id}", report.node_id, self.round_id, True)]
+        if report.start_failed:
+            return events + self._end(FAILED, f"{what}; a worker that cannot start is not retried", report)
+        if self.restart_count >= self.max_restarts:
+            used = f"no restarts left ({self.restart_count} of {self.max_restarts} used)"
+            return events + self._end(FAILED, f"{what}; {used}", report)
+        return events + self._restart(what, now)
+
+    def node_done(self, node_id: str, round_id: int) -> list[Event]:
+        """All workers of a node exited 0; the job succeeds when every member's have."""
+        if self.status != RUNNING or round_id != self.round_id or self.membership is None:
+            return []
+        self.done_nodes.add(node_id)
+        if self.done_nodes >= self.membership.node_ids():
+            return self._end(SUCCEEDED, f"all {self.membership.world_size} workers finished")
+        return []
+
+    def node_lost(self, node_id: str, why: str, now: float) -> list[Event]:
+        """A node's agent is gone: restart without it if it was a member, else forget it."""
+        if self.status != RUNNING:
+            return []
+        if self.membership is not None and self.membership.member(node_id) is not None:
+            return self._restart(f"node {node_id} {why}", now)
+        self.rendezvous.leave(node_id, now)
+        return [Event("node_left", f"node {node_id} {why}", node_id, self.round_id)]
+
+    def abort(self, reason: str) -> list[Event]:
+        """End a running job from outside (Ctrl-C, every agent gone)."""
+        return self._end(FAILED, reason) if self.status == RUNNING else []
+
+    def _restart(self, cause: str, now: float) -> list[Event]:
+        if self.restart_count >= self.max_restarts:
+            return self._end(FAILED, f"{cause}; no restarts left ({self.max_restarts} allowed)")
+        self.restart_count += 1
+        self.done_nodes.clear()
+        round_id = self.rendezvous.open_next(now)
+        message = f"restart {self.restart_count}/{self.max_restarts}: opening round {round_id}"
+        return [Event("restart", message, None, round_id, True)] + self._closed_events()
+
+    def _closed_events(self) -> list[Event]:
+        membership = self.membership
+        if membership is None or self.announced_round == membership.round_id:
+            return []
+        self.announced_round = membership.round_id
+        nodes = ", ".join(f"node{m.node_rank}={m.host}x{m.nproc}" for m in membership.members)
+        message = f"round {membership.round_id}: {len(membership.members)} nodes, world size {membership.world_size} [{nodes}]"
+        return [Event("round_closed", message, None, membership.round_id, True)]
+
+    def _end(self, status: str, outcome: str, report: WorkerExit | None = None) -> list[Event]:
+        self.status, self.outcome = status, f"job {status}: {outcome}"
+        if report is not None and report.log_tail:
+            tail = "\n".join(f"    {line}" for line in report.log_tail)
+            self.outcome += f"\n  last lines of {report.log_path}:\n{tail}"
+        return [Event(f"job_{status}", self.outcome, None, self.round_id, True)]

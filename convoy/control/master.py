@@ -1,0 +1,191 @@
+"""JobMaster: composes the job state machine, node registry, SQLite store and HTTP API.
+
+It holds no logic of its own: each request takes the lock, feeds the pure state machines,
+then records the events, prints the console ones, and wakes the long polls.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from convoy.config import MasterConfig
+from convoy.control import protocol as p
+from convoy.control.api import ApiServer
+from convoy.control.job import RUNNING, Event, Job
+from convoy.control.nodes import NodeRegistry
+from convoy.control.rendezvous import Membership, Rendezvous
+from convoy.control.store import Store
+
+TOKEN_FILE = "token"
+TICK_S = 0.1
+
+
+def write_token(run_dir: Path) -> str:
+    """Create the job's secret: a fresh random token in ``run_dir/token`` with mode 0600."""
+    token = secrets.token_urlsafe(32)
+    path = Path(run_dir) / TOKEN_FILE
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(token + "\n")
+    os.chmod(path, 0o600)
+    return token
+
+
+class JobMaster:
+    """The control plane of one job; ``start()`` serves it, ``wait_ended()`` blocks until it ends."""
+
+    def __init__(self, config: MasterConfig, console: Callable[[str], None] = print) -> None:
+        self.config = config
+        self.console = console
+        now = time.monotonic()
+        rdzv_config = config.rendezvous
+        rendezvous = Rendezvous(rdzv_config.min_nodes, rdzv_config.max_nodes, rdzv_config.wait_s, now)
+        self.job = Job(secrets.token_hex(4), rendezvous, config.max_restarts, rdzv_config.join_timeout_s)
+        self.nodes = NodeRegistry(config.heartbeat_timeout_s)
+        self.token = write_token(config.run_dir)
+        self.store = Store(config.run_dir)
+        self.api = ApiServer(self, config.host, config.port, self.token)
+        self._changed = threading.Condition()
+        self._stopping = threading.Event()
+        self._ticker = threading.Thread(target=self._tick_loop, name="convoy-ticker", daemon=True)
+        self.started_at = time.time()
+
+    @property
+    def url(self) -> str:
+        host, port = self.api.address
+        return f"{host}:{port}"
+
+    @property
+    def ended(self) -> bool:
+        return self.job.status != RUNNING
+
+    def start(self) -> None:
+        with self._changed:
+            self._apply([Event("master_started", f"master listening on {self.url}")])
+        self.api.start()
+        self._ticker.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        with self._changed:
+            self._changed.notify_all()
+        self.api.stop()
+        self.store.close()
+
+    def wait_ended(self, timeout: float | None = None) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: self.ended, timeout)
+
+    # --- API calls; each runs on a server thread ---
+
+    def join(self, req: p.JoinRequest) -> p.JoinResponse:
+        with self._changed:
+            now = time.monotonic()
+            self.nodes.register(req.node_id, req.host, req.nproc, now)
+            round_id, events = self.job.join(req.node_id, req.host, req.nproc, req.port, now)
+            self._apply(events)
+            return p.JoinResponse(job_id=self.job.job_id, round_id=round_id)
+
+    def wait(self, req: p.WaitRequest) -> p.WaitResponse:
+        """Long poll until the round the node waits for has closed (or moved on)."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._wait_state(req) != "waiting", req.timeout_s)
+            self.nodes.seen(req.node_id, time.monotonic())
+            state = self._wait_state(req)
+            membership = self.job.membership
+            info = self._round_info(membership) if state == "ready" and membership else None
+            return p.WaitResponse(state=state, job_status=self.job.status, round=info)
+
+    def heartbeat(self, req: p.HeartbeatRequest) -> p.HeartbeatResponse:
+        """Long poll: answers at once when the round or the job's status changes."""
+        with self._changed:
+            self.nodes.seen(req.node_id, time.monotonic())
+            self._changed.wait_for(
+                lambda: self.ended or self.job.round_id != req.round_id or self._stopping.is_set(), req.wait_s
+            )
+            return p.HeartbeatResponse(job_status=self.job.status, round_id=self.job.round_id, message=self.job.outcome)
+
+    def worker_exit(self, report: p.WorkerExit) -> p.Ack:
+        with self._changed:
+            self.nodes.seen(report.node_id, time.monotonic())
+            self._apply(self.job.worker_exited(report, time.monotonic()))
+            return p.Ack()
+
+    def node_done(self, req: p.NodeDone) -> p.Ack:
+        with self._changed:
+            self._apply(self.job.node_done(req.node_id, req.round_id))
+            return p.Ack()
+
+    def leave(self, req: p.LeaveRequest) -> p.Ack:
+        with self._changed:
+            self.nodes.mark(req.node_id, "left")
+            self._apply(self.job.node_lost(req.node_id, f"left ({req.reason or 'agent exited'})", time.monotonic()))
+            return p.Ack()
+
+    def abort(self, reason: str) -> None:
+        with self._changed:
+            self._apply(self.job.abort(reason))
+
+    def unauthorized(self, client: str, path: str) -> None:
+        with self._changed:
+            self._apply([Event("unauthorized", f"rejected {path} from {client}: missing or wrong token")])
+
+    def status(self) -> dict[str, Any]:
+        with self._changed:
+            membership = self.job.membership
+            return {
+                "job_id": self.job.job_id,
+                "status": self.job.status,
+                "round_id": self.job.round_id,
+                "restart_count": self.job.restart_count,
+                "outcome": self.job.outcome,
+                "round": self._round_info(membership).model_dump() if membership else None,
+            }
+
+    # --- internals ---
+
+    def _wait_state(self, req: p.WaitRequest) -> str:
+        if self.ended or self._stopping.is_set():
+            return "ended"
+        if self.job.round_id < req.round_id:
+            return "waiting"
+        membership = self.job.membership
+        if self.job.round_id > req.round_id:
+            return "rejoin"
+        if membership is None:
+            return "waiting"
+        return "ready" if membership.member(req.node_id) else "rejoin"
+
+    def _round_info(self, membership: Membership) -> p.RoundInfo:
+        members = [p.MemberInfo(**vars(m)) for m in membership.members]
+        return p.RoundInfo(
+            job_id=self.job.job_id, round_id=membership.round_id, members=members,
+            world_size=membership.world_size, master_addr=membership.master_addr,
+            master_port=membership.master_port, restart_count=self.job.restart_count,
+            max_restarts=self.job.max_restarts,
+        )
+
+    def _apply(self, events: list[Event]) -> None:
+        """Record, print, and wake waiters; caller holds ``self._changed``."""
+        self.store.save(self.job, events, self.url, list(self.nodes.nodes.values()))
+        for event in events:
+            if event.console:
+                self.console(f"convoy: {event.message}")
+        self._changed.notify_all()
+
+    def _tick_loop(self) -> None:
+        while not self._stopping.wait(TICK_S):
+            with self._changed:
+                if self.ended:
+                    continue
+                now = time.monotonic()
+                events = self.job.tick(now)
+                for node_id in self.nodes.expired(now):
+                    events += self.job.node_lost(node_id, f"sent no heartbeat for {self.nodes.timeout_s:.0f} s", now)
+                if events:
+                    self._apply(events)

@@ -1,0 +1,49 @@
+"""Node registry and failure detection by heartbeat silence, as pure code."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class NodeRecord:
+    node_id: str
+    host: str
+    nproc: int
+    first_seen: float
+    last_seen: float
+    state: str = "alive"
+
+
+@dataclass
+class NodeRegistry:
+    """Who has checked in and when; ``expired`` names the nodes silent for too long."""
+
+    timeout_s: float
+    nodes: dict[str, NodeRecord] = field(default_factory=dict)
+
+    def register(self, node_id: str, host: str, nproc: int, now: float) -> NodeRecord:
+        record = self.nodes.get(node_id)
+        if record is None:
+            record = self.nodes[node_id] = NodeRecord(node_id, host, nproc, now, now)
+        record.host, record.nproc, record.last_seen, record.state = host, nproc, now, "alive"
+        return record
+
+    def seen(self, node_id: str, now: float) -> bool:
+        """Note a heartbeat; False if the node is unknown or already declared lost."""
+        record = self.nodes.get(node_id)
+        if record is None or record.state != "alive":
+            return False
+        record.last_seen = now
+        return True
+
+    def mark(self, node_id: str, state: str) -> None:
+        if node_id in self.nodes:
+            self.nodes[node_id].state = state
+
+    def expired(self, now: float) -> list[str]:
+        """Alive nodes not heard from within the timeout; they are marked lost."""
+        lost = [n.node_id for n in self.nodes.values() if n.state == "alive" and now - n.last_seen > self.timeout_s]
+        for node_id in lost:
+            self.nodes[node_id].state = "lost"
+        return lost

@@ -1,0 +1,137 @@
+"""Rendezvous as a pure state machine: rounds, rank assignment, frozen membership lists."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Member:
+    node_rank: int
+    node_id: str
+    host: str
+    nproc: int
+    rank_offset: int
+
+
+@dataclass(frozen=True)
+class Membership:
+    """What every node of a closed round is told: the same list, the same store address."""
+
+    round_id: int
+    members: tuple[Member, ...]
+    master_addr: str
+    master_port: int
+
+    @property
+    def world_size(self) -> int:
+        return sum(m.nproc for m in self.members)
+
+    def member(self, node_id: str) -> Member | None:
+        return next((m for m in self.members if m.node_id == node_id), None)
+
+    def node_ids(self) -> set[str]:
+        return {m.node_id for m in self.members}
+
+
+@dataclass
+class _Joiner:
+    node_id: str
+    host: str
+    nproc: int
+    port: int
+    joined_at: float
+
+
+@dataclass
+class Rendezvous:
+    """Collects joins into rounds; a round closes at MAX nodes, or at MIN once ``wait_s`` passed.
+
+    Nodes that join while a round runs wait for the next one. Node ranks are sticky: a node
+    keeps its rank order across rounds, newcomers are appended in join order.
+    """
+
+    min_nodes: int
+    max_nodes: int
+    wait_s: float
+    opened_at: float
+    round_id: int = 1
+    membership: Membership | None = None
+    _joiners: dict[str, _Joiner] = field(default_factory=dict)
+    _pending: dict[str, _Joiner] = field(default_factory=dict)
+    _min_reached_at: float | None = None
+    _previous_ranks: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def is_open(self) -> bool:
+        return self.membership is None
+
+    @property
+    def joined(self) -> list[str]:
+        return list(self._joiners)
+
+    def join(self, node_id: str, host: str, nproc: int, port: int, now: float) -> int:
+        """Record a join; return the round the node waits for."""
+        joiner = _Joiner(node_id, host, nproc, port, now)
+        if not self.is_open or (node_id not in self._joiners and len(self._joiners) >= self.max_nodes):
+            self._pending[node_id] = joiner
+            return self.round_id + 1
+        self._joiners[node_id] = joiner
+        if self._min_reached_at is None and len(self._joiners) >= self.min_nodes:
+            self._min_reached_at = now
+        self.tick(now)
+        return self.round_id
+
+    def leave(self, node_id: str, now: float) -> None:
+        """Forget a node that has not been given a place in a running round."""
+        self._pending.pop(node_id, None)
+        if self._joiners.pop(node_id, None) is not None and len(self._joiners) < self.min_nodes:
+            self._min_reached_at = None
+
+    def tick(self, now: float) -> Membership | None:
+        """Close the open round if its conditions hold; return the membership if it closed now."""
+        if not self.is_open or not self._joiners:
+            return None
+        full = len(self._joiners) >= self.max_nodes
+        window_passed = self._min_reached_at is not None and now - self._min_reached_at >= self.wait_s
+        if full or window_passed:
+            return self._close()
+        return None
+
+    def short_of_min_since(self) -> float | None:
+        """When the open round started waiting without MIN nodes (None if closed or at MIN)."""
+        if not self.is_open or len(self._joiners) >= self.min_nodes:
+            return None
+        return self.opened_at
+
+    def open_next(self, now: float) -> int:
+        """End the current round; nodes must join again. Returns the new round id."""
+        if self.membership is not None:
+            self._previous_ranks = {m.node_id: m.node_rank for m in self.membership.members}
+        self.round_id += 1
+        self.membership = None
+        self.opened_at = now
+        self._joiners = {}
+        self._min_reached_at = None
+        self._admit_pending(now)
+        return self.round_id
+
+    def _admit_pending(self, now: float) -> None:
+        """Move nodes that joined early for the new round into it."""
+        for node_id, joiner in list(self._pending.items()):
+            if len(self._joiners) >= self.max_nodes:
+                break
+            del self._pending[node_id]
+            self.join(node_id, joiner.host, joiner.nproc, joiner.port, now)
+
+    def _close(self) -> Membership:
+        order = sorted(
+            self._joiners.values(),
+            key=lambda j: (self._previous_ranks.get(j.node_id, len(self._previous_ranks)), j.joined_at),
+        )
+        members, offset = [], 0
+        for node_rank, joiner in enumerate(order):
+            members.append(Member(node_rank, joiner.node_id, joiner.host, joiner.nproc, offset))
+            offset += joiner.nproc
+        self.membership = Membership(self.round_id, tuple(members), order[0].host, order[0].port)
+        return self.membership

@@ -1,0 +1,109 @@
+"""The master's memory: job, nodes, rounds and events in one SQLite file in the run dir."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from convoy.control.job import Event, Job
+from convoy.control.nodes import NodeRecord
+from convoy.control.rendezvous import Membership
+from convoy.errors import ConfigError
+
+STATE_FILE = "state.db"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS job (
+    job_id TEXT PRIMARY KEY, status TEXT, restart_count INTEGER, max_restarts INTEGER,
+    round_id INTEGER, min_nodes INTEGER, max_nodes INTEGER, master_url TEXT,
+    outcome TEXT, created_at REAL, ended_at REAL);
+CREATE TABLE IF NOT EXISTS nodes (
+    node_id TEXT PRIMARY KEY, host TEXT, nproc INTEGER, state TEXT,
+    node_rank INTEGER, first_seen REAL, last_seen REAL);
+CREATE TABLE IF NOT EXISTS rounds (
+    round_id INTEGER PRIMARY KEY, closed_at REAL, world_size INTEGER,
+    master_addr TEXT, master_port INTEGER, members TEXT);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL, kind TEXT, node_id TEXT,
+    round_id INTEGER, message TEXT);
+"""
+
+
+class Store:
+    """Write-through state; one connection guarded by a lock (the HTTP server is threaded)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / STATE_FILE
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def save(self, job: Job, events: list[Event], master_url: str, nodes: list[NodeRecord]) -> None:
+        """Record events and the current job, round and node rows in one transaction."""
+        now = time.time()
+        to_wall = now - time.monotonic()  # node times are monotonic; the table keeps wall-clock times
+        membership = job.membership
+        rdzv = job.rendezvous
+        ranks = {m.node_id: m.node_rank for m in membership.members} if membership else {}
+        with self._lock:
+            self._db.execute("BEGIN")
+            self._db.execute(
+                "INSERT INTO job VALUES (?,?,?,?,?,?,?,?,?,COALESCE((SELECT created_at FROM job WHERE job_id=?),?),?)"
+                " ON CONFLICT(job_id) DO UPDATE SET status=excluded.status, restart_count=excluded.restart_count,"
+                " round_id=excluded.round_id, master_url=excluded.master_url, outcome=excluded.outcome,"
+                " ended_at=excluded.ended_at",
+                (job.job_id, job.status, job.restart_count, job.max_restarts, job.round_id, rdzv.min_nodes,
+                 rdzv.max_nodes, master_url, job.outcome, job.job_id, now, now if job.status != "running" else None),
+            )
+            for node in nodes:
+                self._db.execute(
+                    "INSERT OR REPLACE INTO nodes VALUES (?,?,?,?,?,?,?)",
+                    (node.node_id, node.host, node.nproc, node.state, ranks.get(node.node_id),
+                     node.first_seen + to_wall, node.last_seen + to_wall),
+                )
+            if membership is not None:
+                self._save_round(membership, now)
+            self._db.executemany(
+                "INSERT INTO events (ts, kind, node_id, round_id, message) VALUES (?,?,?,?,?)",
+                [(now, e.kind, e.node_id, e.round_id, e.message) for e in events],
+            )
+            self._db.execute("COMMIT")
+
+    def _save_round(self, membership: Membership, now: float) -> None:
+        members = json.dumps([[m.node_rank, m.node_id, m.host, m.nproc] for m in membership.members])
+        self._db.execute(
+            "INSERT OR IGNORE INTO rounds VALUES (?,?,?,?,?,?)",
+            (membership.round_id, now, membership.world_size, membership.master_addr, membership.master_port, members),
+        )
+
+
+def read_status(run_dir: Path, recent: int = 15) -> dict[str, Any]:
+    """Read a job's state from its run dir (works while it runs and after it ended)."""
+    path = Path(run_dir) / STATE_FILE
+    if not path.is_file():
+        raise ConfigError(f"no convoy job state in {str(run_dir)!r} (expected {STATE_FILE}); check --run-dir")
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    db.row_factory = sqlite3.Row
+    try:
+        job = db.execute("SELECT * FROM job").fetchone()
+        nodes = db.execute("SELECT * FROM nodes ORDER BY node_rank IS NULL, node_rank, node_id").fetchall()
+        last_round = db.execute("SELECT * FROM rounds ORDER BY round_id DESC LIMIT 1").fetchone()
+        events = db.execute("SELECT * FROM events ORDER BY id DESC LIMIT ?", (recent,)).fetchall()
+    finally:
+        db.close()
+    return {
+        "job": dict(job) if job else None,
+        "nodes": [dict(n) for n in nodes],
+        "round": dict(last_round) if last_round else None,
+        "events": [dict(e) for e in reversed(events)],
+    }

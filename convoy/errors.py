@@ -1,0 +1,27 @@
+"""One exception hierarchy for everything a user can get wrong or a job can hit."""
+
+from __future__ import annotations
+
+
+class ConvoyError(Exception):
+    """Base class: the CLI prints the message on one line and exits with code 2."""
+
+
+class ConfigError(ConvoyError):
+    """A job setting or command-line value is invalid."""
+
+
+class RendezvousError(ConvoyError):
+    """Nodes could not agree on a membership."""
+
+
+class MasterUnreachableError(ConvoyError):
+    """An agent could not reach the master for longer than it may wait."""
+
+
+class AuthError(ConvoyError):
+    """A request to the master did not carry the job's token."""
+
+
+class WorkerStartError(ConvoyError):
+    """A worker process could not be started at all (not a failure of the script)."""
