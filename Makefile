@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	$(PY) examples/demo.py
+	$(VENV)/bin/convoy run --nnodes 2 --nproc-per-node 2 examples/train_ddp.py \
+		--steps 40 --step-time 0.05 --kill-rank 3 --kill-at-step 20
 
 test: setup
 	$(PY) -m pytest -q tests

@@ -1,9 +1,27 @@
 """convoy: automatic, elastic distributed training for PyTorch.
 
 The control plane (``convoy.control``, ``convoy.agent``) never imports torch, so importing
-this package is cheap; the worker-side API is added by ``convoy.runtime``.
+this package is cheap; ``convoy.init`` and ``convoy.Checkpointer`` load the torch side on
+first use.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 __version__ = "0.1.0"
+__all__ = ["Checkpointer", "Context", "init"]
+
+_LAZY = {
+    "init": "convoy.runtime.init",
+    "Context": "convoy.runtime.init",
+    "Checkpointer": "convoy.runtime.checkpoint",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'convoy' has no attribute {name!r}")

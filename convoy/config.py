@@ -11,6 +11,9 @@ from pathlib import Path
 
 from convoy.errors import ConfigError
 
+STATE_FILE = "state.db"
+"""The master's SQLite state inside the run dir."""
+
 
 def parse_nnodes(spec: str) -> tuple[int, int]:
     """Parse ``--nnodes`` as ``N`` or ``MIN:MAX`` into ``(min_nodes, max_nodes)``."""
@@ -122,6 +125,8 @@ class MasterConfig:
         if self.heartbeat_s <= 0 or self.heartbeat_timeout_s <= self.heartbeat_s:
             raise ConfigError("need 0 < heartbeat interval < heartbeat timeout")
         check_run_dir(self.run_dir)
+        if (self.run_dir / STATE_FILE).exists():
+            raise ConfigError(f"run dir {str(self.run_dir)!r} already holds a job's state: give a new --run-dir")
 
 
 @dataclass

@@ -25,3 +25,7 @@ class AuthError(ConvoyError):
 
 class WorkerStartError(ConvoyError):
     """A worker process could not be started at all (not a failure of the script)."""
+
+
+class CheckpointError(ConvoyError):
+    """A checkpoint could not be saved or restored as asked."""

@@ -1,9 +1,10 @@
-"""A small real DDP training job (synthetic regression), runnable under convoy or torchrun unchanged.
+"""A small real DDP training job (synthetic regression) that resumes exactly after a failure.
 
-    convoy run --nnodes 2 --nproc-per-node 2 examples/train_ddp.py --steps 40 --kill-rank 3 --kill-at-step 15
+    convoy run --nnodes 2 --nproc-per-node 2 examples/train_ddp.py --steps 40 --kill-rank 3 --kill-at-step 20
 
-``--kill-rank R --kill-at-step K`` makes rank R SIGKILL itself at step K in the job's first
-attempt only (TORCHELASTIC_RESTART_COUNT == 0), to show a restart.
+``--kill-rank R --kill-at-step K`` makes rank R SIGKILL itself in the middle of step K in the
+job's first attempt only, to show a restart that resumes at step K (the step after the last
+finished one) from the in-memory snapshot. Runs under torchrun too (persistent checkpoints only).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import signal
 import time
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+
+import convoy
 
 
 def main() -> None:
@@ -23,33 +25,42 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step, to slow the job down")
+    parser.add_argument("--persist-every", type=int, default=10, help="persistent checkpoint every N steps (0: never)")
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-at-step", type=int, default=-1)
+    parser.add_argument("--out", default="", help="write the final parameters here (rank 0)")
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    ctx = convoy.init()
     torch.manual_seed(0)
     model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    data = torch.Generator().manual_seed(1000 + ctx.rank)  # this rank's data stream; its position is checkpointed
     true_weights = torch.linspace(-1, 1, 16)
-    generator = torch.Generator().manual_seed(1000 + rank)
-    for step in range(args.steps):
-        if attempt == 0 and rank == args.kill_rank and step == args.kill_at_step:
-            print(f"killing myself (rank {rank}) with SIGKILL at step {step}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-        inputs = torch.randn(args.batch, 16, generator=generator)
-        targets = (inputs @ true_weights).unsqueeze(1) + 0.01 * torch.randn(args.batch, 1, generator=generator)
+    ckpt = convoy.Checkpointer(model, optimizer, state={"data": data}, persist_every=args.persist_every)
+    start = ckpt.restore()
+    if ctx.rank == 0:
+        print(f"starting at step {start} (round {ctx.round_id}, world size {ctx.world_size}, "
+              f"restored from {ckpt.restored_from})", flush=True)
+    for step in range(start, args.steps):
+        inputs = torch.randn(args.batch, 16, generator=data)
+        targets = (inputs @ true_weights).unsqueeze(1) + 0.01 * torch.randn(args.batch, 1, generator=data)
         loss = torch.nn.functional.mse_loss(model(inputs), targets)
         optimizer.zero_grad()
         loss.backward()
+        if ctx.restart_count == 0 and ctx.rank == args.kill_rank and step == args.kill_at_step:
+            print(f"killing myself (rank {ctx.rank}) with SIGKILL in the middle of step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         optimizer.step()
+        ckpt.step(step)
         if args.step_time:
             time.sleep(args.step_time)
-        if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
-            print(f"step {step} loss {loss.item():.4f} (world size {world}, attempt {attempt})", flush=True)
-    dist.destroy_process_group()
+        if ctx.rank == 0 and (step % 5 == 0 or step == args.steps - 1):
+            print(f"step {step} loss {loss.item():.4f}", flush=True)
+    ckpt.close()
+    if args.out and ctx.rank == 0:
+        torch.save(model.module.state_dict(), args.out)
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from convoy.config import WorkerConfig
 from convoy.control import protocol as p
 from convoy.errors import ConvoyError, MasterUnreachableError
 from convoy.procs import Interrupted, raise_interrupted, signal_name
+from convoy.shm import remove_segments
 
 POLL_S = 0.02
 EXIT_OK, EXIT_FAILED, EXIT_ERROR = 0, 1, 2
@@ -74,6 +75,7 @@ class Agent:
         self.heartbeat = _Heartbeat(config)
         self.master_url = f"{config.master_host}:{config.master_port}"
         self._final_status = ""
+        self._job_id = ""
 
     def run(self) -> int:
         previous = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -91,6 +93,8 @@ class Agent:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             self.heartbeat.stopping.set()
             self.group.close()
+            if self._job_id:
+                remove_segments(self._job_id)  # the job's in-memory snapshots end with it
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
@@ -108,7 +112,8 @@ class Agent:
         while True:
             join = p.JoinRequest(node_id=self.config.node_id, host=self.config.host,
                                  nproc=self.config.workers.nproc_per_node, port=free_port())
-            round_id = self.client.call("/join", join, p.JoinResponse).round_id
+            joined = self.client.call("/join", join, p.JoinResponse)
+            round_id, self._job_id = joined.round_id, joined.job_id
             if not self.heartbeat.is_alive() and not self.heartbeat.stopping.is_set():
                 self.heartbeat.start()
             while True:

@@ -14,6 +14,7 @@ import json
 import os
 import runpy
 import sys
+import traceback
 
 
 def _read_order() -> dict[str, object] | None:
@@ -48,12 +49,25 @@ def main() -> int:
     os.environ.update(order["env"])  # type: ignore[arg-type]
     sys.argv = list(order["argv"])  # type: ignore[call-overload]
     entrypoint = str(order["entrypoint"])
-    if order["module"]:
-        runpy.run_module(entrypoint, run_name="__main__", alter_sys=True)
-    else:
-        sys.path[0] = os.path.dirname(os.path.abspath(entrypoint))
-        runpy.run_path(entrypoint, run_name="__main__")
+    try:
+        if order["module"]:
+            runpy.run_module(entrypoint, run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0] = os.path.dirname(os.path.abspath(entrypoint))
+            runpy.run_path(entrypoint, run_name="__main__")
+    except Exception as exc:  # noqa: BLE001 (reported as python itself would, exit code 1)
+        _print_script_traceback(exc)
+        return 1
     return 0
+
+
+def _print_script_traceback(exc: BaseException) -> None:
+    """Print the traceback from the script's own frames on, as ``python script.py`` would."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>", runpy.__file__):
+        tb = tb.tb_next
+    traceback.print_exception(type(exc), exc, tb)
+    sys.stderr.flush()
 
 
 if __name__ == "__main__":

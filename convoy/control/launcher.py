@@ -11,6 +11,7 @@ from convoy.control.job import SUCCEEDED
 from convoy.control.master import TOKEN_FILE, JobMaster
 from convoy.control.schedulers.local import LocalScheduler
 from convoy.procs import Interrupted, raise_interrupted
+from convoy.shm import remove_segments
 
 AGENT_EXIT_GRACE_S = 5.0
 
@@ -49,6 +50,7 @@ def run_local_job(config: JobConfig, console: Callable[[str], None] = print) -> 
     finally:
         if scheduler.running():
             scheduler.stop(AGENT_EXIT_GRACE_S)
+        remove_segments(master.job.job_id)  # in case an agent died before it could clean up
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         master.stop()

@@ -12,9 +12,9 @@ from typing import Any
 from convoy.control.job import Event, Job
 from convoy.control.nodes import NodeRecord
 from convoy.control.rendezvous import Membership
+from convoy.config import STATE_FILE
 from convoy.errors import ConfigError
 
-STATE_FILE = "state.db"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS job (

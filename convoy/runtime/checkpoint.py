@@ -1,0 +1,294 @@
+"""``convoy.Checkpointer``: a snapshot after every step in shared memory, async persistent saves,
+and an exact resume from whichever is newest and agreed by every rank.
+
+    ckpt = convoy.Checkpointer(model, optimizer, state={"data": sampler}, persist_every=100)
+    for step in range(ckpt.restore(), num_steps):
+        ...; optimizer.step()
+        ckpt.step(step)          # `step` is finished: it will not be redone after a failure
+    ckpt.close()
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from convoy.errors import CheckpointError
+from convoy.runtime import persist
+from convoy.runtime.snapshot import SnapshotFile, flatten, layout
+from convoy.shm import segment_path
+
+META_RESERVE = 1 << 20
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if "numpy" in sys.modules:
+        state["numpy"] = sys.modules["numpy"].random.get_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "numpy" in state:
+        import numpy
+
+        numpy.random.set_state(state["numpy"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _extra_state(obj: Any) -> Any:
+    if isinstance(obj, torch.Generator):
+        return obj.get_state()
+    return obj.state_dict()
+
+
+def _load_extra(obj: Any, state: Any) -> None:
+    if isinstance(obj, torch.Generator):
+        obj.set_state(state)
+    else:
+        obj.load_state_dict(state)
+
+
+class Checkpointer:
+    """Makes a training loop resumable at the step after the last finished one.
+
+    ``state`` holds anything else to resume (data position, LR scheduler, generators): objects
+    with ``state_dict()``/``load_state_dict()`` or ``torch.Generator``s. In-memory snapshots
+    need a convoy agent (``CONVOY_JOB_ID``); persistent saves go to ``directory`` (default
+    ``$CONVOY_RUN_DIR/checkpoints``) every ``persist_every`` steps (0: never).
+    ``async_snapshot`` copies parameters and optimizer state while the next step computes and
+    waits before ``optimizer.step()``; turn it off if parameters change anywhere else.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+        state: dict[str, Any] | None = None, every: int = 1, persist_every: int = 0, keep: int = 2,
+        directory: str | Path | None = None, async_snapshot: bool = True, log: Callable[[str], None] | None = None,
+    ) -> None:
+        if every < 1 or persist_every < 0 or keep < 1:
+            raise CheckpointError(f"need every >= 1, persist_every >= 0, keep >= 1 (got {every}, {persist_every}, {keep})")
+        if not dist.is_initialized():
+            raise CheckpointError("call convoy.init() (or init_process_group) before creating a Checkpointer")
+        self.model, self.optimizer, self.extra = model, optimizer, dict(state or {})
+        self.every, self.persist_every, self.async_snapshot = every, persist_every, async_snapshot
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.log = log or (persist.stderr_log if self.rank == 0 else (lambda message: None))
+        job_id = os.environ.get("CONVOY_JOB_ID")
+        self._snapshot = SnapshotFile(segment_path(job_id, self.rank)) if job_id else None
+        self._seq = max((s[0] for s in self._snapshot.slots()), default=0) if self._snapshot else 0
+        self._copy_thread: threading.Thread | None = None
+        self._copy_error: BaseException | None = None
+        self._group = dist.new_group(backend="gloo")  # saves and restores never share the training's group
+        root = Path(directory) if directory else Path(os.environ.get("CONVOY_RUN_DIR", ".")) / "checkpoints"
+        round_id = int(os.environ.get("CONVOY_ROUND", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+        self._saver = persist.PersistentSaver(root, self._group, self.rank, keep, round_id, self.log)
+        self.root = root
+        self.restored_from = "nothing"
+        if optimizer is not None:
+            optimizer.register_step_pre_hook(lambda *args: self._wait_copy())
+
+    # --- what is saved ---
+
+    def _local_state(self, step: int) -> dict[str, Any]:
+        return {
+            "step": step,
+            "model": self.model.state_dict(),
+            "optim": self.optimizer.state_dict() if self.optimizer is not None else {},
+            "extra": {name: _extra_state(obj) for name, obj in self.extra.items()},
+            "rng": _rng_state(),
+        }
+
+    def _apply_local(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optim"])
+        for name, obj in self.extra.items():
+            _load_extra(obj, state["extra"][name])
+        _set_rng_state(state["rng"])
+
+    def _dcp_state(self, step: int) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer or [])
+        per_rank = {"extra": {n: _extra_state(o) for n, o in self.extra.items()}, "rng": _rng_state()}
+        return {"step": step, "model": model_sd, "optim": optim_sd, f"rank{self.rank}": per_rank}
+
+    # --- saving ---
+
+    def step(self, step: int) -> None:
+        """Record that ``step`` finished: snapshot it, and persist it when due."""
+        self._wait_copy()
+        if self._snapshot is not None and step % self.every == 0:
+            self._take_snapshot(step)
+        if self.persist_every and (step + 1) % self.persist_every == 0:
+            self._saver.save_async(self._dcp_state(step), step)
+
+    def _take_snapshot(self, step: int) -> None:
+        assert self._snapshot is not None
+        tensors: list[torch.Tensor] = []
+        skeleton = flatten(self._local_state(step), tensors)
+        offsets, data_len = layout(tensors)
+        if not self._snapshot.fits(data_len, META_RESERVE // 2):
+            self._snapshot.allocate(data_len + META_RESERVE)
+        self._seq += 1
+        index = self._snapshot.begin(self._seq)
+        stable = self._stable_until_optimizer_step()
+        later = [i for i, t in enumerate(tensors) if self.async_snapshot and t.data_ptr() in stable]
+        now = [i for i in range(len(tensors)) if i not in set(later)]
+        self._snapshot.write_tensors(index, [tensors[i] for i in now], [offsets[i] for i in now])
+
+        def finish() -> None:
+            try:
+                self._snapshot.write_tensors(index, [tensors[i] for i in later], [offsets[i] for i in later])  # type: ignore[union-attr]
+                self._snapshot.commit(index, self._seq, step, skeleton, offsets, data_len)  # type: ignore[union-attr]
+            except BaseException as exc:  # noqa: BLE001 (re-raised in the training thread)
+                self._copy_error = exc
+
+        if later:
+            self._copy_thread = threading.Thread(target=finish, name="convoy-snapshot", daemon=True)
+            self._copy_thread.start()
+        else:
+            finish()
+            self._raise_copy_error()
+
+    def _stable_until_optimizer_step(self) -> set[int]:
+        """Storage of tensors that only ``optimizer.step()`` changes: safe to copy in the background."""
+        if self.optimizer is None:
+            return set()
+        ptrs = {p.data_ptr() for p in self.model.parameters()}
+        for param_state in self.optimizer.state.values():
+            ptrs.update(v.data_ptr() for v in param_state.values() if isinstance(v, torch.Tensor))
+        return ptrs
+
+    def _wait_copy(self) -> None:
+        if self._copy_thread is not None:
+            self._copy_thread.join()
+            self._copy_thread = None
+        self._raise_copy_error()
+
+    def _raise_copy_error(self) -> None:
+        if self._copy_error is not None:
+            error, self._copy_error = self._copy_error, None
+            raise CheckpointError(f"in-memory snapshot failed: {error}") from error
+
+    def close(self) -> None:
+        """Wait for the background copy and any persistent save in flight."""
+        self._wait_copy()
+        self._saver.wait()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- restoring ---
+
+    def restore(self) -> int:
+        """Load the newest state every rank has; return the step to start from (0: fresh)."""
+        step = self._restore_snapshot()
+        if step is None:
+            step = self._restore_persistent()
+        return 0 if step is None else step + 1
+
+    def _agree(self, ok: bool) -> bool:
+        flag = torch.tensor([1 if ok else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
+        return bool(flag.item())
+
+    def _restore_snapshot(self) -> int | None:
+        local = self._snapshot.steps() if self._snapshot is not None else []
+        every: list[list[int]] = [[] for _ in range(self.world_size)]
+        dist.all_gather_object(every, local, group=self._group)
+        common = set(every[0]).intersection(*map(set, every[1:]))
+        if not common:
+            return None
+        step = max(common)
+        assert self._snapshot is not None
+        state = self._snapshot.read(step)
+        problem = _shape_mismatch(self.model.state_dict(), state["model"], "model") or self._optim_mismatch(state)
+        if not self._agree(problem is None):
+            self.log(f"in-memory snapshot of step {step} does not fit this model ({problem or 'on another rank'}); "
+                     "trying persistent checkpoints")
+            return None
+        self._apply_local(state)
+        self.restored_from = f"in-memory snapshot of step {step}"
+        self.log(f"resumed from the in-memory snapshot of step {step}")
+        return step
+
+    def _optim_mismatch(self, state: dict[str, Any]) -> str | None:
+        """Saved optimizer state must match the parameters it belongs to, in count and shape."""
+        if self.optimizer is None:
+            return None
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        saved_groups = state["optim"].get("param_groups", [])
+        if sum(len(g["params"]) for g in saved_groups) != len(params):
+            return "optimizer: saved a different number of parameters"
+        for index, param_state in state["optim"].get("state", {}).items():
+            for name, value in param_state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != params[index].shape:
+                    return f"optimizer state {index}.{name}: saved {tuple(value.shape)}, model {tuple(params[index].shape)}"
+        return None
+
+    def _restore_persistent(self) -> int | None:
+        if self.rank == 0:
+            persist.remove_stale_tmp(self.root)
+        listing = [persist.complete_checkpoints(self.root) if self.rank == 0 else None]
+        dist.broadcast_object_list(listing, src=0, group=self._group)
+        mismatches = []
+        for step, path in listing[0] or []:
+            problem = persist.verify(path) if self.rank == 0 else None
+            shared = [problem]
+            dist.broadcast_object_list(shared, src=0, group=self._group)
+            if shared[0] is not None:
+                self.log(f"skipping checkpoint {path}: {shared[0]}")
+                continue
+            state = self._dcp_state(step)
+            try:
+                persist.load(state, path, self._group)
+            except Exception as exc:  # noqa: BLE001 (every rank gets the same error from DCP)
+                mismatches.append(f"{path.name}: {str(exc).splitlines()[0][:300]}")
+                self.log(f"skipping checkpoint {path}: cannot be loaded into this model ({mismatches[-1]})")
+                continue
+            set_state_dict(self.model, self.optimizer or [], model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
+            mine = state.get(f"rank{self.rank}")
+            if mine is not None:
+                for name, obj in self.extra.items():
+                    _load_extra(obj, mine["extra"][name])
+                _set_rng_state(mine["rng"])
+            self.restored_from = f"persistent checkpoint {path}"
+            self.log(f"resumed from persistent checkpoint {path} (step {step})")
+            return step
+        if mismatches:
+            raise CheckpointError(f"no checkpoint under {self.root} fits this model ({'; '.join(mismatches)}); "
+                                  "use a new run dir or restore the model definition")
+        return None
+
+
+def _shape_mismatch(live: Any, saved: Any, where: str) -> str | None:
+    """Where the saved state's structure or tensor shapes differ from the live one, or None."""
+    if isinstance(live, torch.Tensor):
+        if not isinstance(saved, torch.Tensor) or saved.shape != live.shape or saved.dtype != live.dtype:
+            got = tuple(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
+            return f"{where}: saved {got}, model {tuple(live.shape)}"
+        return None
+    if isinstance(live, dict):
+        if not isinstance(saved, dict) or set(live) != set(saved):
+            return f"{where}: saved keys {sorted(map(str, set(saved) ^ set(live)))[:3]} differ"
+        for key in live:
+            problem = _shape_mismatch(live[key], saved[key], f"{where}.{key}")
+            if problem:
+                return problem
+    return None

@@ -1,0 +1,85 @@
+"""``convoy.init()``: the process group and job context, from the environment the agent sets."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from convoy.errors import ConfigError
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Context:
+    """Who this worker is in the job; ``topology`` is ``[(node_rank, host, nproc), ...]``."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    topology: tuple[tuple[int, str, int], ...]
+    round_id: int
+    restart_count: int
+    job_id: str
+    run_dir: Path
+    backend: str
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError as exc:
+        raise ConfigError(f"environment variable {name}={value!r} is not a whole number") from exc
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Context:
+    """Set up the default process group (gloo on CPU, nccl on GPU) and return the job context.
+
+    Under ``convoy run`` or ``torchrun`` it uses RANK/WORLD_SIZE/MASTER_*; run as a plain
+    ``python script.py`` it becomes a one-process job, so the same script works on a laptop.
+    """
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    use_cuda = torch.cuda.is_available() and backend != "gloo"
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    topology = tuple(tuple(entry) for entry in json.loads(os.environ.get("CONVOY_TOPOLOGY", "[]")))
+    return Context(
+        rank=rank, world_size=world_size, local_rank=local_rank,
+        local_world_size=_env_int("LOCAL_WORLD_SIZE", 1), node_rank=_env_int("GROUP_RANK", 0),
+        num_nodes=_env_int("GROUP_WORLD_SIZE", 1), topology=topology,  # type: ignore[arg-type]
+        round_id=_env_int("CONVOY_ROUND", 1), restart_count=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
+        job_id=os.environ.get("CONVOY_JOB_ID", os.environ.get("TORCHELASTIC_RUN_ID", "local")),
+        run_dir=Path(os.environ.get("CONVOY_RUN_DIR", ".")), backend=backend, device=device,
+    )

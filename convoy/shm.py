@@ -1,0 +1,27 @@
+"""Names of the job's shared-memory snapshot segments; torch-free so the agent can clean them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SHM_DIR = Path("/dev/shm")
+
+
+def segment_prefix(job_id: str) -> str:
+    return f"convoy-{job_id}-"
+
+
+def segment_path(job_id: str, rank: int) -> Path:
+    return SHM_DIR / f"{segment_prefix(job_id)}rank{rank}"
+
+
+def remove_segments(job_id: str) -> list[Path]:
+    """Unlink every snapshot segment of a job (its agents and launcher call this at the end)."""
+    removed = []
+    for path in SHM_DIR.glob(f"{segment_prefix(job_id)}*"):
+        try:
+            path.unlink()
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+    return removed
