@@ -20,6 +20,15 @@ from torch.nn.parallel import DistributedDataParallel
 import convoy
 
 
+def average_gradients(net: torch.nn.Module, world_size: int) -> None:
+    """DDP's job without DDP: one all_reduce over all gradients, always in the same layout."""
+    grads = [p.grad for p in net.parameters()]
+    flat = torch.cat([g.flatten() for g in grads])
+    torch.distributed.all_reduce(flat)
+    flat /= world_size
+    torch.nn.utils.vector_to_parameters(flat, grads)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=30)
@@ -29,11 +38,14 @@ def main() -> None:
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-at-step", type=int, default=-1)
     parser.add_argument("--out", default="", help="write the final parameters here (rank 0)")
+    parser.add_argument("--grad-sync", choices=["ddp", "allreduce"], default="ddp",
+                        help="DDP, or one all_reduce of all gradients in a fixed order (bit-reproducible)")
     args = parser.parse_args()
 
     ctx = convoy.init()
     torch.manual_seed(0)
-    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
+    net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    model = DistributedDataParallel(net) if args.grad_sync == "ddp" else net
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     data = torch.Generator().manual_seed(1000 + ctx.rank)  # this rank's data stream; its position is checkpointed
     true_weights = torch.linspace(-1, 1, 16)
@@ -48,6 +60,8 @@ def main() -> None:
         loss = torch.nn.functional.mse_loss(model(inputs), targets)
         optimizer.zero_grad()
         loss.backward()
+        if args.grad_sync == "allreduce":
+            average_gradients(net, ctx.world_size)
         if ctx.restart_count == 0 and ctx.rank == args.kill_rank and step == args.kill_at_step:
             print(f"killing myself (rank {ctx.rank}) with SIGKILL in the middle of step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -59,7 +73,7 @@ def main() -> None:
             print(f"step {step} loss {loss.item():.4f}", flush=True)
     ckpt.close()
     if args.out and ctx.rank == 0:
-        torch.save(model.module.state_dict(), args.out)
+        torch.save(net.state_dict(), args.out)
     torch.distributed.destroy_process_group()
 
 

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from convoy.errors import CheckpointError
@@ -257,8 +258,8 @@ class Checkpointer:
             state = self._dcp_state(step)
             try:
                 persist.load(state, path, self._group)
-            except Exception as exc:  # noqa: BLE001 (every rank gets the same error from DCP)
-                mismatches.append(f"{path.name}: {str(exc).splitlines()[0][:300]}")
+            except (Exception, CheckpointException) as exc:  # every rank gets the same error from DCP
+                mismatches.append(f"{path.name}: {persist.reason(exc)}")
                 self.log(f"skipping checkpoint {path}: cannot be loaded into this model ({mismatches[-1]})")
                 continue
             set_state_dict(self.model, self.optimizer or [], model_state_dict=state["model"],

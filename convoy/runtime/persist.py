@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import sys
+import threading
 import zlib
 from concurrent.futures import Future
 from pathlib import Path
@@ -20,10 +21,17 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 MANIFEST = "convoy-manifest.json"
 _COMPLETE = re.compile(r"^step-(\d+)$")
 _CHUNK = 1 << 22
+
+
+def reason(exc: BaseException) -> str:
+    """The last line of an error (DCP's cause), not its multi-rank traceback dump."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return (lines[-1] if lines else type(exc).__name__)[:300]
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -89,7 +97,7 @@ class PersistentSaver:
     def __init__(self, root: Path, group: dist.ProcessGroup, rank: int, keep: int, round_id: int,
                  log: Callable[[str], None]) -> None:
         self.root, self.group, self.rank, self.keep, self.round_id, self.log = root, group, rank, keep, round_id, log
-        self._pending: Future[Any] | None = None
+        self._pending: threading.Thread | None = None
         self.last_error: BaseException | None = None
 
     def save_async(self, state: dict[str, Any], step: int) -> None:
@@ -100,22 +108,20 @@ class PersistentSaver:
             if self.rank == 0:
                 self.root.mkdir(parents=True, exist_ok=True)
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
-        except Exception as exc:  # noqa: BLE001 (a failed save is reported, training goes on)
+        except (Exception, CheckpointException) as exc:  # a failed save is reported, training goes on
             self._failed(step, tmp, exc)
             return
-        self._pending = future  # type: ignore[assignment]
-        future.add_done_callback(lambda done: self._finish(done, step, tmp))  # type: ignore[union-attr]
+        self._pending = threading.Thread(target=self._finish, args=(future, step, tmp), name="convoy-seal", daemon=True)
+        self._pending.start()
 
     def wait(self) -> None:
+        """Block until the save in flight is written and sealed (or has failed)."""
         if self._pending is not None:
-            try:
-                self._pending.result()
-            except Exception:  # noqa: BLE001 (already reported by the callback)
-                pass
+            self._pending.join()
             self._pending = None
 
-    def _finish(self, done: Future[Any], step: int, tmp: Path) -> None:
-        error = done.exception()
+    def _finish(self, future: Future[Any], step: int, tmp: Path) -> None:
+        error = future.exception()
         if error is not None:
             self._failed(step, tmp, error)
             return
@@ -138,7 +144,7 @@ class PersistentSaver:
             shutil.rmtree(tmp, ignore_errors=True)
             newest = complete_checkpoints(self.root)
             kept = f"step {newest[0][0]}" if newest else "none yet"
-            self.log(f"persistent save of step {step} failed ({error}); training goes on, "
+            self.log(f"persistent save of step {step} failed ({reason(error)}); training goes on, "
                      f"in-memory snapshots continue; newest complete checkpoint: {kept}")
 
 

@@ -1,0 +1,186 @@
+"""Checkpointer in one process (world size 1): exact restore, fallbacks, and bad checkpoints."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import numpy
+import pytest
+import torch
+import torch.distributed as dist
+
+import convoy
+from convoy.errors import CheckpointError
+from convoy.runtime.persist import complete_checkpoints
+from convoy.shm import remove_segments, segment_path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one() -> Iterator[None]:
+    saved = dict(os.environ)
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name, None)
+    convoy.init()
+    yield
+    dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture
+def job(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[str]:
+    job_id = f"unit{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("CONVOY_JOB_ID", job_id)
+    monkeypatch.setenv("CONVOY_RUN_DIR", str(tmp_path))
+    yield job_id
+    remove_segments(job_id)
+
+
+class Trainer:
+    """A tiny model, Adam, a data generator, and one training step that uses every RNG."""
+
+    def __init__(self, width: int = 8) -> None:
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.BatchNorm1d(width), torch.nn.Linear(width, 1))
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.01)
+        self.data = torch.Generator().manual_seed(5)
+
+    def checkpointer(self, **kwargs: object) -> convoy.Checkpointer:
+        return convoy.Checkpointer(self.model, self.optimizer, state={"data": self.data}, **kwargs)  # type: ignore[arg-type]
+
+    def train_step(self) -> None:
+        noise = torch.rand(1).item() + random.random() + float(numpy.random.rand())
+        inputs = torch.randn(16, 4, generator=self.data) + noise
+        loss = self.model(inputs).pow(2).mean()
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+
+    def run(self, ckpt: convoy.Checkpointer, start: int, stop: int) -> None:
+        for step in range(start, stop):
+            self.train_step()
+            ckpt.step(step)
+        ckpt.close()
+
+    def params(self) -> list[torch.Tensor]:
+        return [t.detach().clone() for t in self.model.state_dict().values()]
+
+
+def _seed() -> None:
+    random.seed(1)
+    numpy.random.seed(1)
+    torch.manual_seed(1)
+
+
+def _reference(steps: int) -> list[torch.Tensor]:
+    trainer = Trainer()
+    _seed()
+    for _ in range(steps):
+        trainer.train_step()
+    return trainer.params()
+
+
+def _seed_and_run(trainer: Trainer, ckpt: convoy.Checkpointer, steps: int) -> None:
+    _seed()
+    trainer.run(ckpt, 0, steps)
+
+
+def test_fresh_start_is_step_zero(job: str) -> None:
+    assert Trainer().checkpointer().restore() == 0
+
+
+def test_resume_from_memory_is_bit_identical(job: str) -> None:
+    first = Trainer()
+    _seed_and_run(first, first.checkpointer(), 6)  # "killed" after step 5 finished
+    random.seed(99)  # a new process would have other RNG states; restore must replace them
+    torch.manual_seed(99)
+    second = Trainer()
+    ckpt = second.checkpointer()
+    start = ckpt.restore()
+    assert start == 6 and "in-memory snapshot of step 5" in ckpt.restored_from
+    second.run(ckpt, start, 10)
+    for got, want in zip(second.params(), _reference(10)):
+        assert torch.equal(got, want)
+
+
+def test_resume_from_persistent_checkpoint_when_memory_is_gone(job: str, tmp_path: Path) -> None:
+    first = Trainer()
+    _seed_and_run(first, first.checkpointer(persist_every=4), 6)  # saves after steps 3 (and would at 7)
+    remove_segments(job)  # e.g. the node was replaced
+    second = Trainer()
+    ckpt = second.checkpointer()
+    assert ckpt.restore() == 4 and "persistent checkpoint" in ckpt.restored_from
+    second.run(ckpt, 4, 10)
+    for got, want in zip(second.params(), _reference(10)):
+        assert torch.equal(got, want)
+
+
+def test_corrupt_checkpoint_is_skipped_with_a_message(job: str, tmp_path: Path) -> None:
+    first = Trainer()
+    _seed_and_run(first, first.checkpointer(persist_every=2, keep=3), 6)
+    remove_segments(job)
+    steps = [step for step, _ in complete_checkpoints(tmp_path / "checkpoints")]
+    assert steps == [5, 3, 1]
+    newest = complete_checkpoints(tmp_path / "checkpoints")[0][1]
+    data_file = next(f for f in newest.iterdir() if f.suffix == ".distcp")
+    raw = bytearray(data_file.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data_file.write_bytes(bytes(raw))
+    messages: list[str] = []
+    ckpt = Trainer().checkpointer(log=messages.append)
+    assert ckpt.restore() == 4
+    assert any("skipping" in m and "checksum" in m for m in messages), messages
+
+
+def test_snapshot_of_another_model_shape_is_not_used(job: str) -> None:
+    small = Trainer(width=8)
+    small.run(small.checkpointer(), 0, 3)
+    messages: list[str] = []
+    ckpt = Trainer(width=16).checkpointer(log=messages.append)
+    assert ckpt.restore() == 0
+    assert any("does not fit this model" in m for m in messages), messages
+
+
+def test_persistent_checkpoint_of_another_shape_is_a_clear_error(job: str) -> None:
+    small = Trainer(width=8)
+    small.run(small.checkpointer(persist_every=2), 0, 2)
+    remove_segments(job)
+    with pytest.raises(CheckpointError, match="fits this model"):
+        Trainer(width=16).checkpointer().restore()
+
+
+def test_unwritable_checkpoint_dir_reports_and_training_continues(job: str, tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the checkpoint directory should be")
+    messages: list[str] = []
+    trainer = Trainer()
+    ckpt = trainer.checkpointer(persist_every=2, directory=blocker / "ckpt", log=messages.append)
+    trainer.run(ckpt, 0, 4)
+    assert any("persistent save of step 1 failed" in m for m in messages), messages
+    assert segment_path(job, 0).exists()  # in-memory snapshots went on
+
+
+def test_full_checkpoint_dir_reports_and_leaves_nothing_complete(job: str, tmp_path: Path) -> None:
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        messages: list[str] = []
+        trainer = Trainer(width=512)  # its state does not fit in 64 KiB
+        ckpt = trainer.checkpointer(persist_every=2, directory=mount, log=messages.append)
+        trainer.run(ckpt, 0, 2)
+        assert any("persistent save of step 1 failed" in m for m in messages), messages
+        assert complete_checkpoints(mount) == [] and not list(mount.iterdir())
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_bad_arguments_are_rejected() -> None:
+    with pytest.raises(CheckpointError, match="every"):
+        Trainer().checkpointer(every=0)

@@ -1,0 +1,110 @@
+"""The two-slot shared-memory snapshot format, without any process group."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+from convoy.runtime.snapshot import HEADER_SIZE, SnapshotFile, flatten, layout, unflatten
+from convoy.shm import SHM_DIR, remove_segments, segment_path
+
+
+@pytest.fixture
+def job_id() -> Iterator[str]:
+    job = f"test{uuid.uuid4().hex[:8]}"
+    yield job
+    remove_segments(job)
+
+
+def _state(value: float) -> dict[str, object]:
+    return {
+        "w": torch.full((3, 5), value),
+        "nested": [torch.arange(4, dtype=torch.int64) + int(value), {"b": torch.ones(2, dtype=torch.bfloat16)}],
+        "flag": (torch.tensor([True, False]),),
+        "step": int(value),
+        "name": "x",
+    }
+
+
+def _write(snapshot: SnapshotFile, seq: int, step: int, state: dict[str, object], commit: bool = True) -> None:
+    tensors: list[torch.Tensor] = []
+    skeleton = flatten(state, tensors)
+    offsets, data_len = layout(tensors)
+    if not snapshot.fits(data_len, 4096):
+        snapshot.allocate(data_len + 8192)
+    index = snapshot.begin(seq)
+    snapshot.write_tensors(index, tensors, offsets)
+    if commit:
+        snapshot.commit(index, seq, step, skeleton, offsets, data_len)
+
+
+def _assert_same(a: object, b: object) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys()
+        for key in a:
+            _assert_same(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_same(x, y)
+    else:
+        assert a == b
+
+
+def test_flatten_round_trip_keeps_structure_and_values() -> None:
+    state = _state(2.0)
+    tensors: list[torch.Tensor] = []
+    skeleton = flatten(state, tensors)
+    assert len(tensors) == 4
+    _assert_same(unflatten(skeleton, tensors), state)
+    offsets, data_len = layout(tensors)
+    assert all(offset % 64 == 0 for offset in offsets) and data_len >= sum(t.nbytes for t in tensors)
+
+
+def test_snapshot_survives_reopen_in_another_file_object(job_id: str) -> None:
+    path = segment_path(job_id, 0)
+    _write(SnapshotFile(path), seq=1, step=7, state=_state(7.0))
+    reader = SnapshotFile(path)
+    assert reader.steps() == [7]
+    _assert_same(reader.read(7), _state(7.0))
+
+
+def test_torn_write_leaves_previous_snapshot_readable(job_id: str) -> None:
+    path = segment_path(job_id, 0)
+    writer = SnapshotFile(path)
+    _write(writer, 1, 10, _state(10.0))
+    _write(writer, 2, 11, _state(11.0))
+    assert writer.steps() == [11, 10]
+    _write(writer, 3, 12, _state(12.0), commit=False)  # killed mid-copy: slot of step 10 is overwritten
+    reader = SnapshotFile(path)
+    assert reader.steps() == [11]
+    _assert_same(reader.read(11), _state(11.0))
+    with pytest.raises(KeyError):
+        reader.read(10)
+
+
+def test_foreign_or_short_segment_is_ignored(job_id: str) -> None:
+    path = segment_path(job_id, 0)
+    path.write_bytes(b"not a snapshot" * 400)
+    assert SnapshotFile(path).steps() == []
+    path.write_bytes(b"\0" * (HEADER_SIZE - 1))
+    assert SnapshotFile(path).steps() == []
+
+
+def test_remove_segments_only_touches_its_job(job_id: str) -> None:
+    other = f"other{uuid.uuid4().hex[:8]}"
+    _write(SnapshotFile(segment_path(job_id, 0)), 1, 1, _state(1.0))
+    _write(SnapshotFile(segment_path(job_id, 1)), 1, 1, _state(1.0))
+    _write(SnapshotFile(segment_path(other, 0)), 1, 1, _state(1.0))
+    try:
+        assert {p.name for p in remove_segments(job_id)} == {f"convoy-{job_id}-rank0", f"convoy-{job_id}-rank1"}
+        assert segment_path(other, 0).exists()
+        assert not list(Path(SHM_DIR).glob(f"convoy-{job_id}-*"))
+    finally:
+        remove_segments(other)
