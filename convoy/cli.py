@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import sys
 import time
@@ -11,10 +12,11 @@ from pathlib import Path
 from typing import Sequence
 
 from convoy.config import (
-    JobConfig, MasterConfig, RendezvousConfig, WorkerConfig, check_run_dir, default_run_dir, parse_address,
+    STATE_FILE, JobConfig, MasterConfig, RendezvousConfig, WorkerConfig, check_run_dir, default_run_dir, parse_address,
     parse_nnodes,
 )
 from convoy.errors import ConfigError, ConvoyError
+from convoy.procs import Interrupted, raise_interrupted
 
 EXIT_USAGE = 2
 _WORKERS, _MASTER, _RDZV = WorkerConfig(), MasterConfig(run_dir=Path(".")), RendezvousConfig()
@@ -51,9 +53,15 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run a job on this machine: a master and N local agents")
     _add_master_options(run, "127.0.0.1")
+    run.add_argument("--relaunch", action="store_true", help="start an agent again when it dies")
     _add_worker_options(run)
     master = commands.add_parser("master", help="serve the control plane for agents on other hosts")
     _add_master_options(master, "0.0.0.0")
+    master.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
+                        help="continue the job in RUN_DIR after a master crash (its other settings are reused)")
+    master.add_argument("--job-id", default="", help="the job's id (default: random)")
+    master.add_argument("--token-file", type=Path, default=None, help="use or create the token here")
+    master.add_argument("--under-run", action="store_true", help=argparse.SUPPRESS)
     agent = commands.add_parser("agent", help="join a master as one node and run its workers")
     agent.add_argument("--master", required=True, help="the master's HOST:PORT")
     agent.add_argument("--token-file", type=Path, required=True, help="the job's token file (from the master)")
@@ -86,28 +94,38 @@ def _run(args: argparse.Namespace) -> int:
     from convoy.control.launcher import run_local_job
 
     config = JobConfig(master=_master_config(args), workers=_worker_config(args))
-    return run_local_job(config, console=_console)
+    return run_local_job(config, relaunch=args.relaunch, console=_console)
 
 
 def _master(args: argparse.Namespace) -> int:
-    from convoy.control.master import TOKEN_FILE, JobMaster
+    from convoy.control.master import JobMaster
+    from convoy.control.token import TOKEN_FILE
 
-    config = _master_config(args)
-    config.validate()
-    master = JobMaster(config, console=_console)
+    if args.resume is not None:
+        if not (args.resume / STATE_FILE).is_file():
+            raise ConfigError(f"--resume {str(args.resume)!r}: no job state there (expected {STATE_FILE})")
+        master = JobMaster(MasterConfig(run_dir=args.resume), console=_console, resume=True, token_file=args.token_file)
+    else:
+        config = _master_config(args)
+        config.job_id = args.job_id
+        config.validate()
+        master = JobMaster(config, console=_console, token_file=args.token_file)
     master.start()
-    token_file = config.run_dir / TOKEN_FILE
-    _console(f"convoy: master of job {master.job.job_id} at {master.url}; token file {token_file}")
-    _console(f"convoy: on each node: convoy agent --master HOST:{master.api.address[1]} --token-file "
-             f"{token_file} --nproc-per-node K SCRIPT")
+    if not args.under_run:
+        token_file = args.token_file or master.config.run_dir / TOKEN_FILE
+        _console(f"convoy: master of job {master.job.job_id} at {master.url}; token file {token_file}")
+        _console(f"convoy: on each node: convoy agent --master HOST:{master.api.address[1]} --token-file "
+                 f"{token_file} --nproc-per-node K SCRIPT")
+    previous = signal.signal(signal.SIGTERM, raise_interrupted)
     try:
         master.wait_ended()
         code = 0 if master.job.status == "succeeded" else 1
-    except KeyboardInterrupt:
-        master.abort("master interrupted")
-        code = 130
+    except (KeyboardInterrupt, Interrupted) as exc:
+        master.abort(f"master interrupted by {exc or 'SIGINT'}")
+        code = getattr(exc, "exit_code", 130)
     finally:
-        time.sleep(2 * config.heartbeat_s)  # keep answering briefly so every agent hears the outcome
+        signal.signal(signal.SIGTERM, previous)
+        master.wait_acknowledged(2 * master.config.heartbeat_s + 1.0)  # every agent should hear the outcome
         master.stop()
     return code
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from convoy.errors import ConfigError
@@ -115,9 +116,22 @@ class MasterConfig:
     run_dir: Path = field(default_factory=default_run_dir)
     """Where the state database, token, and logs go."""
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
+    job_id: str = ""
+    """The job's id; empty picks a random one."""
 
-    def validate(self) -> None:
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "run_dir": str(self.run_dir)})
+
+    @classmethod
+    def from_json(cls, text: str) -> MasterConfig:
+        data = json.loads(text)
+        rendezvous = RendezvousConfig(**data.pop("rendezvous"))
+        return cls(**{**data, "run_dir": Path(data["run_dir"]), "rendezvous": rendezvous})
+
+    def validate(self, resume: bool = False) -> None:
         self.rendezvous.validate()
+        if self.job_id and not (self.job_id.isalnum() and len(self.job_id) <= 32):
+            raise ConfigError(f"--job-id {self.job_id!r}: use up to 32 letters and digits")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts {self.max_restarts}: need 0 or more")
         if not 0 <= self.port < 65536:
@@ -125,8 +139,9 @@ class MasterConfig:
         if self.heartbeat_s <= 0 or self.heartbeat_timeout_s <= self.heartbeat_s:
             raise ConfigError("need 0 < heartbeat interval < heartbeat timeout")
         check_run_dir(self.run_dir)
-        if (self.run_dir / STATE_FILE).exists():
-            raise ConfigError(f"run dir {str(self.run_dir)!r} already holds a job's state: give a new --run-dir")
+        if (self.run_dir / STATE_FILE).exists() and not resume:
+            raise ConfigError(f"run dir {str(self.run_dir)!r} already holds a job's state: give a new --run-dir "
+                              "(or continue it with convoy master --resume)")
 
 
 @dataclass

@@ -29,3 +29,7 @@ class WorkerStartError(ConvoyError):
 
 class CheckpointError(ConvoyError):
     """A checkpoint could not be saved or restored as asked."""
+
+
+class ConflictError(ConvoyError):
+    """A request clashes with the job's state (e.g. a node id already in use); HTTP 409."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import signal
 import sys
 import threading
@@ -12,11 +13,12 @@ from convoy.agent.client import MasterClient, free_port
 from convoy.agent.workers import Worker, WorkerGroup
 from convoy.config import WorkerConfig
 from convoy.control import protocol as p
-from convoy.errors import ConvoyError, MasterUnreachableError
+from convoy.errors import ConvoyError, MasterUnreachableError, WorkerStartError
 from convoy.procs import Interrupted, raise_interrupted, signal_name
 from convoy.shm import remove_segments
 
 POLL_S = 0.02
+PRELOAD_WAIT_S = 120.0
 EXIT_OK, EXIT_FAILED, EXIT_ERROR = 0, 1, 2
 
 
@@ -76,6 +78,7 @@ class Agent:
         self.master_url = f"{config.master_host}:{config.master_port}"
         self._final_status = ""
         self._job_id = ""
+        self._instance = secrets.token_hex(8)
 
     def run(self) -> int:
         previous = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -108,10 +111,15 @@ class Agent:
                 return self._job_exit_code()
 
     def _rendezvous(self) -> p.RoundInfo | None:
-        """Join and wait for the round to close; None when the job has ended."""
+        """Join and wait for the round to close; None when the job has ended.
+
+        The node joins once its standbys are warm, so a round never waits on a cold import
+        of another node's workers (a node that joins a running job costs it no idle time).
+        """
+        self.group.wait_preloaded(PRELOAD_WAIT_S)
         while True:
             join = p.JoinRequest(node_id=self.config.node_id, host=self.config.host,
-                                 nproc=self.config.workers.nproc_per_node, port=free_port())
+                                 nproc=self.config.workers.nproc_per_node, port=free_port(), instance=self._instance)
             joined = self.client.call("/join", join, p.JoinResponse)
             round_id, self._job_id = joined.round_id, joined.job_id
             if not self.heartbeat.is_alive() and not self.heartbeat.stopping.is_set():
@@ -130,8 +138,15 @@ class Agent:
     def _run_round(self, round_info: p.RoundInfo) -> bool:
         """Run this node's workers until the round ends; True when the whole job has ended."""
         member = next(m for m in round_info.members if m.node_id == self.config.node_id)
-        self.group.start(round_info, member, self.master_url)
-        reported_failure = reported_done = False
+        reported_failure = reported_done = start_failed = False
+        try:
+            self.group.start(round_info, member, self.master_url)
+        except WorkerStartError as exc:
+            print(f"convoy agent {self.config.node_id}: {exc}", file=sys.stderr, flush=True)
+            report = p.WorkerExit(node_id=self.config.node_id, round_id=round_info.round_id, rank=member.rank_offset,
+                                  local_rank=0, start_failed=True, log_tail=[str(exc)])
+            self.client.call("/worker_exit", report, p.Ack)
+            reported_failure = reported_done = start_failed = True
         while True:
             if self.heartbeat.error is not None:
                 raise self.heartbeat.error
@@ -151,7 +166,8 @@ class Agent:
                 reported_done = True
                 self.client.call("/node_done", p.NodeDone(node_id=self.config.node_id, round_id=round_info.round_id),
                                  p.Ack)
-            self.group.refill_when_idle()
+            if not start_failed:
+                self.group.refill_when_idle()
             self.heartbeat.changed.wait(POLL_S)
             self.heartbeat.changed.clear()
 

@@ -13,6 +13,8 @@ from convoy.control import protocol as p
 from convoy.errors import AuthError, ConvoyError, MasterUnreachableError
 
 Reply = TypeVar("Reply", bound=BaseModel)
+REPLY_GRACE_S = 3.0
+"""How much longer than its long-poll wait a request may take before it counts as lost."""
 
 
 class MasterClient:
@@ -36,7 +38,7 @@ class MasterClient:
         backoff = 0.05
         while True:
             try:
-                status, data = self._post(p.API_PREFIX + path, body, headers, wait_s + 10.0)
+                status, data = self._post(p.API_PREFIX + path, body, headers, wait_s + REPLY_GRACE_S)
             except (OSError, http.client.HTTPException) as exc:
                 self.close()
                 if time.monotonic() + backoff > deadline:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, BinaryIO
 
 from convoy.agent.env import spawn_env, worker_env
 from convoy.config import WorkerConfig
+from convoy.errors import WorkerStartError
 from convoy.procs import die_with_parent
 
 if TYPE_CHECKING:
@@ -122,7 +123,20 @@ class WorkerGroup:
     def fill_standbys(self) -> None:
         """Start standbys until there is one per local worker (call from the main thread)."""
         while len(self._standbys) < self.config.nproc_per_node:
-            self._standbys.append(self._spawn())
+            try:
+                self._standbys.append(self._spawn())
+            except OSError as exc:
+                raise WorkerStartError(f"cannot start a worker process ({sys.executable}): {exc}") from exc
+
+    def wait_preloaded(self, timeout: float) -> bool:
+        """Start standbys if needed and wait (bounded) until all have imported their preload list."""
+        self.fill_standbys()
+        deadline = time.monotonic() + timeout
+        while not all(standby.preloaded() for standby in self._standbys):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
 
     def refill_when_idle(self) -> None:
         """Warm the next round's standbys once this round's workers are done importing.

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from pydantic import BaseModel, ValidationError
 
 from convoy.control import protocol as p
-from convoy.errors import ConfigError
+from convoy.errors import ConfigError, ConflictError
 
 if TYPE_CHECKING:
     from convoy.control.master import JobMaster
@@ -20,15 +20,61 @@ if TYPE_CHECKING:
 MAX_BODY = 1 << 20
 
 
+# path -> (request model, reply model, summary); None: a GET without a body
+ENDPOINTS: dict[str, tuple[type[BaseModel] | None, type[BaseModel] | None, str]] = {
+    "/join": (p.JoinRequest, p.JoinResponse, "a node asks for a place in the next round"),
+    "/wait": (p.WaitRequest, p.WaitResponse, "long poll until the node's round has closed"),
+    "/heartbeat": (p.HeartbeatRequest, p.HeartbeatResponse, "check in; long poll for round or job changes"),
+    "/worker_exit": (p.WorkerExit, p.Ack, "a worker failed"),
+    "/node_done": (p.NodeDone, p.Ack, "all workers of a node finished"),
+    "/leave": (p.LeaveRequest, p.Ack, "a node leaves the job"),
+    "/abort": (p.AbortRequest, p.Ack, "end the job as failed"),
+    "/status": (None, None, "the job's status"),
+    "/openapi.json": (None, None, "this API's OpenAPI schema"),
+}
+
+
 def _routes(master: JobMaster) -> dict[str, tuple[type[BaseModel] | None, Callable[[Any], Any]]]:
+    calls: dict[str, Callable[[Any], Any]] = {
+        "/join": master.join, "/wait": master.wait, "/heartbeat": master.heartbeat,
+        "/worker_exit": master.worker_exit, "/node_done": master.node_done, "/leave": master.leave,
+        "/abort": lambda req: master.abort(req.reason) or p.Ack(), "/status": lambda _: master.status(),
+        "/openapi.json": lambda _: openapi_schema(),
+    }
+    return {path: (ENDPOINTS[path][0], call) for path, call in calls.items()}
+
+
+def openapi_schema() -> dict[str, Any]:
+    """OpenAPI 3.1 description of the API, built from the wire models."""
+    schemas: dict[str, Any] = {}
+
+    def schema(model: type[BaseModel]) -> dict[str, Any]:
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(body.pop("$defs", {}))
+        schemas[model.__name__] = body
+        return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+    error = {"content": {"application/json": {"schema": schema(p.ErrorBody)}}}
+    paths: dict[str, Any] = {}
+    for path, (request, reply, summary) in ENDPOINTS.items():
+        responses: dict[str, Any] = {"401": {"description": "missing or wrong token", **error}}
+        ok = {"description": "ok", "content": {"application/json": {"schema": schema(reply) if reply else {"type": "object"}}}}
+        operation: dict[str, Any] = {"summary": summary, "responses": {"200": ok, **responses}}
+        if request is None:
+            paths[p.API_PREFIX + path] = {"get": operation}
+            continue
+        operation["requestBody"] = {"required": True,
+                                    "content": {"application/json": {"schema": schema(request)}}}
+        operation["responses"].update({"400": {"description": "malformed request", **error},
+                                       "409": {"description": "conflicts with the job's state", **error},
+                                       "413": {"description": "body too large", **error}})
+        paths[p.API_PREFIX + path] = {"post": operation}
     return {
-        "/join": (p.JoinRequest, master.join),
-        "/wait": (p.WaitRequest, master.wait),
-        "/heartbeat": (p.HeartbeatRequest, master.heartbeat),
-        "/worker_exit": (p.WorkerExit, master.worker_exit),
-        "/node_done": (p.NodeDone, master.node_done),
-        "/leave": (p.LeaveRequest, master.leave),
-        "/status": (None, lambda _: master.status()),
+        "openapi": "3.1.0",
+        "info": {"title": "convoy master API", "version": "1"},
+        "components": {"schemas": schemas, "securitySchemes": {"token": {"type": "http", "scheme": "bearer"}}},
+        "security": [{"token": []}],
+        "paths": paths,
     }
 
 
@@ -46,7 +92,13 @@ class _Handler(BaseHTTPRequestHandler):
         """Requests are not logged: the job's events are the record."""
 
     def _handle(self, with_body: bool) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            length = -1
+        if length < 0:
+            self.close_connection = True
+            return self._reply(400, p.ErrorBody(error="Content-Length is not a whole number >= 0"))
         if length > MAX_BODY:
             self.close_connection = True
             return self._reply(413, p.ErrorBody(error="request body too large"))
@@ -66,7 +118,14 @@ class _Handler(BaseHTTPRequestHandler):
             return self._reply(400, p.ErrorBody(error=f"bad request to {path}: {exc.errors()[0]['msg']}"))
         if model is not None and request is None:
             return self._reply(405, p.ErrorBody(error=f"{path} takes POST"))
-        self._reply(200, call(request))
+        try:
+            reply = call(request)
+        except ConflictError as exc:
+            return self._reply(409, p.ErrorBody(error=str(exc)))
+        except Exception as exc:  # noqa: BLE001 (a fault caught on purpose: recorded, the master keeps serving)
+            master.api_fault(path, exc)
+            return self._reply(500, p.ErrorBody(error=f"internal error in {path}: {type(exc).__name__}"))
+        self._reply(200, reply)
 
     def _authorized(self) -> bool:
         given = self.headers.get(p.TOKEN_HEADER, "")

@@ -7,9 +7,12 @@ them and prints the ones marked for the console. No I/O happens here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from convoy.control.protocol import WorkerExit
 from convoy.control.rendezvous import Membership, Rendezvous
+
+if TYPE_CHECKING:
+    from convoy.control.protocol import WorkerExit
 
 RUNNING, SUCCEEDED, FAILED = "running", "succeeded", "failed"
 
@@ -31,6 +34,8 @@ class Job:
     join_timeout_s: float
     status: str = RUNNING
     restart_count: int = 0
+    regroup_count: int = 0
+    """Rounds opened for membership changes (node lost or added); these are not restarts."""
     outcome: str = ""
     done_nodes: set[str] = field(default_factory=set)
     announced_round: int = 0
@@ -54,6 +59,11 @@ class Job:
                 return self.round_id, events
         round_id = self.rendezvous.join(node_id, host, nproc, port, now)
         events.append(Event("node_joined", f"node {node_id} ({host}, {nproc} workers) joined", node_id, round_id))
+        membership = self.membership
+        if membership is not None and round_id > self.round_id and len(membership.members) < self.rendezvous.max_nodes:
+            grown = membership.node_ids() | {node_id}
+            events += self._regroup(f"node {node_id} joins: growing to {len(grown)} nodes", now, grown)
+            return self.round_id, events
         return round_id, events + self._closed_events()
 
     def tick(self, now: float) -> list[Event]:
@@ -102,7 +112,8 @@ class Job:
         if self.status != RUNNING:
             return []
         if self.membership is not None and self.membership.member(node_id) is not None:
-            return self._restart(f"node {node_id} {why}", now)
+            survivors = self.membership.node_ids() - {node_id}
+            return self._regroup(f"node {node_id} {why}: going on with {len(survivors)} nodes", now, survivors)
         self.rendezvous.leave(node_id, now)
         return [Event("node_left", f"node {node_id} {why}", node_id, self.round_id)]
 
@@ -115,9 +126,17 @@ class Job:
             return self._end(FAILED, f"{cause}; no restarts left ({self.max_restarts} allowed)")
         self.restart_count += 1
         self.done_nodes.clear()
-        round_id = self.rendezvous.open_next(now)
+        expected = self.membership.node_ids() if self.membership is not None else set()
+        round_id = self.rendezvous.open_next(now, expected)
         message = f"restart {self.restart_count}/{self.max_restarts}: opening round {round_id}"
         return [Event("restart", message, None, round_id, True)] + self._closed_events()
+
+    def _regroup(self, cause: str, now: float, expected: set[str]) -> list[Event]:
+        """Open a round for a membership change; the job's restart budget is not touched."""
+        self.regroup_count += 1
+        self.done_nodes.clear()
+        round_id = self.rendezvous.open_next(now, expected)
+        return [Event("regroup", f"{cause} (round {round_id})", None, round_id, True)] + self._closed_events()
 
     def _closed_events(self) -> list[Event]:
         membership = self.membership

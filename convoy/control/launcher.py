@@ -1,56 +1,120 @@
-"""``convoy run``: the embedded local default, a master in this process plus N local agents."""
+"""``convoy run``: the local default, a master and N agents as child processes of this launcher.
+
+The launcher watches them: a master that dies is started again from its state in the run
+dir (agents reattach, workers keep training); an agent that dies is reported to the master
+at once, and started again with ``--relaunch``.
+"""
 
 from __future__ import annotations
 
+import secrets
 import signal
+import socket
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from convoy.config import JobConfig
-from convoy.control.job import SUCCEEDED
-from convoy.control.master import TOKEN_FILE, JobMaster
 from convoy.control.schedulers.local import LocalScheduler
-from convoy.procs import Interrupted, raise_interrupted
+from convoy.control.store import read_status
+from convoy.control.token import TOKEN_FILE, write_token
+from convoy.errors import ConvoyError
+from convoy.procs import Interrupted, raise_interrupted, signal_name
 from convoy.shm import remove_segments
 
-AGENT_EXIT_GRACE_S = 5.0
+if TYPE_CHECKING:
+    from convoy.agent.client import MasterClient
+
+CHILD_EXIT_GRACE_S = 5.0
+MAX_MASTER_RESTARTS = 5
+POLL_S = 0.05
 
 
-def run_local_job(config: JobConfig, console: Callable[[str], None] = print) -> int:
+def _describe(returncode: int) -> str:
+    name = signal_name(returncode)
+    return f"killed by {name}" if name else f"exit code {returncode}"
+
+
+def run_local_job(config: JobConfig, relaunch: bool = False, console: Callable[[str], None] = print) -> int:
     """Run the job to its end; return 0 on success, 1 on failure, 128+N on signal N."""
     config.validate()
-    master = JobMaster(config.master, console)
-    master.start()
     run_dir = config.master.run_dir
-    scheduler = LocalScheduler(master.url, run_dir / TOKEN_FILE, run_dir, config.workers)
+    config.master.job_id = config.master.job_id or secrets.token_hex(4)
+    token_file = run_dir / TOKEN_FILE
+    token = write_token(token_file)
+    port = _free_port()
+    scheduler = LocalScheduler(config, token_file, port)
     previous = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
     started = time.monotonic()
     try:
-        console(
-            f"convoy: job {master.job.job_id}: {config.num_agents} nodes x {config.workers.nproc_per_node} "
-            f"workers, max restarts {config.master.max_restarts}, run dir {run_dir}"
-        )
+        console(f"convoy: job {config.master.job_id}: {config.num_agents} nodes x {config.workers.nproc_per_node} "
+                f"workers, max restarts {config.master.max_restarts}, run dir {run_dir}")
+        scheduler.start_master(resume=False)
         for index in range(config.num_agents):
-            scheduler.start_node(index)
-        while not master.wait_ended(0.05):
-            if not scheduler.running():
-                master.abort("every agent exited before the job ended; see the lines above")
-        if not scheduler.wait(config.workers.stop_grace_s + AGENT_EXIT_GRACE_S):
-            scheduler.stop(AGENT_EXIT_GRACE_S)
-        elapsed = time.monotonic() - started
-        succeeded = master.job.status == SUCCEEDED
-        console(f"convoy: finished in {elapsed:.1f} s with {master.job.restart_count} restart(s)")
-        return 0 if succeeded else 1
+            scheduler.start_node(f"local{index}")
+        from convoy.agent.client import MasterClient  # pydantic: imported once the children are on their way
+
+        client = MasterClient("127.0.0.1", port, token, give_up_after_s=2.0)
+        _supervise(scheduler, client, relaunch, console)
+        if not scheduler.wait(config.workers.stop_grace_s + CHILD_EXIT_GRACE_S):
+            scheduler.stop(CHILD_EXIT_GRACE_S)
+        job = read_status(run_dir, recent=0)["job"]
+        console(f"convoy: finished in {time.monotonic() - started:.1f} s with {job['restart_count']} restart(s)")
+        return 0 if job["status"] == "succeeded" else 1
     except Interrupted as exc:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        master.abort(f"interrupted by {exc}")
-        scheduler.stop(config.workers.stop_grace_s + AGENT_EXIT_GRACE_S)
+        scheduler.stop(config.workers.stop_grace_s + CHILD_EXIT_GRACE_S)
         return exc.exit_code
     finally:
-        if scheduler.running():
-            scheduler.stop(AGENT_EXIT_GRACE_S)
-        remove_segments(master.job.job_id)  # in case an agent died before it could clean up
+        scheduler.stop(CHILD_EXIT_GRACE_S)
+        remove_segments(config.master.job_id)  # in case an agent died before it could clean up
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        master.stop()
+
+
+def _supervise(scheduler: LocalScheduler, client: MasterClient, relaunch: bool, console: Callable[[str], None]) -> None:
+    """Watch the children until the master exits with the job's outcome."""
+    master_restarts, aborted = 0, False
+    while True:
+        code = scheduler.master_exit()
+        if code in (0, 1):
+            return
+        if code is not None:
+            if master_restarts >= MAX_MASTER_RESTARTS:
+                raise ConvoyError(f"the master died {master_restarts + 1} times ({_describe(code)}); giving up")
+            master_restarts += 1
+            console(f"convoy: master {_describe(code)}; restarting it from the run dir")
+            scheduler.start_master(resume=True)
+        for node_id, agent_code in scheduler.newly_exited():
+            _report_lost(client, node_id, _describe(agent_code))
+            if relaunch and agent_code != 0:
+                console(f"convoy: agent of node {node_id} {_describe(agent_code)}; relaunching it")
+                scheduler.start_node(node_id)
+        if not scheduler.running() and not aborted:
+            aborted = True
+            _abort(client, "every agent exited before the job ended; see the lines above")
+        time.sleep(POLL_S)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _report_lost(client: MasterClient, node_id: str, why: str) -> None:
+    from convoy.control import protocol as p
+
+    try:
+        client.call("/leave", p.LeaveRequest(node_id=node_id, reason=f"agent {why}"), p.Ack)
+    except ConvoyError:
+        pass  # the master is down or the job is over; it will learn from heartbeats
+
+
+def _abort(client: MasterClient, reason: str) -> None:
+    from convoy.control import protocol as p
+
+    try:
+        client.call("/abort", p.AbortRequest(reason=reason), p.Ack)
+    except ConvoyError:
+        pass

@@ -6,7 +6,6 @@ then records the events, prints the console ones, and wakes the long polls.
 
 from __future__ import annotations
 
-import os
 import secrets
 import threading
 import time
@@ -19,38 +18,40 @@ from convoy.control.api import ApiServer
 from convoy.control.job import RUNNING, Event, Job
 from convoy.control.nodes import NodeRegistry
 from convoy.control.rendezvous import Membership, Rendezvous
-from convoy.control.store import Store
+from convoy.control.store import Store, restore
+from convoy.control.token import TOKEN_FILE, read_token, write_token
+from convoy.errors import ConflictError
 
-TOKEN_FILE = "token"
 TICK_S = 0.1
-
-
-def write_token(run_dir: Path) -> str:
-    """Create the job's secret: a fresh random token in ``run_dir/token`` with mode 0600."""
-    token = secrets.token_urlsafe(32)
-    path = Path(run_dir) / TOKEN_FILE
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(token + "\n")
-    os.chmod(path, 0o600)
-    return token
 
 
 class JobMaster:
     """The control plane of one job; ``start()`` serves it, ``wait_ended()`` blocks until it ends."""
 
-    def __init__(self, config: MasterConfig, console: Callable[[str], None] = print) -> None:
-        self.config = config
-        self.console = console
+    def __init__(self, config: MasterConfig, console: Callable[[str], None] = print, resume: bool = False,
+                 token_file: Path | None = None) -> None:
+        """A new job, or with ``resume`` the job in ``config.run_dir`` as its last master left it.
+
+        ``token_file``: use (or create) the token there instead of a new ``run_dir/token``.
+        """
         now = time.monotonic()
-        rdzv_config = config.rendezvous
-        rendezvous = Rendezvous(rdzv_config.min_nodes, rdzv_config.max_nodes, rdzv_config.wait_s, now)
-        self.job = Job(secrets.token_hex(4), rendezvous, config.max_restarts, rdzv_config.join_timeout_s)
-        self.nodes = NodeRegistry(config.heartbeat_timeout_s)
-        self.token = write_token(config.run_dir)
-        self.store = Store(config.run_dir)
+        token_path = token_file or Path(config.run_dir) / TOKEN_FILE
+        if resume:
+            config, self.job, nodes = restore(config.run_dir, now)
+            self.nodes = NodeRegistry(config.heartbeat_timeout_s, {n.node_id: n for n in nodes})
+            self.token = read_token(token_path)
+        else:
+            rdzv_config = config.rendezvous
+            rendezvous = Rendezvous(rdzv_config.min_nodes, rdzv_config.max_nodes, rdzv_config.wait_s, now)
+            job_id = config.job_id or secrets.token_hex(4)
+            self.job = Job(job_id, rendezvous, config.max_restarts, rdzv_config.join_timeout_s)
+            self.nodes = NodeRegistry(config.heartbeat_timeout_s)
+            self.token = read_token(token_path) if token_file and token_path.exists() else write_token(token_path)
+        self.config, self.console, self.resumed = config, console, resume
+        self.store = Store(config.run_dir, config.to_json())
         self.api = ApiServer(self, config.host, config.port, self.token)
         self._changed = threading.Condition()
+        self._acknowledged: set[str] = set()
         self._stopping = threading.Event()
         self._ticker = threading.Thread(target=self._tick_loop, name="convoy-ticker", daemon=True)
         self.started_at = time.time()
@@ -66,7 +67,8 @@ class JobMaster:
 
     def start(self) -> None:
         with self._changed:
-            self._apply([Event("master_started", f"master listening on {self.url}")])
+            how = f"resumed in round {self.job.round_id}" if self.resumed else "started"
+            self._apply([Event("master_started", f"master {how}, listening on {self.url}", console=self.resumed)])
         self.api.start()
         self._ticker.start()
 
@@ -86,7 +88,11 @@ class JobMaster:
     def join(self, req: p.JoinRequest) -> p.JoinResponse:
         with self._changed:
             now = time.monotonic()
-            self.nodes.register(req.node_id, req.host, req.nproc, now)
+            if self.nodes.register(req.node_id, req.host, req.nproc, now, req.instance, 2 * self.config.heartbeat_s) is None:
+                self._apply([Event("duplicate_node", f"refused a second agent with node id {req.node_id} ({req.host})",
+                                   req.node_id)])
+                raise ConflictError(f"node id {req.node_id!r} is in use by another running agent; "
+                                    "give each agent its own --node-id")
             round_id, events = self.job.join(req.node_id, req.host, req.nproc, req.port, now)
             self._apply(events)
             return p.JoinResponse(job_id=self.job.job_id, round_id=round_id)
@@ -97,6 +103,7 @@ class JobMaster:
             self._changed.wait_for(lambda: self._wait_state(req) != "waiting", req.timeout_s)
             self.nodes.seen(req.node_id, time.monotonic())
             state = self._wait_state(req)
+            self._note_outcome_heard(req.node_id)
             membership = self.job.membership
             info = self._round_info(membership) if state == "ready" and membership else None
             return p.WaitResponse(state=state, job_status=self.job.status, round=info)
@@ -108,6 +115,7 @@ class JobMaster:
             self._changed.wait_for(
                 lambda: self.ended or self.job.round_id != req.round_id or self._stopping.is_set(), req.wait_s
             )
+            self._note_outcome_heard(req.node_id)
             return p.HeartbeatResponse(job_status=self.job.status, round_id=self.job.round_id, message=self.job.outcome)
 
     def worker_exit(self, report: p.WorkerExit) -> p.Ack:
@@ -127,9 +135,27 @@ class JobMaster:
             self._apply(self.job.node_lost(req.node_id, f"left ({req.reason or 'agent exited'})", time.monotonic()))
             return p.Ack()
 
+    def _note_outcome_heard(self, node_id: str) -> None:
+        if self.ended:
+            self._acknowledged.add(node_id)
+            self._changed.notify_all()
+
+    def wait_acknowledged(self, timeout: float) -> None:
+        """After the end: wait (bounded) until every live agent has been told the outcome."""
+        def everyone_told() -> bool:
+            alive = {n.node_id for n in self.nodes.nodes.values() if n.state == "alive"}
+            return alive <= self._acknowledged
+
+        with self._changed:
+            self._changed.wait_for(everyone_told, timeout)
+
     def abort(self, reason: str) -> None:
         with self._changed:
             self._apply(self.job.abort(reason))
+
+    def api_fault(self, path: str, exc: BaseException) -> None:
+        with self._changed:
+            self._apply([Event("api_error", f"{path} failed: {type(exc).__name__}: {exc}"[:2000])])
 
     def unauthorized(self, client: str, path: str) -> None:
         with self._changed:
@@ -157,8 +183,8 @@ class JobMaster:
         membership = self.job.membership
         if self.job.round_id > req.round_id:
             return "rejoin"
-        if membership is None:
-            return "waiting"
+        if membership is None:  # a restarted master has forgotten who had joined: they join again
+            return "waiting" if self.job.rendezvous.is_waiting(req.node_id) else "rejoin"
         return "ready" if membership.member(req.node_id) else "rejoin"
 
     def _round_info(self, membership: Membership) -> p.RoundInfo:

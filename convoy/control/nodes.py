@@ -13,6 +13,8 @@ class NodeRecord:
     first_seen: float
     last_seen: float
     state: str = "alive"
+    instance: str = ""
+    """Random id of the agent process behind this node id (tells a duplicate from a restart)."""
 
 
 @dataclass
@@ -22,11 +24,21 @@ class NodeRegistry:
     timeout_s: float
     nodes: dict[str, NodeRecord] = field(default_factory=dict)
 
-    def register(self, node_id: str, host: str, nproc: int, now: float) -> NodeRecord:
+    def register(self, node_id: str, host: str, nproc: int, now: float, instance: str = "",
+                 busy_window_s: float = 0.0) -> NodeRecord | None:
+        """Record a join; None if another agent that is still checking in holds this node id.
+
+        An agent whose heartbeats arrived within ``busy_window_s`` counts as still there; a
+        crashed agent stops at once, so its node id is free again after that window.
+        """
         record = self.nodes.get(node_id)
         if record is None:
             record = self.nodes[node_id] = NodeRecord(node_id, host, nproc, now, now)
+        elif (record.state == "alive" and instance and record.instance and record.instance != instance
+              and now - record.last_seen < busy_window_s):
+            return None
         record.host, record.nproc, record.last_seen, record.state = host, nproc, now, "alive"
+        record.instance = instance or record.instance
         return record
 
     def seen(self, node_id: str, now: float) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 from pydantic import BaseModel, Field
 
@@ -10,13 +10,19 @@ API_PREFIX = "/v1"
 TOKEN_HEADER = "Authorization"
 
 JobStatusName = Literal["running", "succeeded", "failed"]
+# Bounded types for everything an agent sends: no request can carry a value the state cannot hold.
+NodeId = Annotated[str, Field(min_length=1, max_length=200)]
+RoundId = Annotated[int, Field(ge=0, le=2**31)]
+Rank = Annotated[int, Field(ge=0, le=2**31)]
+Text = Annotated[str, Field(max_length=4096)]
 
 
 class JoinRequest(BaseModel):
-    node_id: str = Field(min_length=1, max_length=200)
+    node_id: NodeId
     host: str = Field(min_length=1, max_length=255)
-    nproc: int = Field(ge=1)
+    nproc: int = Field(ge=1, le=4096)
     port: int = Field(gt=0, lt=65536, description="a free port on this host, MASTER_PORT if this node gets rank 0")
+    instance: str = Field(default="", max_length=64, description="random id of this agent process")
 
 
 class JoinResponse(BaseModel):
@@ -44,8 +50,8 @@ class RoundInfo(BaseModel):
 
 
 class WaitRequest(BaseModel):
-    node_id: str
-    round_id: int
+    node_id: NodeId
+    round_id: RoundId
     timeout_s: float = Field(ge=0, le=60)
 
 
@@ -56,8 +62,8 @@ class WaitResponse(BaseModel):
 
 
 class HeartbeatRequest(BaseModel):
-    node_id: str
-    round_id: int
+    node_id: NodeId
+    round_id: RoundId
     wait_s: float = Field(default=0, ge=0, le=60, description="hold the answer until the round or job changes")
 
 
@@ -68,15 +74,15 @@ class HeartbeatResponse(BaseModel):
 
 
 class WorkerExit(BaseModel):
-    node_id: str
-    round_id: int
-    rank: int
-    local_rank: int
-    exitcode: Optional[int] = None
-    signal: Optional[str] = None
+    node_id: NodeId
+    round_id: RoundId
+    rank: Rank
+    local_rank: Rank
+    exitcode: Optional[int] = Field(default=None, ge=-(2**31), le=2**31)
+    signal: Optional[str] = Field(default=None, max_length=64)
     start_failed: bool = False
-    log_path: str = ""
-    log_tail: list[str] = Field(default_factory=list)
+    log_path: Text = ""
+    log_tail: list[Text] = Field(default_factory=list, max_length=200)
 
     def describe(self) -> str:
         if self.start_failed:
@@ -87,13 +93,17 @@ class WorkerExit(BaseModel):
 
 
 class NodeDone(BaseModel):
-    node_id: str
-    round_id: int
+    node_id: NodeId
+    round_id: RoundId
 
 
 class LeaveRequest(BaseModel):
-    node_id: str
-    reason: str = ""
+    node_id: NodeId
+    reason: Text = ""
+
+
+class AbortRequest(BaseModel):
+    reason: str = Field(min_length=1, max_length=2000)
 
 
 class Ack(BaseModel):

@@ -61,6 +61,8 @@ class Rendezvous:
     _pending: dict[str, _Joiner] = field(default_factory=dict)
     _min_reached_at: float | None = None
     _previous_ranks: dict[str, int] = field(default_factory=dict)
+    expected: frozenset[str] = frozenset()
+    """Nodes a reopened round waits for; once all have joined it closes without the window."""
 
     @property
     def is_open(self) -> bool:
@@ -69,6 +71,10 @@ class Rendezvous:
     @property
     def joined(self) -> list[str]:
         return list(self._joiners)
+
+    def is_waiting(self, node_id: str) -> bool:
+        """Whether a node has joined the open round or queued for the next one."""
+        return node_id in self._joiners or node_id in self._pending
 
     def join(self, node_id: str, host: str, nproc: int, port: int, now: float) -> int:
         """Record a join; return the round the node waits for."""
@@ -94,7 +100,8 @@ class Rendezvous:
             return None
         full = len(self._joiners) >= self.max_nodes
         window_passed = self._min_reached_at is not None and now - self._min_reached_at >= self.wait_s
-        if full or window_passed:
+        all_back = bool(self.expected) and self.expected <= set(self._joiners) and len(self._joiners) >= self.min_nodes
+        if full or window_passed or all_back:
             return self._close()
         return None
 
@@ -104,10 +111,19 @@ class Rendezvous:
             return None
         return self.opened_at
 
-    def open_next(self, now: float) -> int:
-        """End the current round; nodes must join again. Returns the new round id."""
+    def set_previous(self, membership: Membership) -> None:
+        """Remember a membership's rank order (for a master that restarts from its state)."""
+        self._previous_ranks = {m.node_id: m.node_rank for m in membership.members}
+
+    def open_next(self, now: float, expected: set[str] | frozenset[str] = frozenset()) -> int:
+        """End the current round; nodes must join again. Returns the new round id.
+
+        ``expected``: the nodes that will come back (e.g. the survivors of a node loss); the
+        round closes as soon as they all have, instead of waiting out ``wait_s``.
+        """
         if self.membership is not None:
-            self._previous_ranks = {m.node_id: m.node_rank for m in self.membership.members}
+            self.set_previous(self.membership)
+        self.expected = frozenset(expected)
         self.round_id += 1
         self.membership = None
         self.opened_at = now

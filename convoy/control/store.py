@@ -11,8 +11,8 @@ from typing import Any
 
 from convoy.control.job import Event, Job
 from convoy.control.nodes import NodeRecord
-from convoy.control.rendezvous import Membership
-from convoy.config import STATE_FILE
+from convoy.control.rendezvous import Member, Membership, Rendezvous
+from convoy.config import STATE_FILE, MasterConfig
 from convoy.errors import ConfigError
 
 
@@ -20,7 +20,7 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS job (
     job_id TEXT PRIMARY KEY, status TEXT, restart_count INTEGER, max_restarts INTEGER,
     round_id INTEGER, min_nodes INTEGER, max_nodes INTEGER, master_url TEXT,
-    outcome TEXT, created_at REAL, ended_at REAL);
+    outcome TEXT, created_at REAL, ended_at REAL, regroup_count INTEGER, done_nodes TEXT, config TEXT);
 CREATE TABLE IF NOT EXISTS nodes (
     node_id TEXT PRIMARY KEY, host TEXT, nproc INTEGER, state TEXT,
     node_rank INTEGER, first_seen REAL, last_seen REAL);
@@ -36,8 +36,9 @@ CREATE TABLE IF NOT EXISTS events (
 class Store:
     """Write-through state; one connection guarded by a lock (the HTTP server is threaded)."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, config_json: str = "") -> None:
         self.path = Path(run_dir) / STATE_FILE
+        self.config_json = config_json
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -58,12 +59,14 @@ class Store:
         with self._lock:
             self._db.execute("BEGIN")
             self._db.execute(
-                "INSERT INTO job VALUES (?,?,?,?,?,?,?,?,?,COALESCE((SELECT created_at FROM job WHERE job_id=?),?),?)"
-                " ON CONFLICT(job_id) DO UPDATE SET status=excluded.status, restart_count=excluded.restart_count,"
-                " round_id=excluded.round_id, master_url=excluded.master_url, outcome=excluded.outcome,"
-                " ended_at=excluded.ended_at",
+                "INSERT INTO job VALUES (?,?,?,?,?,?,?,?,?,COALESCE((SELECT created_at FROM job WHERE job_id=?),?),"
+                "?,?,?,?) ON CONFLICT(job_id) DO UPDATE SET status=excluded.status,"
+                " restart_count=excluded.restart_count, round_id=excluded.round_id, master_url=excluded.master_url,"
+                " outcome=excluded.outcome, ended_at=excluded.ended_at, regroup_count=excluded.regroup_count,"
+                " done_nodes=excluded.done_nodes, config=excluded.config",
                 (job.job_id, job.status, job.restart_count, job.max_restarts, job.round_id, rdzv.min_nodes,
-                 rdzv.max_nodes, master_url, job.outcome, job.job_id, now, now if job.status != "running" else None),
+                 rdzv.max_nodes, master_url, job.outcome, job.job_id, now, now if job.status != "running" else None,
+                 job.regroup_count, json.dumps(sorted(job.done_nodes)), self.config_json),
             )
             for node in nodes:
                 self._db.execute(
@@ -87,6 +90,39 @@ class Store:
         )
 
 
+def restore(run_dir: Path, now: float) -> tuple[MasterConfig, Job, list[NodeRecord]]:
+    """Rebuild a crashed master's config, job, and node registry from its state file.
+
+    A closed round comes back with its membership; an open one comes back empty, and the
+    agents waiting in it are told to join again. Nodes get a fresh heartbeat window.
+    """
+    state = read_status(run_dir, recent=0)
+    row = state["job"]
+    if row is None or not row["config"]:
+        raise ConfigError(f"{str(run_dir)!r} holds no job that can be resumed")
+    config = MasterConfig.from_json(row["config"])
+    config.run_dir, config.job_id = Path(run_dir), row["job_id"]
+    config.port = int(row["master_url"].rsplit(":", 1)[1])  # agents know this address: serve it again
+    rdzv_config = config.rendezvous
+    rendezvous = Rendezvous(rdzv_config.min_nodes, rdzv_config.max_nodes, rdzv_config.wait_s, now,
+                            round_id=row["round_id"])
+    last = state["round"]
+    job = Job(row["job_id"], rendezvous, row["max_restarts"], rdzv_config.join_timeout_s, status=row["status"],
+              restart_count=row["restart_count"], outcome=row["outcome"], regroup_count=row["regroup_count"] or 0,
+              done_nodes=set(json.loads(row["done_nodes"] or "[]")))
+    if last is not None:
+        members, offset = [], 0
+        for node_rank, node_id, host, nproc in json.loads(last["members"]):
+            members.append(Member(node_rank, node_id, host, nproc, offset))
+            offset += nproc
+        membership = Membership(last["round_id"], tuple(members), last["master_addr"], last["master_port"])
+        if last["round_id"] == row["round_id"]:
+            rendezvous.membership, job.announced_round = membership, row["round_id"]
+        rendezvous.set_previous(membership)
+    nodes = [NodeRecord(n["node_id"], n["host"], n["nproc"], now, now, n["state"]) for n in state["nodes"]]
+    return config, job, nodes
+
+
 def read_status(run_dir: Path, recent: int = 15) -> dict[str, Any]:
     """Read a job's state from its run dir (works while it runs and after it ended)."""
     path = Path(run_dir) / STATE_FILE
@@ -98,7 +134,7 @@ def read_status(run_dir: Path, recent: int = 15) -> dict[str, Any]:
         job = db.execute("SELECT * FROM job").fetchone()
         nodes = db.execute("SELECT * FROM nodes ORDER BY node_rank IS NULL, node_rank, node_id").fetchall()
         last_round = db.execute("SELECT * FROM rounds ORDER BY round_id DESC LIMIT 1").fetchone()
-        events = db.execute("SELECT * FROM events ORDER BY id DESC LIMIT ?", (recent,)).fetchall()
+        events = db.execute("SELECT * FROM events ORDER BY id DESC LIMIT ?", (recent,)).fetchall() if recent else []
     finally:
         db.close()
     return {

@@ -1,4 +1,4 @@
-"""The local scheduler: each node is an agent subprocess on this host."""
+"""The local scheduler: the master and each node's agent are child processes on this host."""
 
 from __future__ import annotations
 
@@ -8,46 +8,79 @@ import sys
 import time
 from pathlib import Path
 
-from convoy.config import WorkerConfig
+from convoy.config import JobConfig
 from convoy.procs import die_with_parent
+
+CONVOY = [sys.executable, "-m", "convoy"]
 
 
 class LocalScheduler:
-    """Starts agents as child processes; they die with the launcher (SIGTERM on its death)."""
+    """Starts the master and the agents; all of them get SIGTERM if the launcher dies."""
 
-    def __init__(self, master_url: str, token_file: Path, run_dir: Path, workers: WorkerConfig) -> None:
-        self.master_url, self.token_file, self.run_dir, self.workers = master_url, token_file, run_dir, workers
+    def __init__(self, config: JobConfig, token_file: Path, port: int) -> None:
+        self.config, self.token_file, self.port = config, token_file, port
+        self.master: subprocess.Popen[bytes] | None = None
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
+        self._reported: set[int] = set()
 
-    def start_node(self, index: int) -> str:
-        node_id = f"local{index}"
+    def start_master(self, resume: bool) -> None:
+        master = self.config.master
+        run_dir = str(master.run_dir)
+        if resume:
+            args = ["--resume", run_dir]
+        else:
+            rdzv = master.rendezvous
+            args = ["--host", "127.0.0.1", "--port", str(self.port), "--run-dir", run_dir,
+                    "--nnodes", f"{rdzv.min_nodes}:{rdzv.max_nodes}", "--max-restarts", str(master.max_restarts),
+                    "--rdzv-wait", str(rdzv.wait_s), "--join-timeout", str(rdzv.join_timeout_s),
+                    "--heartbeat-timeout", str(master.heartbeat_timeout_s), "--job-id", master.job_id]
+        self.master = self._spawn(["master", *args, "--token-file", str(self.token_file), "--under-run"])
+
+    def start_node(self, node_id: str) -> None:
+        workers = self.config.workers
         command = [
-            sys.executable, "-m", "convoy", "agent", "--master", self.master_url,
-            "--token-file", str(self.token_file), "--run-dir", str(self.run_dir), "--node-id", node_id,
-            "--host", "127.0.0.1", "--nproc-per-node", str(self.workers.nproc_per_node),
-            "--stop-grace", str(self.workers.stop_grace_s), "--preload", ",".join(self.workers.preload),
+            "agent", "--master", f"127.0.0.1:{self.port}", "--token-file", str(self.token_file),
+            "--run-dir", str(self.config.master.run_dir), "--node-id", node_id, "--host", "127.0.0.1",
+            "--nproc-per-node", str(workers.nproc_per_node), "--stop-grace", str(workers.stop_grace_s),
+            "--preload", ",".join(workers.preload),
         ]
-        command += ["-m", self.workers.entrypoint] if self.workers.module else [self.workers.entrypoint]
-        command += self.workers.args
-        self.agents[node_id] = subprocess.Popen(command, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
-        return node_id
+        command += ["-m", workers.entrypoint] if workers.module else [workers.entrypoint]
+        self.agents[node_id] = self._spawn(command + workers.args)
+
+    def _spawn(self, args: list[str]) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(CONVOY + args, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+
+    def master_exit(self) -> int | None:
+        return None if self.master is None else self.master.poll()
 
     def running(self) -> list[str]:
         return [node_id for node_id, proc in self.agents.items() if proc.poll() is None]
 
+    def newly_exited(self) -> list[tuple[str, int]]:
+        """Agents that exited since the last call, with their exit codes."""
+        exited = []
+        for node_id, proc in self.agents.items():
+            if proc.poll() is not None and id(proc) not in self._reported:
+                self._reported.add(id(proc))
+                exited.append((node_id, proc.returncode))
+        return exited
+
     def wait(self, timeout: float) -> bool:
-        """Wait for every agent to exit; False if some are still running at the deadline."""
+        """Wait for every child to exit; False if some are still running at the deadline."""
         deadline = time.monotonic() + timeout
-        while self.running() and time.monotonic() < deadline:
+        while (self.running() or self.master_exit() is None) and time.monotonic() < deadline:
             time.sleep(0.02)
-        return not self.running()
+        return not self.running() and self.master_exit() is not None
 
     def stop(self, grace_s: float) -> None:
-        """SIGTERM the agents (they stop their workers), SIGKILL any still there after the grace period."""
-        for node_id in self.running():
-            self.agents[node_id].send_signal(signal.SIGTERM)
+        """SIGTERM every child (agents stop their workers), SIGKILL any still there after the grace period."""
+        children = [proc for proc in [self.master, *self.agents.values()] if proc is not None]
+        for proc in children:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
         if not self.wait(grace_s):
-            for node_id in self.running():
-                self.agents[node_id].kill()
-        for proc in self.agents.values():
+            for proc in children:
+                if proc.poll() is None:
+                    proc.kill()
+        for proc in children:
             proc.wait()

@@ -1,0 +1,31 @@
+"""The job's secret: a random token in a mode-0600 file that every API call must carry."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+from convoy.errors import ConfigError
+
+TOKEN_FILE = "token"
+
+
+def write_token(path: Path) -> str:
+    """Create a fresh random token in ``path`` with mode 0600."""
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(token + "\n")
+    os.chmod(path, 0o600)
+    return token
+
+
+def read_token(path: Path) -> str:
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"token file {str(path)!r} cannot be read: {exc.strerror}") from exc
+    if not token:
+        raise ConfigError(f"token file {str(path)!r} is empty")
+    return token
