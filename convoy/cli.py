@@ -7,7 +7,6 @@ import os
 import signal
 import socket
 import sys
-import time
 from pathlib import Path
 from typing import Sequence
 

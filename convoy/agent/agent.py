@@ -60,7 +60,8 @@ class _Heartbeat(threading.Thread):
                 self.error = exc
                 self.changed.set()
                 return
-            if self.latest is None or (reply.round_id, reply.job_status) != (self.latest.round_id, self.latest.job_status):
+            known = (self.latest.round_id, self.latest.job_status) if self.latest else None
+            if known != (reply.round_id, reply.job_status):
                 self.latest = reply
                 self.changed.set()
             if reply.job_status != "running":

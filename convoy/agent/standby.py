@@ -1,7 +1,8 @@
 """A standby worker: imports the heavy modules first, then waits for its rank and runs the script.
 
 The agent keeps one standby per local worker, so a (re)start pays for ``import torch`` before
-the round even closes. The order arrives as one JSON line on stdin (argv: the preload list and a fd to signal readiness):
+the round even closes (argv: the preload list and a fd to signal readiness). The order arrives
+as one JSON line on stdin:
 ``{"env": {...}, "argv": [...], "entrypoint": "...", "module": false}``. An unmodified script
 runs as it would under ``python script.py`` (``__name__ == "__main__"``, ``sys.argv``, ``sys.path[0]``).
 """

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import hmac
 import json
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any, Callable
@@ -58,7 +59,8 @@ def openapi_schema() -> dict[str, Any]:
     paths: dict[str, Any] = {}
     for path, (request, reply, summary) in ENDPOINTS.items():
         responses: dict[str, Any] = {"401": {"description": "missing or wrong token", **error}}
-        ok = {"description": "ok", "content": {"application/json": {"schema": schema(reply) if reply else {"type": "object"}}}}
+        ok_schema = schema(reply) if reply else {"type": "object"}
+        ok = {"description": "ok", "content": {"application/json": {"schema": ok_schema}}}
         operation: dict[str, Any] = {"summary": summary, "responses": {"200": ok, **responses}}
         if request is None:
             paths[p.API_PREFIX + path] = {"get": operation}
@@ -144,6 +146,11 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that went away mid-request (an agent killed in a long poll) is not an error."""
+        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            super().handle_error(request, client_address)
     master: JobMaster
     token: str
     routes: dict[str, tuple[type[BaseModel] | None, Callable[[Any], Any]]]

@@ -144,7 +144,8 @@ class Job:
             return []
         self.announced_round = membership.round_id
         nodes = ", ".join(f"node{m.node_rank}={m.host}x{m.nproc}" for m in membership.members)
-        message = f"round {membership.round_id}: {len(membership.members)} nodes, world size {membership.world_size} [{nodes}]"
+        size = f"{len(membership.members)} nodes, world size {membership.world_size}"
+        message = f"round {membership.round_id}: {size} [{nodes}]"
         return [Event("round_closed", message, None, membership.round_id, True)]
 
     def _end(self, status: str, outcome: str, report: WorkerExit | None = None) -> list[Event]:

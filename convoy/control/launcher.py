@@ -13,7 +13,7 @@ import socket
 import time
 from typing import TYPE_CHECKING, Callable
 
-from convoy.config import JobConfig
+from convoy.config import STATE_FILE, JobConfig
 from convoy.control.schedulers.local import LocalScheduler
 from convoy.control.store import read_status
 from convoy.control.token import TOKEN_FILE, write_token
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 CHILD_EXIT_GRACE_S = 5.0
 MAX_MASTER_RESTARTS = 5
+EXIT_USAGE = 2
 POLL_S = 0.05
 
 
@@ -80,11 +81,13 @@ def _supervise(scheduler: LocalScheduler, client: MasterClient, relaunch: bool, 
         if code in (0, 1):
             return
         if code is not None:
-            if master_restarts >= MAX_MASTER_RESTARTS:
-                raise ConvoyError(f"the master died {master_restarts + 1} times ({_describe(code)}); giving up")
+            if code == EXIT_USAGE or master_restarts >= MAX_MASTER_RESTARTS:
+                raise ConvoyError(f"the master stopped {master_restarts + 1} time(s), last with {_describe(code)}; "
+                                  "giving up (see the lines above)")
             master_restarts += 1
-            console(f"convoy: master {_describe(code)}; restarting it from the run dir")
-            scheduler.start_master(resume=True)
+            has_state = (scheduler.config.master.run_dir / STATE_FILE).exists()
+            console(f"convoy: master {_describe(code)}; restarting it" + (" from the run dir" if has_state else ""))
+            scheduler.start_master(resume=has_state)
         for node_id, agent_code in scheduler.newly_exited():
             _report_lost(client, node_id, _describe(agent_code))
             if relaunch and agent_code != 0:

@@ -88,7 +88,8 @@ class JobMaster:
     def join(self, req: p.JoinRequest) -> p.JoinResponse:
         with self._changed:
             now = time.monotonic()
-            if self.nodes.register(req.node_id, req.host, req.nproc, now, req.instance, 2 * self.config.heartbeat_s) is None:
+            busy_window = 2 * self.config.heartbeat_s
+            if self.nodes.register(req.node_id, req.host, req.nproc, now, req.instance, busy_window) is None:
                 self._apply([Event("duplicate_node", f"refused a second agent with node id {req.node_id} ({req.host})",
                                    req.node_id)])
                 raise ConflictError(f"node id {req.node_id!r} is in use by another running agent; "

@@ -62,7 +62,7 @@ class Rendezvous:
     _min_reached_at: float | None = None
     _previous_ranks: dict[str, int] = field(default_factory=dict)
     expected: frozenset[str] = frozenset()
-    """Nodes a reopened round waits for; once all have joined it closes without the window."""
+    """Nodes a reopened round waits for: it closes once all have joined (the window does not apply)."""
 
     @property
     def is_open(self) -> bool:
@@ -91,6 +91,7 @@ class Rendezvous:
     def leave(self, node_id: str, now: float) -> None:
         """Forget a node that has not been given a place in a running round."""
         self._pending.pop(node_id, None)
+        self.expected = self.expected - {node_id}
         if self._joiners.pop(node_id, None) is not None and len(self._joiners) < self.min_nodes:
             self._min_reached_at = None
 
@@ -99,9 +100,11 @@ class Rendezvous:
         if not self.is_open or not self._joiners:
             return None
         full = len(self._joiners) >= self.max_nodes
-        window_passed = self._min_reached_at is not None and now - self._min_reached_at >= self.wait_s
-        all_back = bool(self.expected) and self.expected <= set(self._joiners) and len(self._joiners) >= self.min_nodes
-        if full or window_passed or all_back:
+        if self.expected:  # a regroup: wait for exactly the nodes that are coming back, no window
+            ready = self.expected <= set(self._joiners) and len(self._joiners) >= self.min_nodes
+        else:
+            ready = self._min_reached_at is not None and now - self._min_reached_at >= self.wait_s
+        if full or ready:
             return self._close()
         return None
 

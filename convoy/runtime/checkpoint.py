@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.nn.parallel import DistributedDataParallel
 
 from convoy.errors import CheckpointError
 from convoy.runtime import persist
@@ -72,19 +73,25 @@ class Checkpointer:
     ``$CONVOY_RUN_DIR/checkpoints``) every ``persist_every`` steps (0: never).
     ``async_snapshot`` copies parameters and optimizer state while the next step computes and
     waits before ``optimizer.step()``; turn it off if parameters change anywhere else.
+    ``replicated`` (default: whether ``model`` is DDP) says every rank holds the same model and
+    optimizer state, so after a membership change ranks without a snapshot (a new node) take
+    them from a rank that has the newest one; their own data position and RNG start fresh.
     """
 
     def __init__(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
         state: dict[str, Any] | None = None, every: int = 1, persist_every: int = 0, keep: int = 2,
-        directory: str | Path | None = None, async_snapshot: bool = True, log: Callable[[str], None] | None = None,
+        directory: str | Path | None = None, async_snapshot: bool = True, replicated: bool | None = None,
+        log: Callable[[str], None] | None = None,
     ) -> None:
         if every < 1 or persist_every < 0 or keep < 1:
-            raise CheckpointError(f"need every >= 1, persist_every >= 0, keep >= 1 (got {every}, {persist_every}, {keep})")
+            raise CheckpointError(
+                f"need every >= 1, persist_every >= 0, keep >= 1 (got {every}, {persist_every}, {keep})")
         if not dist.is_initialized():
             raise CheckpointError("call convoy.init() (or init_process_group) before creating a Checkpointer")
         self.model, self.optimizer, self.extra = model, optimizer, dict(state or {})
         self.every, self.persist_every, self.async_snapshot = every, persist_every, async_snapshot
+        self.replicated = isinstance(model, DistributedDataParallel) if replicated is None else replicated
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.log = log or (persist.stderr_log if self.rank == 0 else (lambda message: None))
         job_id = os.environ.get("CONVOY_JOB_ID")
@@ -213,19 +220,48 @@ class Checkpointer:
         every: list[list[int]] = [[] for _ in range(self.world_size)]
         dist.all_gather_object(every, local, group=self._group)
         common = set(every[0]).intersection(*map(set, every[1:]))
+        newest = max((step for steps in every for step in steps), default=None)
+        if self.replicated and newest is not None and newest not in common:
+            return self._restore_from_peer(newest, [newest in steps for steps in every])
         if not common:
             return None
         step = max(common)
         assert self._snapshot is not None
         state = self._snapshot.read(step)
-        problem = _shape_mismatch(self.model.state_dict(), state["model"], "model") or self._optim_mismatch(state)
-        if not self._agree(problem is None):
-            self.log(f"in-memory snapshot of step {step} does not fit this model ({problem or 'on another rank'}); "
-                     "trying persistent checkpoints")
+        if not self._fits(state, step):
             return None
         self._apply_local(state)
         self.restored_from = f"in-memory snapshot of step {step}"
         self.log(f"resumed from the in-memory snapshot of step {step}")
+        return step
+
+    def _fits(self, state: dict[str, Any], step: int) -> bool:
+        """Every rank checks its snapshot against its model; all agree, or none uses theirs."""
+        problem = _shape_mismatch(self.model.state_dict(), state["model"], "model") or self._optim_mismatch(state)
+        if self._agree(problem is None):
+            return True
+        self.log(f"in-memory snapshot of step {step} does not fit this model ({problem or 'on another rank'}); "
+                 "trying persistent checkpoints")
+        return False
+
+    def _restore_from_peer(self, step: int, holders: list[bool]) -> int | None:
+        """Replicated state after a membership change: the lowest rank holding ``step`` sends it."""
+        owner = holders.index(True)
+        mine = self._snapshot.read(step) if holders[self.rank] and self._snapshot is not None else None
+        shared = [{"model": mine["model"], "optim": mine["optim"]} if self.rank == owner and mine else None]
+        dist.broadcast_object_list(shared, src=owner, group=self._group)
+        state = mine or {**shared[0], "extra": None, "rng": None}
+        if not self._fits(state, step):
+            return None
+        if mine is not None:
+            self._apply_local(mine)
+        else:
+            self.model.load_state_dict(state["model"])
+            if self.optimizer is not None:
+                self.optimizer.load_state_dict(state["optim"])
+        source = "own" if mine is not None else f"rank {owner}'s"
+        self.restored_from = f"in-memory snapshot of step {step} ({source})"
+        self.log(f"resumed from the in-memory snapshot of step {step}, sent by rank {owner} to ranks without it")
         return step
 
     def _optim_mismatch(self, state: dict[str, Any]) -> str | None:
@@ -239,7 +275,8 @@ class Checkpointer:
         for index, param_state in state["optim"].get("state", {}).items():
             for name, value in param_state.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != params[index].shape:
-                    return f"optimizer state {index}.{name}: saved {tuple(value.shape)}, model {tuple(params[index].shape)}"
+                    model = tuple(params[index].shape)
+                    return f"optimizer state {index}.{name}: saved {tuple(value.shape)}, model {model}"
         return None
 
     def _restore_persistent(self) -> int | None:

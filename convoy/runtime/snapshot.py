@@ -150,7 +150,7 @@ class SnapshotFile:
         """Copy tensors into a slot (``copy_`` runs without the GIL, so this can overlap compute)."""
         assert self._bytes is not None
         base = HEADER_SIZE + index * self.slot_size
-        for tensor, offset in zip(tensors, offsets):
+        for tensor, offset in zip(tensors, offsets, strict=True):
             nbytes = tensor.numel() * tensor.element_size()
             target = self._bytes[base + offset : base + offset + nbytes]
             target.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
