@@ -9,13 +9,16 @@ runs as it would under ``python script.py`` (``__name__ == "__main__"``, ``sys.a
 
 from __future__ import annotations
 
+import atexit
 import gc
 import importlib
 import json
 import os
 import runpy
 import sys
+import threading
 import traceback
+from typing import NoReturn
 
 
 def _read_order() -> dict[str, object] | None:
@@ -31,13 +34,40 @@ def _read_order() -> dict[str, object] | None:
     return json.loads(data) if data else None
 
 
-def main() -> int:
-    preload, ready_fd = sys.argv[1], int(sys.argv[2])
-    for name in filter(None, preload.split(",")):
+def _preload(modules: str) -> None:
+    for name in filter(None, modules.split(",")):
         try:
             importlib.import_module(name)
         except ImportError:
             pass  # the script imports what it needs itself; preloading is only a head start
+
+
+def _keep_process_groups() -> None:
+    """Hold a reference to every process group the script creates, so none is freed before exit.
+
+    Freeing a gloo process group joins its worker thread while the GIL is held; that thread may
+    need the GIL to free the last work item, and the process hangs (seen in torch 2.13 when DDP
+    drops the last reference after ``destroy_process_group()``, often with torch._dynamo
+    preloaded). The standby ends with ``os._exit``, so the groups are never torn down at all.
+    """
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    create = getattr(c10d, "_new_process_group_helper", None)
+    if create is None:
+        return
+    kept: list[object] = []
+
+    def create_and_keep(*args: object, **kwargs: object) -> object:
+        created = create(*args, **kwargs)
+        kept.append(created)
+        return created
+
+    c10d._new_process_group_helper = create_and_keep  # type: ignore[union-attr]
+
+
+def main() -> int:
+    preload, ready_fd = sys.argv[1], int(sys.argv[2])
+    _preload(preload)
+    _keep_process_groups()
     gc.freeze()  # preloaded objects live for good: later collections and the exit skip them (~1 s less)
     os.write(ready_fd, b"R")  # tells the agent this standby is warm
     os.close(ready_fd)
@@ -49,17 +79,46 @@ def main() -> int:
     os.close(devnull)
     os.environ.update(order["env"])  # type: ignore[arg-type]
     sys.argv = list(order["argv"])  # type: ignore[call-overload]
-    entrypoint = str(order["entrypoint"])
+    _exit(_run_script(str(order["entrypoint"]), bool(order["module"])))
+
+
+def _run_script(entrypoint: str, module: bool) -> int:
+    """Run the script as ``python script.py`` would; return its exit code."""
     try:
-        if order["module"]:
+        if module:
             runpy.run_module(entrypoint, run_name="__main__", alter_sys=True)
         else:
             sys.path[0] = os.path.dirname(os.path.abspath(entrypoint))
             runpy.run_path(entrypoint, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
     except Exception as exc:  # noqa: BLE001 (reported as python itself would, exit code 1)
         _print_script_traceback(exc)
         return 1
     return 0
+
+
+def _exit(code: int) -> NoReturn:
+    """Exit as the interpreter does (threads joined, atexit run, output flushed), minus its teardown.
+
+    Tearing down a process that still holds a gloo process group can deadlock in torch (its
+    destructor joins a gloo thread while holding the GIL that thread needs); skipping the
+    teardown also saves up to a second per worker.
+    """
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    gc.collect()  # the script's objects (open files included) are finalized as usual
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def _print_script_traceback(exc: BaseException) -> None:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from convoy.control.protocol import MemberInfo, RoundInfo
 
 TAIL_LINES = 20
+REFILL_DELAY_S = 5.0
 
 
 class LogPump(threading.Thread):
@@ -119,6 +120,7 @@ class WorkerGroup:
         self._console_lock = threading.Lock()
         self._standbys: list[Worker] = []
         self.workers: list[Worker] = []
+        self._started_at = 0.0
 
     def fill_standbys(self) -> None:
         """Start standbys until there is one per local worker (call from the main thread)."""
@@ -139,11 +141,13 @@ class WorkerGroup:
         return True
 
     def refill_when_idle(self) -> None:
-        """Warm the next round's standbys once this round's workers are done importing.
+        """Warm the next round's standbys once this round's workers are well under way.
 
-        Waiting keeps the new imports from competing for CPU with the workers' own start.
+        Waiting (until the workers are done importing and have run ``REFILL_DELAY_S``) keeps
+        the new imports from competing for CPU with the workers' own start and first steps.
         """
-        if len(self._standbys) < self.config.nproc_per_node and all(w.preloaded() for w in self.workers):
+        settled = time.monotonic() - self._started_at >= REFILL_DELAY_S
+        if settled and len(self._standbys) < self.config.nproc_per_node and all(w.preloaded() for w in self.workers):
             self.fill_standbys()
 
     def _spawn(self) -> Worker:
@@ -167,6 +171,7 @@ class WorkerGroup:
     def start(self, round_info: RoundInfo, member: MemberInfo, master_url: str) -> None:
         """Hand each standby its rank for this round, then warm new standbys for the next one."""
         self.fill_standbys()
+        self._started_at = time.monotonic()
         self.workers, self._standbys = self._standbys[: member.nproc], self._standbys[member.nproc :]
         log_dir = self.run_dir / "logs" / f"round{round_info.round_id}"
         for local_rank, worker in enumerate(self.workers):

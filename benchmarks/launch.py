@@ -1,0 +1,399 @@
+"""Launch benchmark: convoy vs ``torchrun --standalone`` on the same 2-worker gloo DDP script.
+
+Measures (1) the time from the command to the first step finished by all ranks, (2) the time
+from SIGKILL of a worker to the next step finished by all ranks of the restarted workers, and
+(3) the RSS of convoy's launcher (which embeds the master), agent and standalone master, next to
+torchrun's agent. Prints a table, then one ``target ...`` line per target. ``--quick`` is the
+smoke-test size. Exits 0 whether targets are met or missed; non-zero only if the benchmark breaks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, NamedTuple, TypeVar
+
+import psutil
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "ddp_steps.py"
+NPROC = 2
+POLL_S = 0.05
+MB = 1024 * 1024
+T = TypeVar("T")
+
+
+def _tool(name: str, module: str) -> list[str]:
+    path = Path(sys.executable).parent / name
+    return [str(path)] if path.exists() else [sys.executable, "-m", module]
+
+
+LAUNCHERS = {"convoy": _tool("convoy", "convoy"), "torchrun": _tool("torchrun", "torch.distributed.run")}
+
+
+class Step(NamedTuple):
+    rank: int
+    step: int
+    pid: int
+    t: float
+
+
+class StepLog:
+    """The lines the training script appends to OUT/rank*.txt, read as the files grow."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.offsets: dict[Path, int] = {}
+        self.steps: list[Step] = []
+
+    def poll(self) -> None:
+        for path in sorted(self.out.glob("rank*.txt")):
+            with open(path, "rb") as handle:
+                handle.seek(self.offsets.get(path, 0))
+                data = handle.read()
+            end = data.rfind(b"\n") + 1  # a line still being written waits for the next poll
+            self.offsets[path] = self.offsets.get(path, 0) + end
+            for line in data[:end].decode().splitlines():
+                rank, step, pid, when = line.split()[:4]
+                self.steps.append(Step(int(rank), int(step), int(pid), float(when)))
+
+    def first_per_rank(self, accept: Callable[[Step], bool]) -> float | None:
+        """The time by which every rank has finished an accepted step (None if one has not)."""
+        firsts: dict[int, float] = {}
+        for step in self.steps:
+            if accept(step):
+                firsts.setdefault(step.rank, step.t)
+        return max(firsts.values()) if len(firsts) == NPROC else None
+
+    def current(self) -> dict[int, Step]:
+        """The latest step of each rank."""
+        return {step.rank: step for step in self.steps}
+
+
+class Job:
+    """One launcher command in its own session; ``stop()`` ends it and every process it started."""
+
+    def __init__(self, kind: str, tmp: Path, max_restarts: int) -> None:
+        tmp.mkdir(parents=True)
+        self.kind, self.out, self.log_path = kind, tmp / "steps", tmp / "console.log"
+        options = ["--standalone"] if kind == "torchrun" else ["run", "--nnodes", "1", "--run-dir", str(tmp / "run")]
+        argv = [*LAUNCHERS[kind], *options, "--nproc-per-node", str(NPROC), "--max-restarts", str(max_restarts),
+                str(SCRIPT), "--out", str(self.out)]
+        self.steps = StepLog(self.out)
+        with open(self.log_path, "wb") as log:
+            self.started = time.time()
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        self.root = psutil.Process(self.proc.pid)
+        self.known: dict[int, psutil.Process] = {self.proc.pid: self.root}
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def track(self) -> None:
+        """Remember every descendant, so that stop() finds those whose parent died first."""
+        try:
+            for child in self.root.children(recursive=True):
+                self.known.setdefault(child.pid, child)
+        except psutil.Error:
+            pass
+
+    def agents(self) -> list[psutil.Process]:
+        try:
+            return [c for c in self.root.children() if "agent" in c.cmdline()]
+        except psutil.Error:
+            return []
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        self.track()
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in self.known.values():
+            try:
+                proc.kill()  # psutil checks the pid still names the same process
+            except psutil.Error:
+                pass
+        psutil.wait_procs(list(self.known.values()), timeout=5)
+        self.proc.wait()
+
+    def last_error(self) -> str:
+        """The console's last line that names an error (else its last line), shortened."""
+        lines = [line.strip() for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()]
+        errors = [line for line in lines if "Error" in line or "error" in line]
+        return (errors or lines or ["(no output)"])[-1][:240]
+
+
+def wait_for(job: Job, probe: Callable[[], T | None], timeout_s: float) -> T | None:
+    """Poll ``probe`` until it returns a value, the job exits, or the timeout passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job.steps.poll()
+        job.track()
+        value = probe()
+        if value is not None:
+            return value
+        if not job.alive():
+            job.steps.poll()
+            return probe()
+        time.sleep(POLL_S)
+    return None
+
+
+def _blocked_on_pipe(proc: psutil.Process) -> bool:
+    """A standby that has finished preloading sits in read(2) on its stdin pipe, waiting for its rank."""
+    try:
+        return "pipe_read" in Path(f"/proc/{proc.pid}/wchan").read_text()
+    except OSError:
+        return False
+
+
+def ready_to_kill(job: Job, settle_s: float) -> bool:
+    """Every rank has trained ``settle_s`` in this round and (convoy) the agent's standbys are warm."""
+    current = job.steps.current()
+    if len(current) < NPROC:
+        return False
+    for rank, latest in current.items():
+        first = next(s for s in job.steps.steps if s.rank == rank and s.pid == latest.pid)
+        if latest.t - first.t < settle_s:
+            return False
+    if job.kind != "convoy":
+        return True
+    workers = {s.pid for s in current.values()}
+    for agent in job.agents():
+        try:
+            standbys = [c for c in agent.children() if c.pid not in workers]
+        except psutil.Error:
+            return False
+        if len(standbys) < NPROC or not all(_blocked_on_pipe(c) for c in standbys):
+            return False
+    return True
+
+
+def rss_mb(proc: psutil.Process) -> float | None:
+    try:
+        return proc.memory_info().rss / MB
+    except psutil.Error:
+        return None
+
+
+def launcher_rss(job: Job) -> dict[str, float]:
+    if job.kind == "torchrun":
+        found = {"torchrun (agent)": rss_mb(job.root)}
+    else:
+        agents = job.agents()
+        found = {"convoy run (launcher + master)": rss_mb(job.root),
+                 "convoy agent": rss_mb(agents[0]) if agents else None}
+    return {name: value for name, value in found.items() if value is not None}
+
+
+def standalone_master_rss(tmp: Path) -> float | None:
+    """RSS of ``convoy master`` once it has printed its token file line."""
+    tmp.mkdir(parents=True)
+    argv = [*LAUNCHERS["convoy"], "master", "--nnodes", "1", "--run-dir", str(tmp), "--port", "0"]
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    watchdog = threading.Timer(30.0, proc.kill)
+    watchdog.start()
+    try:
+        assert proc.stdout is not None
+        for line in iter(proc.stdout.readline, b""):
+            if b"token file" in line:
+                time.sleep(0.5)
+                return rss_mb(psutil.Process(proc.pid))
+        return None
+    finally:
+        watchdog.cancel()
+        proc.kill()
+        proc.wait()
+
+
+def first_step(job: Job, timeout_s: float) -> float | None:
+    """Seconds from just before Popen to step 0 finished by all ranks (the slower rank counts)."""
+    done = wait_for(job, lambda: job.steps.first_per_rank(lambda s: True), timeout_s)
+    return None if done is None else done - job.started
+
+
+def startup_run(kind: str, tmp: Path, timeout_s: float) -> float | None:
+    """Start a job, time its first step, stop it."""
+    job = Job(kind, tmp, max_restarts=0)
+    try:
+        took = first_step(job, timeout_s)
+        if took is None:
+            print(f"  {kind}: no first step within {timeout_s:.0f} s; last error: {job.last_error()}", flush=True)
+        return took
+    finally:
+        job.stop()
+
+
+@dataclass
+class Recovery:
+    times: list[float | None] = field(default_factory=list)
+    rss: dict[str, float] = field(default_factory=dict)
+    """Largest RSS seen per process, MB, sampled while training before each kill."""
+    fresh_jobs: int = 0
+    startups: list[float] = field(default_factory=list)
+    """Startup time (as in startup_run) of each job started for the kills."""
+
+    @property
+    def recovered(self) -> list[float]:
+        return [t for t in self.times if t is not None]
+
+
+def kill_and_time(job: Job, timeout_s: float) -> float | None:
+    """SIGKILL the highest rank; seconds until every rank of the restarted workers finished a step."""
+    seen = {s.pid for s in job.steps.steps}
+    victim = job.steps.current()[NPROC - 1].pid
+    killed_at = time.time()
+    try:
+        os.kill(victim, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    done = wait_for(job, lambda: job.steps.first_per_rank(lambda s: s.t > killed_at and s.pid not in seen), timeout_s)
+    return None if done is None else done - killed_at
+
+
+def recovery_runs(kind: str, base: Path, kills: int, timeout_s: float, settle_s: float) -> Recovery:
+    """Kill a worker ``kills`` times; after a failed recovery the next kill gets a fresh job."""
+    result = Recovery()
+    job: Job | None = None
+    try:
+        for index in range(max(kills, 1)):  # with no kills, one job still gives startup and memory
+            if job is None:
+                job = Job(kind, base / f"job{result.fresh_jobs}", max_restarts=3 * kills + 5)
+                result.fresh_jobs += 1
+                startup = first_step(job, 120.0)
+                if startup is not None:
+                    result.startups.append(startup)
+            current = job
+            took: float | None = None
+            if wait_for(current, lambda: ready_to_kill(current, settle_s) or None, 120.0):
+                for name, value in launcher_rss(current).items():
+                    result.rss[name] = max(value, result.rss.get(name, 0.0))
+                if index >= kills:
+                    break
+                took = kill_and_time(current, timeout_s)
+                shown = f"{took:.2f} s" if took is not None else f"no step within {timeout_s:.0f} s"
+            else:
+                shown = "job not training, no kill"
+            result.times.append(took)
+            print(f"  {kind} kill {index + 1}/{kills}: {shown}", flush=True)
+            if took is None:
+                print(f"    last error: {current.last_error()}", flush=True)
+                current.stop()
+                job = None
+    finally:
+        if job is not None:
+            job.stop()
+    return result
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def met(ok: bool) -> str:
+    return "met" if ok else "missed"
+
+
+def fmt(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke-test size: one job per launcher, one kill (convoy only)")
+    parser.add_argument("--runs", type=int, default=None,
+                        help="startup runs per launcher (default 5; quick 0: the recovery jobs' startups count)")
+    parser.add_argument("--kills", type=int, default=None, help="SIGKILLs per launcher (default 10; quick 1)")
+    parser.add_argument("--torchrun-kills", type=int, default=None,
+                        help="SIGKILLs for torchrun (default --kills; quick 0: its job gives startup and memory)")
+    parser.add_argument("--kill-timeout", type=float, default=None,
+                        help="seconds a recovery may take (default 30; quick 20)")
+    parser.add_argument("--settle", type=float, default=1.0, help="seconds of training between kills")
+    args = parser.parse_args()
+    runs = args.runs if args.runs is not None else (0 if args.quick else 5)
+    kills = args.kills if args.kills is not None else (1 if args.quick else 10)
+    kills_of = {"convoy": kills, "torchrun": args.torchrun_kills if args.torchrun_kills is not None
+                else (0 if args.quick else kills)}
+    kill_timeout = args.kill_timeout if args.kill_timeout is not None else (20.0 if args.quick else 30.0)
+    tmp = Path(tempfile.mkdtemp(prefix="convoy-bench-launch-"))
+    began = time.monotonic()
+    try:
+        startup: dict[str, list[float | None]] = {"convoy": [], "torchrun": []}
+        if runs:
+            print(f"startup: {runs} run(s) per launcher, alternating order", flush=True)
+        for run in range(runs):
+            order = ["convoy", "torchrun"] if run % 2 == 0 else ["torchrun", "convoy"]
+            for kind in order:
+                startup[kind].append(startup_run(kind, tmp / f"start-{kind}-{run}", 120.0))
+            print(f"  run {run + 1}: " + ", ".join(f"{k} {fmt(startup[k][-1])} s" for k in order), flush=True)
+        print(f"recovery: {kills_of['convoy']} SIGKILL(s) for convoy, {kills_of['torchrun']} for torchrun", flush=True)
+        recovery = {kind: recovery_runs(kind, tmp / f"recover-{kind}", n, kill_timeout, args.settle)
+                    for kind, n in kills_of.items()}
+        if runs == 0:  # --quick: the recovery jobs' own startups stand in for dedicated runs
+            runs = 1
+            startup = {kind: [r.startups[0] if r.startups else None] for kind, r in recovery.items()}
+        master_rss = standalone_master_rss(tmp / "master")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    elapsed = time.monotonic() - began
+
+    start_med = {k: median([v for v in vals if v is not None]) for k, vals in startup.items()}
+    rec_med = {k: median(r.recovered) for k, r in recovery.items()}
+    print(f"\nlaunch benchmark: {NPROC}-worker gloo DDP ({SCRIPT.name}), medians; {elapsed:.0f} s in all")
+    print("startup: command -> step 0 finished by every rank; recovery: SIGKILL of the highest rank -> a step")
+    print(f"finished by every rank of the restarted workers (timeout {kill_timeout:.0f} s = not recovered)")
+    print(f"{'metric':<34}{'convoy':>10}{'torchrun':>10}{'ratio':>8}")
+    ok_runs = {k: sum(v is not None for v in vals) for k, vals in startup.items()}
+    print(f"{'startup to first step (s)':<34}{fmt(start_med['convoy']):>10}{fmt(start_med['torchrun']):>10}"
+          f"{fmt(ratio(start_med['convoy'], start_med['torchrun'])):>8}")
+    print(f"{'  started / runs':<34}{ok_runs['convoy']:>8}/{runs}{ok_runs['torchrun']:>8}/{runs}")
+    print(f"{'recovery to next step (s)':<34}{fmt(rec_med['convoy']):>10}{fmt(rec_med['torchrun']):>10}"
+          f"{fmt(ratio(rec_med['convoy'], rec_med['torchrun'])):>8}")
+    rec_ok = {k: f"{len(r.recovered)}/{kills_of[k]}" for k, r in recovery.items()}
+    print(f"{'  recovered / kills':<34}{rec_ok['convoy']:>10}{rec_ok['torchrun']:>10}")
+    print(f"{'  jobs started for the kills':<34}{recovery['convoy'].fresh_jobs:>10}"
+          f"{recovery['torchrun'].fresh_jobs:>10}")
+    print(f"{'RSS (MB, max while training)':<34}")
+    rss = {**recovery["convoy"].rss, **recovery["torchrun"].rss}
+    if master_rss is not None:
+        rss["convoy master (standalone)"] = master_rss
+    for name, value in rss.items():
+        print(f"  {name:<32}{value:>10.0f}")
+    for kind in ("convoy", "torchrun"):
+        print(f"{kind} startup runs (s): " + " ".join(fmt(v) for v in startup[kind]))
+        print(f"{kind} recoveries (s): " + (" ".join(fmt(v) for v in recovery[kind].times) or "(no kills)"))
+    print()
+
+    start_ratio = ratio(start_med["convoy"], start_med["torchrun"])
+    start_good = start_ratio is not None and start_ratio <= 0.8
+    print(f"target startup_ratio: {fmt(start_ratio)} (goal <= 0.8) {met(start_good)}")
+    conv = recovery["convoy"]
+    rec_good = len(conv.recovered) == kills and rec_med["convoy"] is not None and rec_med["convoy"] <= 2.0
+    print(f"target recovery: {rec_ok['convoy']}, median {fmt(rec_med['convoy'])} s "
+          f"(goal {kills}/{kills}, <= 2.0 s) {met(rec_good)}")
+    agent = rss.get("convoy agent")
+    print(f"target agent_rss: {fmt(agent, 0)} MB (goal < 80 MB) {met(agent is not None and agent < 80)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
