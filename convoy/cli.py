@@ -115,17 +115,18 @@ def _master(args: argparse.Namespace) -> int:
         _console(f"convoy: master of job {master.job.job_id} at {master.url}; token file {token_file}")
         _console(f"convoy: on each node: convoy agent --master HOST:{master.api.address[1]} --token-file "
                  f"{token_file} --nproc-per-node K SCRIPT")
-    previous = signal.signal(signal.SIGTERM, raise_interrupted)
+    previous = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         master.wait_ended()
         code = 0 if master.job.status == "succeeded" else 1
-    except (KeyboardInterrupt, Interrupted) as exc:
-        master.abort(f"master interrupted by {exc or 'SIGINT'}")
-        code = getattr(exc, "exit_code", 130)
+    except Interrupted as exc:
+        master.abort(f"master interrupted by {exc}")
+        code = exc.exit_code
     finally:
-        signal.signal(signal.SIGTERM, previous)
         master.wait_acknowledged(2 * master.config.heartbeat_s + 1.0)  # every agent should hear the outcome
         master.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return code
 
 
@@ -174,3 +175,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConvoyError as exc:
         print(f"convoy: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+    except BrokenPipeError:  # the reader of our output went away (`convoy status | head -1`)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1

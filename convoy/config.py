@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import secrets
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -85,10 +86,13 @@ class WorkerConfig:
         if not self.entrypoint:
             raise ConfigError("no training script given: convoy run [options] SCRIPT [ARGS...]")
         if self.module:
+            sys.path.insert(0, os.getcwd())  # where `python -m` looks first, whatever started convoy
             try:
                 found = importlib.util.find_spec(self.entrypoint) is not None
             except (ImportError, ValueError):
                 found = False
+            finally:
+                sys.path.remove(os.getcwd())
             if not found:
                 raise ConfigError(f"module {self.entrypoint!r} not found: check the name and PYTHONPATH")
             return

@@ -34,5 +34,11 @@ class Interrupted(Exception):
 
 
 def raise_interrupted(signum: int, frame: object) -> None:
-    """A signal handler that turns SIGINT/SIGTERM into ``Interrupted`` in the main thread."""
+    """A signal handler that turns SIGINT/SIGTERM into ``Interrupted`` in the main thread.
+
+    Only the first signal counts: both are ignored from then on, so a second one (a terminal's
+    Ctrl-C followed by the launcher's SIGTERM) cannot break the orderly stop the first began.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise Interrupted(signum)

@@ -17,7 +17,7 @@ from convoy.config import STATE_FILE, JobConfig
 from convoy.control.schedulers.local import LocalScheduler
 from convoy.control.store import read_status
 from convoy.control.token import TOKEN_FILE, write_token
-from convoy.errors import ConvoyError
+from convoy.errors import ConfigError, ConvoyError
 from convoy.procs import Interrupted, raise_interrupted, signal_name
 from convoy.shm import remove_segments
 
@@ -40,10 +40,11 @@ def run_local_job(config: JobConfig, relaunch: bool = False, console: Callable[[
     config.validate()
     run_dir = config.master.run_dir
     config.master.job_id = config.master.job_id or secrets.token_hex(4)
+    port = _usable_port(config.master.port)
     token_file = run_dir / TOKEN_FILE
     token = write_token(token_file)
-    port = _free_port()
     scheduler = LocalScheduler(config, token_file, port)
+    client: MasterClient | None = None
     previous = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
     started = time.monotonic()
     try:
@@ -55,15 +56,15 @@ def run_local_job(config: JobConfig, relaunch: bool = False, console: Callable[[
         from convoy.agent.client import MasterClient  # pydantic: imported once the children are on their way
 
         client = MasterClient("127.0.0.1", port, token, give_up_after_s=2.0)
-        _supervise(scheduler, client, relaunch, console)
+        _supervise(scheduler, client, relaunch, config.master.rendezvous.min_nodes, console)
         if not scheduler.wait(config.workers.stop_grace_s + CHILD_EXIT_GRACE_S):
             scheduler.stop(CHILD_EXIT_GRACE_S)
         job = read_status(run_dir, recent=0)["job"]
         console(f"convoy: finished in {time.monotonic() - started:.1f} s with {job['restart_count']} restart(s)")
         return 0 if job["status"] == "succeeded" else 1
     except Interrupted as exc:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if client is not None:
+            _abort(client, f"interrupted by {exc}")  # the record names the launcher's signal
         scheduler.stop(config.workers.stop_grace_s + CHILD_EXIT_GRACE_S)
         return exc.exit_code
     finally:
@@ -73,7 +74,8 @@ def run_local_job(config: JobConfig, relaunch: bool = False, console: Callable[[
             signal.signal(sig, handler)
 
 
-def _supervise(scheduler: LocalScheduler, client: MasterClient, relaunch: bool, console: Callable[[str], None]) -> None:
+def _supervise(scheduler: LocalScheduler, client: MasterClient, relaunch: bool, min_nodes: int,
+               console: Callable[[str], None]) -> None:
     """Watch the children until the master exits with the job's outcome."""
     master_restarts, aborted = 0, False
     while True:
@@ -93,15 +95,21 @@ def _supervise(scheduler: LocalScheduler, client: MasterClient, relaunch: bool, 
             if relaunch and agent_code != 0:
                 console(f"convoy: agent of node {node_id} {_describe(agent_code)}; relaunching it")
                 scheduler.start_node(node_id)
-        if not scheduler.running() and not aborted:
-            aborted = True
-            _abort(client, "every agent exited before the job ended; see the lines above")
+        running = len(scheduler.running())
+        if running < min_nodes and not relaunch and not aborted:
+            aborted = True  # nothing will bring a local node back: do not sit out the join timeout
+            left = "every agent exited before the job ended" if running == 0 else f"only {running} node(s) left"
+            _abort(client, f"{left}, fewer than --nnodes MIN={min_nodes}, and --relaunch is off; see the lines above")
         time.sleep(POLL_S)
 
 
-def _free_port() -> int:
+def _usable_port(port: int) -> int:
+    """``port`` if it is free on 127.0.0.1 (any free port for 0); a clear error if it is taken."""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise ConfigError(f"port {port} on 127.0.0.1 is already in use: pick another --port or 0 for any") from exc
         return int(sock.getsockname()[1])
 
 

@@ -19,7 +19,7 @@ from convoy.control.job import RUNNING, Event, Job
 from convoy.control.nodes import NodeRegistry
 from convoy.control.rendezvous import Membership, Rendezvous
 from convoy.control.store import Store, restore
-from convoy.control.token import TOKEN_FILE, read_token, write_token
+from convoy.control.token import TOKEN_FILE, new_token, read_token, write_token
 from convoy.errors import ConflictError
 
 TICK_S = 0.1
@@ -46,10 +46,12 @@ class JobMaster:
             job_id = config.job_id or secrets.token_hex(4)
             self.job = Job(job_id, rendezvous, config.max_restarts, rdzv_config.join_timeout_s)
             self.nodes = NodeRegistry(config.heartbeat_timeout_s)
-            self.token = read_token(token_path) if token_file and token_path.exists() else write_token(token_path)
+            self.token = read_token(token_path) if token_file and token_path.exists() else new_token()
         self.config, self.console, self.resumed = config, console, resume
+        self.api = ApiServer(self, config.host, config.port, self.token)  # bind first: a refusal leaves no state
+        if not token_path.exists():
+            write_token(token_path, self.token)
         self.store = Store(config.run_dir, config.to_json())
-        self.api = ApiServer(self, config.host, config.port, self.token)
         self._changed = threading.Condition()
         self._acknowledged: set[str] = set()
         self._stopping = threading.Event()

@@ -11,9 +11,13 @@ from convoy.errors import ConfigError
 TOKEN_FILE = "token"
 
 
-def write_token(path: Path) -> str:
-    """Create a fresh random token in ``path`` with mode 0600."""
-    token = secrets.token_urlsafe(32)
+def new_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def write_token(path: Path, token: str | None = None) -> str:
+    """Write ``token`` (default: a fresh random one) to ``path`` with mode 0600."""
+    token = token or new_token()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as handle:
         handle.write(token + "\n")

@@ -1,0 +1,183 @@
+"""Stopping a job from outside: Ctrl-C, SIGTERM, SIGKILL of the launcher or of an agent.
+
+Whatever happens to the launcher, no agent, standby or worker of the job may outlive it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+
+import psutil
+import pytest
+from helpers import Launched, ProcessScope, fixture, read_pid, records, wait_for
+
+from convoy.control.store import read_status
+
+pytestmark = pytest.mark.slow
+
+WORKER = fixture("worker.py")
+
+
+def start_long_job(procs: ProcessScope, run_dir: Path, record_dir: Path, *worker_args: object,
+                   options: tuple = (), hold: str = "--hold") -> tuple[Launched, list[int]]:
+    """A 2 x 2 job whose workers would run for a minute; returns once all four are running."""
+    record_dir.mkdir()
+    job = procs.start(["run", "--nnodes", "2", "--nproc-per-node", "2", "--preload", "", "--stop-grace", "1",
+                       "--run-dir", run_dir, *options, WORKER, "--record", record_dir, hold, 60, *worker_args])
+    pid_files = [record_dir / f"rank{rank}.round1.pid" for rank in range(4)]
+    wait_for(lambda: all(p.exists() for p in pid_files), 60, "all four workers to start")
+    return job, [read_pid(p) for p in pid_files]
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_sigint_to_the_launcher_stops_the_job_with_130(procs: ProcessScope, run_dir: Path, tmp_path: Path) -> None:
+    job, workers = start_long_job(procs, run_dir, tmp_path / "records")
+    os.kill(job.pid, signal.SIGINT)
+    result = job.wait(timeout=60)
+    assert result.returncode == 130, result.explain()
+    assert re.search(r"^convoy: job failed: .*interrupted", result.stdout, re.MULTILINE), result.explain()
+    assert all(gone(pid) for pid in workers)
+    assert procs.wait_no_leftovers(timeout=5) == []
+    assert read_status(run_dir)["job"]["status"] == "failed"
+
+
+def test_the_record_names_the_signal_that_stopped_the_job(procs: ProcessScope, run_dir: Path, tmp_path: Path) -> None:
+    record_dir = tmp_path / "records"
+    record_dir.mkdir()
+    job = procs.start(["run", "--preload", "", "--stop-grace", "1", "--run-dir", run_dir, WORKER, "--record",
+                       record_dir, "--hold", 60])
+    wait_for(lambda: (record_dir / "rank0.round1.pid").exists(), 60, "the worker to start")
+    os.kill(job.pid, signal.SIGINT)
+    result = job.wait(timeout=60)
+    assert result.returncode == 130, result.explain()
+    outcome = read_status(run_dir)["job"]["outcome"]
+    assert "SIGINT" in outcome and "SIGTERM" not in outcome, outcome
+
+
+def test_ctrl_c_in_a_terminal_reaches_the_whole_group(procs: ProcessScope, run_dir: Path, tmp_path: Path) -> None:
+    """A terminal's Ctrl-C sends SIGINT to the launcher and its agents at once (one process group)."""
+    job, workers = start_long_job(procs, run_dir, tmp_path / "records")
+    os.killpg(job.pid, signal.SIGINT)
+    result = job.wait(timeout=60)
+    assert result.returncode == 130, result.explain()
+    assert all(gone(pid) for pid in workers)
+    assert procs.wait_no_leftovers(timeout=5) == []
+
+
+def test_ctrl_c_in_a_terminal_ends_the_job_cleanly(procs: ProcessScope, run_dir: Path, tmp_path: Path) -> None:
+    """Ctrl-C is an ordinary way to stop a job: the console and the record say it failed, without tracebacks."""
+    job, _ = start_long_job(procs, run_dir, tmp_path / "records")
+    os.killpg(job.pid, signal.SIGINT)
+    result = job.wait(timeout=60)
+    assert result.returncode == 130, result.explain()
+    assert "Traceback" not in result.output and "Exception occurred" not in result.output, result.explain()
+    assert "convoy: job failed:" in result.stdout, result.explain()
+    assert read_status(run_dir)["job"]["status"] == "failed"
+
+
+def test_sigterm_to_the_launcher_exits_143(procs: ProcessScope, run_dir: Path, tmp_path: Path) -> None:
+    job, workers = start_long_job(procs, run_dir, tmp_path / "records")
+    os.kill(job.pid, signal.SIGTERM)
+    result = job.wait(timeout=60)
+    assert result.returncode == 143, result.explain()
+    assert re.search(r"^convoy: job failed: .*interrupted by SIGTERM", result.stdout, re.MULTILINE), result.explain()
+    assert procs.wait_no_leftovers(timeout=5) == []
+
+
+def test_workers_that_ignore_sigterm_get_sigkill_after_the_grace(procs: ProcessScope, run_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    job, workers = start_long_job(procs, run_dir, tmp_path / "records", "--ignore-term")
+    os.kill(job.pid, signal.SIGINT)
+    result = job.wait(timeout=60)
+    assert result.returncode == 130, result.explain()
+    assert all(gone(pid) for pid in workers), "SIGKILL after --stop-grace reached the stubborn workers"
+    assert procs.wait_no_leftovers(timeout=5) == []
+
+
+def test_sigkill_of_the_launcher_takes_agents_and_workers_down(procs: ProcessScope, run_dir: Path,
+                                                               tmp_path: Path) -> None:
+    job, workers = start_long_job(procs, run_dir, tmp_path / "records")
+    agents = [p for p in psutil.Process(job.pid).children() if "agent" in p.cmdline()]
+    assert len(agents) == 2
+    os.kill(job.pid, signal.SIGKILL)
+    job.wait(timeout=10)
+    left = procs.wait_no_leftovers(timeout=15)
+    assert left == [], "agents (PDEATHSIG) and their workers must not outlive a killed launcher"
+    assert all(gone(pid) for pid in workers) and all(gone(agent.pid) for agent in agents)
+
+
+def test_sigkill_of_the_launcher_also_stops_workers_ignoring_sigterm(procs: ProcessScope, run_dir: Path,
+                                                                     tmp_path: Path) -> None:
+    job, workers = start_long_job(procs, run_dir, tmp_path / "records", "--ignore-term")
+    os.kill(job.pid, signal.SIGKILL)
+    job.wait(timeout=10)
+    assert procs.wait_no_leftovers(timeout=15) == []
+
+
+def test_sigkill_of_one_agent_kills_its_workers_and_the_job_ends(procs: ProcessScope, run_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    """An agent killed with SIGKILL takes its workers with it (PDEATHSIG); the launcher must not then
+    sit out the join timeout (10 minutes by default; 8 s here) waiting for a node that will never come back."""
+    job, workers = start_long_job(procs, run_dir, tmp_path / "records", hold="--hold-first",
+                                  options=("--join-timeout", 8))
+    victim = psutil.Process(workers[3]).parent()
+    assert victim is not None and "agent" in victim.cmdline()
+    victim.kill()
+    wait_for(lambda: gone(workers[2]) and gone(workers[3]), 10, "the killed agent's workers to die with it")
+    result = job.wait(timeout=30)
+    assert result.returncode in (0, 1), result.explain()
+    outcome = read_status(run_dir)["job"]["outcome"]
+    assert "waited 8 s" not in outcome, f"the job ran into the join timeout: {outcome}"
+
+
+def test_relaunch_replaces_a_killed_agent(procs: ProcessScope, run_dir: Path, tmp_path: Path) -> None:
+    job, workers = start_long_job(procs, run_dir, tmp_path / "records", hold="--hold-first", options=("--relaunch",))
+    victim = psutil.Process(workers[3]).parent()
+    assert victim is not None and "agent" in victim.cmdline()
+    node_id = victim.cmdline()[victim.cmdline().index("--node-id") + 1]
+    victim.kill()
+    result = job.wait(timeout=60)
+    assert result.returncode == 0, result.explain()
+    assert f"convoy: agent of node {node_id} killed by SIGKILL; relaunching it" in result.stdout
+    assert "convoy: job succeeded: all 4 workers finished" in result.stdout
+    assert sorted(records(tmp_path / "records", round_id=job_round(run_dir))) == [0, 1, 2, 3]
+    assert all(gone(pid) for pid in workers)
+
+
+def job_round(run_dir: Path) -> int:
+    return int(read_status(run_dir)["job"]["round_id"])
+
+
+def test_elastic_job_goes_on_with_fewer_nodes_after_losing_an_agent(procs: ProcessScope, run_dir: Path,
+                                                                    tmp_path: Path) -> None:
+    """--nnodes 1:2: when one agent dies, the job regroups at once on the node that is left."""
+    record_dir = tmp_path / "records"
+    record_dir.mkdir()
+    job = procs.start(["run", "--nnodes", "1:2", "--nproc-per-node", "2", "--preload", "", "--stop-grace", "1",
+                       "--rdzv-wait", "0.5", "--run-dir", run_dir, WORKER, "--record", record_dir, "--hold-first", 60])
+    pid_files = [record_dir / f"rank{rank}.round1.pid" for rank in range(4)]
+    wait_for(lambda: all(p.exists() for p in pid_files), 60, "all four workers to start")
+    workers = [read_pid(p) for p in pid_files]
+    victim = psutil.Process(workers[3]).parent()
+    assert victim is not None and "agent" in victim.cmdline()
+    node_id = victim.cmdline()[victim.cmdline().index("--node-id") + 1]
+    victim.kill()
+    result = job.wait(timeout=60)
+    assert result.returncode == 0, result.explain()
+    assert f"convoy: node {node_id} left (agent killed by SIGKILL): going on with 1 nodes (round 2)" in result.stdout
+    assert "convoy: round 2: 1 nodes, world size 2" in result.stdout
+    assert "convoy: job succeeded: all 2 workers finished" in result.stdout
+    assert "with 0 restart(s)" in result.stdout, "losing a node is a regroup, not a restart"
+    second = records(record_dir, round_id=2)
+    assert sorted(second) == [0, 1], "the surviving node runs ranks 0-1"
+    assert {r["env"]["WORLD_SIZE"] for r in second.values()} == {"2"}
+    assert all(gone(pid) for pid in workers)

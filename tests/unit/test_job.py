@@ -1,0 +1,289 @@
+"""The job state machine: failures, restarts, success, timeouts. Pure calls with explicit times."""
+
+from __future__ import annotations
+
+from convoy.control.job import FAILED, RUNNING, SUCCEEDED, Event, Job
+from convoy.control.protocol import WorkerExit
+from convoy.control.rendezvous import Rendezvous
+
+NODES = {"n0": ("10.0.0.1", 2), "n1": ("10.0.0.2", 2)}
+
+
+def make_job(max_restarts: int = 3, min_nodes: int = 2, max_nodes: int = 2, wait_s: float = 0.0,
+             join_timeout_s: float = 60.0) -> Job:
+    return Job("job1", Rendezvous(min_nodes, max_nodes, wait_s, opened_at=0.0), max_restarts, join_timeout_s)
+
+
+def join_all(job: Job, now: float, nodes: tuple[str, ...] = ("n0", "n1")) -> list[Event]:
+    events: list[Event] = []
+    for node_id in nodes:
+        host, nproc = NODES[node_id]
+        _, new = job.join(node_id, host, nproc, 29500, now)
+        events += new
+    return events
+
+
+def failure(node_id: str, round_id: int, rank: int, local_rank: int = 0, **fields: object) -> WorkerExit:
+    fields.setdefault("exitcode", 1)
+    return WorkerExit(node_id=node_id, round_id=round_id, rank=rank, local_rank=local_rank, **fields)  # type: ignore[arg-type]
+
+
+def kinds(events: list[Event]) -> list[str]:
+    return [e.kind for e in events]
+
+
+def test_first_round_closes_with_one_console_event() -> None:
+    job = make_job()
+    events = join_all(job, now=0.0)
+    assert kinds(events) == ["node_joined", "node_joined", "round_closed"]
+    closed = events[-1]
+    assert closed.console and closed.round_id == 1
+    assert closed.message == "round 1: 2 nodes, world size 4 [node0=10.0.0.1x2, node1=10.0.0.2x2]"
+    assert job.tick(1.0) == [], "a closed round is announced once"
+
+
+def test_worker_failure_restarts_the_job_in_a_new_round() -> None:
+    job = make_job(max_restarts=3)
+    join_all(job, now=0.0)
+    events = job.worker_exited(failure("n1", 1, rank=3, local_rank=1, exitcode=7), now=5.0)
+    assert kinds(events) == ["worker_failed", "restart"]
+    assert events[0].message == "rank 3 (node 1, local rank 1) exited with code 7 in round 1"
+    assert events[0].console and events[0].node_id == "n1"
+    assert events[1].message == "restart 1/3: opening round 2" and events[1].console
+    assert job.status == RUNNING and job.restart_count == 1
+    assert job.round_id == 2 and job.membership is None, "every node must join the new round"
+    events = join_all(job, now=6.0)
+    assert kinds(events)[-1] == "round_closed" and events[-1].round_id == 2
+    assert job.membership is not None and job.membership.round_id == 2
+
+
+def test_a_signal_death_is_described_by_the_signal_name() -> None:
+    job = make_job()
+    join_all(job, now=0.0)
+    events = job.worker_exited(failure("n0", 1, rank=1, local_rank=1, exitcode=None, signal="SIGKILL"), now=1.0)
+    assert events[0].message == "rank 1 (node 0, local rank 1) was killed by SIGKILL in round 1"
+
+
+def test_reports_from_an_old_round_are_ignored() -> None:
+    job = make_job(max_restarts=3)
+    join_all(job, now=0.0)
+    job.worker_exited(failure("n1", 1, rank=2), now=1.0)
+    # the other node's workers died of the same fault a moment later, in the old round
+    events = job.worker_exited(failure("n0", 1, rank=0), now=1.1)
+    assert kinds(events) == ["stale_report"]
+    assert job.restart_count == 1 and job.round_id == 2
+    join_all(job, now=2.0)
+    assert kinds(job.worker_exited(failure("n0", 1, rank=0), now=3.0)) == ["stale_report"]
+    assert job.restart_count == 1 and job.membership is not None, "the running round 2 is untouched"
+    assert job.node_done("n0", 1) == [] and "n0" not in job.done_nodes
+
+
+def test_restarts_exhausted_fails_naming_rank_exit_code_and_log_tail() -> None:
+    job = make_job(max_restarts=1)
+    join_all(job, now=0.0)
+    job.worker_exited(failure("n1", 1, rank=2, exitcode=3), now=1.0)
+    join_all(job, now=2.0)
+    last = failure("n1", 2, rank=3, local_rank=1, exitcode=3, log_path="/runs/x/logs/round2/rank3.log",
+                   log_tail=["epoch 1 done", "RuntimeError: disk full"])
+    events = job.worker_exited(last, now=3.0)
+    assert kinds(events) == ["worker_failed", "job_failed"]
+    assert job.status == FAILED and job.restart_count == 1
+    outcome = job.outcome
+    assert outcome.startswith("job failed: rank 3 (node 1, local rank 1) exited with code 3")
+    assert "no restarts left (1 of 1 used)" in outcome
+    assert "last lines of /runs/x/logs/round2/rank3.log:" in outcome
+    assert "    epoch 1 done\n    RuntimeError: disk full" in outcome
+    assert events[-1].message == outcome and events[-1].console
+
+
+def test_signal_death_with_no_restarts_left_names_the_signal() -> None:
+    job = make_job(max_restarts=0)
+    join_all(job, now=0.0)
+    job.worker_exited(failure("n0", 1, rank=0, exitcode=None, signal="SIGSEGV"), now=1.0)
+    assert job.status == FAILED
+    assert "rank 0 (node 0, local rank 0) was killed by SIGSEGV" in job.outcome
+    assert job.restart_count == 0
+
+
+def test_a_worker_that_cannot_start_is_not_retried() -> None:
+    job = make_job(max_restarts=5)
+    join_all(job, now=0.0)
+    events = job.worker_exited(failure("n0", 1, rank=1, local_rank=1, start_failed=True), now=1.0)
+    assert kinds(events) == ["worker_failed", "job_failed"]
+    assert job.status == FAILED and job.restart_count == 0
+    assert "could not be started" in job.outcome and "not retried" in job.outcome
+
+
+def test_job_succeeds_when_every_member_node_is_done() -> None:
+    job = make_job()
+    join_all(job, now=0.0)
+    assert job.node_done("n0", 1) == []
+    assert job.status == RUNNING
+    events = job.node_done("n1", 1)
+    assert kinds(events) == ["job_succeeded"]
+    assert job.status == SUCCEEDED and job.outcome == "job succeeded: all 4 workers finished"
+
+
+def test_done_nodes_are_forgotten_when_the_job_restarts() -> None:
+    job = make_job()
+    join_all(job, now=0.0)
+    job.node_done("n0", 1)
+    job.worker_exited(failure("n1", 1, rank=2), now=1.0)
+    join_all(job, now=2.0)
+    assert job.node_done("n1", 2) == [] and job.status == RUNNING, "n0's round-1 success does not count"
+    assert kinds(job.node_done("n0", 2)) == ["job_succeeded"]
+
+
+def test_node_done_for_a_round_that_is_not_closed_is_ignored() -> None:
+    job = make_job()
+    join_all(job, now=0.0, nodes=("n0",))
+    assert job.node_done("n0", 1) == [] and job.done_nodes == set()
+
+
+def test_join_timeout_fails_the_job() -> None:
+    job = make_job(min_nodes=2, max_nodes=2, join_timeout_s=10.0)
+    join_all(job, now=0.0, nodes=("n0",))
+    assert job.tick(9.0) == [] and job.status == RUNNING
+    events = job.tick(10.5)
+    assert kinds(events) == ["job_failed"]
+    assert job.status == FAILED
+    assert "round 1 waited 10 s with 1 of at least 2 nodes" in job.outcome
+    assert job.tick(20.0) == [], "an ended job does not fail twice"
+
+
+def test_join_timeout_counts_from_when_the_new_round_opened() -> None:
+    job = make_job(join_timeout_s=10.0)
+    join_all(job, now=0.0)
+    job.worker_exited(failure("n0", 1, rank=0), now=100.0)
+    assert job.tick(109.0) == []
+    assert kinds(job.tick(110.5)) == ["job_failed"]
+    assert "round 2 waited" in job.outcome
+
+
+def test_tick_closes_a_round_whose_window_passed() -> None:
+    job = make_job(min_nodes=1, max_nodes=2, wait_s=3.0)
+    join_all(job, now=0.0, nodes=("n0",))
+    assert job.tick(2.0) == []
+    events = job.tick(3.0)
+    assert kinds(events) == ["round_closed"] and job.membership is not None
+
+
+def test_losing_a_member_node_regroups_without_it_and_spends_no_restart() -> None:
+    job = make_job(min_nodes=1, max_nodes=2, wait_s=100.0)
+    join_all(job, now=0.0)
+    assert job.membership is not None and job.membership.world_size == 4
+    events = job.node_lost("n1", "sent no heartbeat for 30 s", now=40.0)
+    assert kinds(events) == ["regroup"] and job.round_id == 2 and job.membership is None
+    assert events[0].message == "node n1 sent no heartbeat for 30 s: going on with 1 nodes (round 2)"
+    assert events[0].console, "the console says why the job regrouped"
+    assert (job.restart_count, job.regroup_count) == (0, 1)
+    events = join_all(job, now=41.0, nodes=("n0",))
+    assert kinds(events) == ["node_joined", "round_closed"], "the survivor is back: no need to wait out the window"
+    assert job.membership is not None and job.membership.node_ids() == {"n0"} and job.membership.world_size == 2
+
+
+def test_node_loss_does_not_spend_the_restart_budget() -> None:
+    job = make_job(max_restarts=0, min_nodes=1, max_nodes=2, wait_s=100.0)
+    join_all(job, now=0.0)
+    job.node_lost("n1", "left (agent killed by SIGKILL)", now=1.0)
+    assert job.status == RUNNING
+    join_all(job, now=2.0, nodes=("n0",))
+    job.worker_exited(failure("n0", 2, rank=0), now=3.0)
+    assert job.status == FAILED and "no restarts left (0 of 0 used)" in job.outcome
+
+
+def test_losing_a_node_below_min_waits_for_a_replacement_then_times_out() -> None:
+    job = make_job(min_nodes=2, max_nodes=2, join_timeout_s=10.0)
+    join_all(job, now=0.0)
+    job.node_lost("n1", "left (agent killed by SIGKILL)", now=1.0)
+    join_all(job, now=2.0, nodes=("n0",))
+    assert job.membership is None, "one node is below MIN 2: the round stays open"
+    assert job.tick(10.5) == []
+    assert kinds(job.tick(11.5)) == ["job_failed"] and "with 1 of at least 2 nodes" in job.outcome
+
+
+def test_a_replacement_node_joins_the_regroup_round() -> None:
+    job = make_job(min_nodes=2, max_nodes=2)
+    join_all(job, now=0.0)
+    job.node_lost("n1", "left (agent killed by SIGKILL)", now=1.0)
+    job.join("n0", "10.0.0.1", 2, 29500, now=2.0)
+    _, events = job.join("n9", "10.0.0.9", 2, 29500, now=3.0)
+    assert kinds(events) == ["node_joined", "round_closed"]
+    assert job.membership is not None and [m.node_id for m in job.membership.members] == ["n0", "n9"]
+
+
+def test_a_new_node_grows_a_running_job() -> None:
+    job = make_job(min_nodes=1, max_nodes=2, wait_s=5.0)
+    join_all(job, now=0.0, nodes=("n0",))
+    job.tick(5.0)
+    assert job.membership is not None and job.membership.node_ids() == {"n0"}
+    round_id, events = job.join("n1", "10.0.0.2", 2, 29500, now=10.0)
+    assert kinds(events) == ["node_joined", "regroup"] and round_id == 2
+    assert events[1].message == "node n1 joins: growing to 2 nodes (round 2)"
+    assert job.membership is None and (job.restart_count, job.regroup_count) == (0, 1)
+    _, events = job.join("n0", "10.0.0.1", 2, 29500, now=11.0)
+    assert kinds(events) == ["node_joined", "round_closed"], "closes once the old member is back too"
+    assert job.membership is not None
+    assert [m.node_id for m in job.membership.members] == ["n0", "n1"], "n0 keeps node rank 0"
+
+
+def test_a_node_joining_a_full_job_waits_without_disturbing_it() -> None:
+    job = make_job(min_nodes=2, max_nodes=2)
+    join_all(job, now=0.0)
+    round_id, events = job.join("n9", "10.0.0.9", 2, 29500, now=5.0)
+    assert kinds(events) == ["node_joined"] and round_id == 2
+    assert job.round_id == 1 and job.membership is not None and job.regroup_count == 0
+
+
+def test_growing_the_job_settles_on_both_nodes_even_with_a_zero_wait_window() -> None:
+    job = make_job(min_nodes=1, max_nodes=2, wait_s=0.0)
+    job.join("n0", "10.0.0.1", 2, 29500, now=0.0)
+    job.join("n1", "10.0.0.2", 2, 29500, now=1.0)
+    now = 2.0
+    for _ in range(5):  # agents do what they do: a node outside the running round joins again
+        membership = job.membership
+        if membership is not None and len(membership.members) == 2:
+            break
+        for node_id in ("n0", "n1"):
+            if (membership is None or node_id not in membership.node_ids()) and not job.rendezvous.is_waiting(node_id):
+                job.join(node_id, "10.0.0.1", 2, 29500, now=now)
+                now += 0.1
+    assert job.membership is not None and job.membership.node_ids() == {"n0", "n1"}, f"round {job.round_id}"
+
+
+def test_losing_a_node_that_is_not_a_member_only_forgets_it() -> None:
+    job = make_job(min_nodes=2, max_nodes=2)
+    join_all(job, now=0.0, nodes=("n0",))
+    events = job.node_lost("n0", "left (interrupted by SIGINT)", now=1.0)
+    assert kinds(events) == ["node_left"]
+    assert events[0].message == "node n0 left (interrupted by SIGINT)"
+    assert job.rendezvous.joined == [] and job.restart_count == 0 and job.round_id == 1
+
+
+def test_a_member_rejoining_while_its_round_runs_means_its_agent_restarted() -> None:
+    job = make_job()
+    join_all(job, now=0.0)
+    round_id, events = job.join("n1", "10.0.0.2", 2, 29500, now=5.0)
+    assert kinds(events)[:2] == ["restart", "node_joined"]
+    assert round_id == 2 and job.restart_count == 1
+
+
+def test_abort_fails_a_running_job_once() -> None:
+    job = make_job()
+    join_all(job, now=0.0)
+    events = job.abort("interrupted by SIGINT")
+    assert kinds(events) == ["job_failed"] and job.outcome == "job failed: interrupted by SIGINT"
+    assert job.abort("again") == []
+    assert job.outcome == "job failed: interrupted by SIGINT"
+
+
+def test_an_ended_job_ignores_further_input() -> None:
+    job = make_job()
+    join_all(job, now=0.0)
+    job.node_done("n0", 1)
+    job.node_done("n1", 1)
+    assert job.status == SUCCEEDED
+    assert kinds(job.worker_exited(failure("n0", 1, rank=0), now=2.0)) == ["stale_report"]
+    assert job.join("n0", "10.0.0.1", 2, 29500, now=3.0)[1] == []
+    assert job.node_lost("n1", "gone", now=4.0) == []
+    assert job.status == SUCCEEDED and job.restart_count == 0

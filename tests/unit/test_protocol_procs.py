@@ -1,0 +1,42 @@
+"""Small pure helpers: exit descriptions on the wire, signal names, the wire models' limits."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from convoy.control.protocol import JoinRequest, WaitRequest, WorkerExit
+from convoy.procs import Interrupted, signal_name
+
+
+def test_worker_exit_describes_code_signal_and_start_failure() -> None:
+    base = {"node_id": "n", "round_id": 1, "rank": 0, "local_rank": 0}
+    assert WorkerExit(**base, exitcode=3).describe() == "exited with code 3"
+    assert WorkerExit(**base, signal="SIGKILL").describe() == "was killed by SIGKILL"
+    assert WorkerExit(**base, start_failed=True, exitcode=1).describe() == "could not be started"
+
+
+@pytest.mark.parametrize(("code", "name"), [(-9, "SIGKILL"), (-15, "SIGTERM"), (-11, "SIGSEGV"), (0, None), (1, None),
+                                            (-200, "signal 200")])
+def test_signal_name(code: int, name: str | None) -> None:
+    assert signal_name(code) == name
+
+
+def test_interrupted_exit_codes_follow_the_shell() -> None:
+    assert Interrupted(2).exit_code == 130 and str(Interrupted(2)) == "SIGINT"
+    assert Interrupted(15).exit_code == 143
+
+
+@pytest.mark.parametrize("fields", [
+    {"node_id": "", "host": "h", "nproc": 1, "port": 1},
+    {"node_id": "n", "host": "h", "nproc": 0, "port": 1},
+    {"node_id": "n", "host": "h", "nproc": 1, "port": 70000},
+])
+def test_join_request_limits(fields: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        JoinRequest(**fields)  # type: ignore[arg-type]
+
+
+def test_long_polls_are_bounded() -> None:
+    with pytest.raises(ValidationError):
+        WaitRequest(node_id="n", round_id=1, timeout_s=3600)

@@ -1,0 +1,108 @@
+"""The SQLite store and `convoy status` text, fed by a real Job driven through a restart."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from convoy.control.job import Event, Job
+from convoy.control.nodes import NodeRegistry
+from convoy.control.protocol import WorkerExit
+from convoy.control.rendezvous import Rendezvous
+from convoy.control.status import format_status
+from convoy.control.store import Store, read_status
+from convoy.errors import ConfigError
+
+
+@pytest.fixture
+def store(tmp_path: Path):  # type: ignore[no-untyped-def]
+    store = Store(tmp_path)
+    yield store
+    store.close()
+
+
+def job_through_a_restart(store: Store) -> tuple[Job, NodeRegistry]:
+    job = Job("feedbeef", Rendezvous(2, 2, 0.0, opened_at=0.0), max_restarts=3, join_timeout_s=60.0)
+    registry = NodeRegistry(timeout_s=30.0)
+    url = "127.0.0.1:4000"
+    store.save(job, [Event("master_started", "master listening on 127.0.0.1:4000")], url, [])
+    for node_id, host, port in (("local0", "10.0.0.1", 1111), ("local1", "10.0.0.2", 2222)):
+        registry.register(node_id, host, 2, now=0.0)
+        _, events = job.join(node_id, host, 2, port, now=0.0)
+        store.save(job, events, url, list(registry.nodes.values()))
+    report = WorkerExit(node_id="local1", round_id=1, rank=3, local_rank=1, signal="SIGKILL")
+    store.save(job, job.worker_exited(report, now=1.0), url, list(registry.nodes.values()))
+    for node_id, host, port in (("local1", "10.0.0.2", 3333), ("local0", "10.0.0.1", 4444)):
+        _, events = job.join(node_id, host, 2, port, now=2.0)
+        store.save(job, events, url, list(registry.nodes.values()))
+    return job, registry
+
+
+def test_read_status_returns_job_round_nodes_and_events_in_order(store: Store, tmp_path: Path) -> None:
+    job, _ = job_through_a_restart(store)
+    state = read_status(tmp_path)
+    assert state["job"]["job_id"] == "feedbeef" and state["job"]["status"] == "running"
+    assert (state["job"]["round_id"], state["job"]["restart_count"], state["job"]["max_restarts"]) == (2, 1, 3)
+    assert state["job"]["ended_at"] is None
+    assert state["round"]["round_id"] == 2 and state["round"]["world_size"] == 4
+    assert (state["round"]["master_addr"], state["round"]["master_port"]) == ("10.0.0.1", 4444)
+    assert json.loads(state["round"]["members"]) == [[0, "local0", "10.0.0.1", 2], [1, "local1", "10.0.0.2", 2]]
+    assert [(n["node_id"], n["node_rank"]) for n in state["nodes"]] == [("local0", 0), ("local1", 1)]
+    assert [e["kind"] for e in state["events"]] == [
+        "master_started", "node_joined", "node_joined", "round_closed", "worker_failed", "restart",
+        "node_joined", "node_joined", "round_closed",
+    ]
+    assert state["events"][4]["message"] == "rank 3 (node 1, local rank 1) was killed by SIGKILL in round 1"
+
+
+def test_end_of_job_is_recorded_and_created_at_kept(store: Store, tmp_path: Path) -> None:
+    job, registry = job_through_a_restart(store)
+    created = read_status(tmp_path)["job"]["created_at"]
+    store.save(job, job.node_done("local0", 2), "127.0.0.1:4000", list(registry.nodes.values()))
+    store.save(job, job.node_done("local1", 2), "127.0.0.1:4000", list(registry.nodes.values()))
+    row = read_status(tmp_path)["job"]
+    assert row["status"] == "succeeded" and row["outcome"] == "job succeeded: all 4 workers finished"
+    assert row["created_at"] == created and row["ended_at"] >= created
+
+
+def test_recent_limits_the_events_to_the_newest(store: Store, tmp_path: Path) -> None:
+    job = Job("j", Rendezvous(1, 1, 0.0, opened_at=0.0), 0, 1.0)
+    store.save(job, [Event("note", f"event {i}") for i in range(30)], "u", [])
+    events = read_status(tmp_path, recent=5)["events"]
+    assert [e["message"] for e in events] == [f"event {i}" for i in range(25, 30)]
+
+
+def test_read_status_without_a_job_says_so(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no convoy job state in"):
+        read_status(tmp_path / "nowhere")
+
+
+def test_format_status_shows_job_round_nodes_and_events(store: Store, tmp_path: Path) -> None:
+    job, registry = job_through_a_restart(store)
+    text = format_status(read_status(tmp_path))
+    lines = text.splitlines()
+    assert lines[0] == "job feedbeef: running, round 2, restarts 1/3, nodes 2:2, master 127.0.0.1:4000"
+    assert "round 2: world size 4, store 10.0.0.1:4444 [node0=10.0.0.1x2, node1=10.0.0.2x2]" in lines
+    node_lines = lines[lines.index("nodes:") + 1: lines.index("recent events:")]
+    assert len(node_lines) == 2
+    assert node_lines[0].split()[:4] == ["local0", "rank", "0", "10.0.0.1"] and "alive" in node_lines[0]
+    event_lines = lines[lines.index("recent events:") + 1:]
+    assert any("worker_failed" in line and "killed by SIGKILL" in line for line in event_lines)
+    assert any("restart" in line and "restart 1/3: opening round 2" in line for line in event_lines)
+
+
+def test_format_status_shows_only_the_first_line_of_a_long_outcome(store: Store, tmp_path: Path) -> None:
+    job = Job("j", Rendezvous(1, 1, 0.0, opened_at=0.0), 0, 1.0)
+    job.join("n", "h", 1, 1, now=0.0)
+    report = WorkerExit(node_id="n", round_id=1, rank=0, local_rank=0, exitcode=3, log_path="/l/rank0.log",
+                        log_tail=["Traceback", "ValueError: bad"])
+    store.save(job, job.worker_exited(report, now=1.0), "u", [])
+    text = format_status(read_status(tmp_path))
+    assert "  job failed: rank 0 (node 0, local rank 0) exited with code 3; no restarts left (0 of 0 used)" in text
+    assert "ValueError: bad" not in text
+
+
+def test_format_status_before_any_job_row() -> None:
+    assert format_status({"job": None, "nodes": [], "round": None, "events": []}) == "no job recorded yet"
