@@ -74,8 +74,9 @@ class Checkpointer:
     ``async_snapshot`` copies parameters and optimizer state while the next step computes and
     waits before ``optimizer.step()``; turn it off if parameters change anywhere else.
     ``replicated`` (default: whether ``model`` is DDP) says every rank holds the same model and
-    optimizer state, so after a membership change ranks without a snapshot (a new node) take
-    them from a rank that has the newest one; their own data position and RNG start fresh.
+    optimizer state, so when no step is held by every rank (a node just joined) the ranks
+    without the newest one take it from a rank that has it; their data position and RNG start
+    fresh. Otherwise all ranks resume from the newest step they all hold, which is exact.
     """
 
     def __init__(
@@ -221,9 +222,9 @@ class Checkpointer:
         dist.all_gather_object(every, local, group=self._group)
         common = set(every[0]).intersection(*map(set, every[1:]))
         newest = max((step for steps in every for step in steps), default=None)
-        if self.replicated and newest is not None and newest not in common:
-            return self._restore_from_peer(newest, [newest in steps for steps in every])
-        if not common:
+        if not common:  # e.g. a node just joined: its ranks have no snapshot the others have
+            if self.replicated and newest is not None:
+                return self._restore_from_peer(newest, [newest in steps for steps in every])
             return None
         step = max(common)
         assert self._snapshot is not None
