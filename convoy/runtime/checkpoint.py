@@ -141,7 +141,8 @@ class Checkpointer:
         if self._snapshot is not None and step % self.every == 0:
             self._take_snapshot(step)
         if self.persist_every and (step + 1) % self.persist_every == 0:
-            self._saver.save_async(self._dcp_state(step), step)
+            stable = self._stable_until_optimizer_step() if self.async_snapshot else set()
+            self._saver.save_async(self._dcp_state(step), step, stable)
 
     def _take_snapshot(self, step: int) -> None:
         assert self._snapshot is not None
@@ -181,6 +182,7 @@ class Checkpointer:
         return ptrs
 
     def _wait_copy(self) -> None:
+        self._saver.wait_staged()
         if self._copy_thread is not None:
             self._copy_thread.join()
             self._copy_thread = None

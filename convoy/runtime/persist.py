@@ -1,4 +1,4 @@
-"""Persistent checkpoints with torch.distributed.checkpoint: async saves, atomic and verified.
+"""Persistent checkpoints with torch.distributed.checkpoint: background saves, atomic and verified.
 
 A save goes to ``checkpoints/step-N.tmp-rR``; when every rank's data and DCP's metadata are
 written, rank 0 checksums the files into ``convoy-manifest.json`` and renames the directory to
@@ -15,13 +15,15 @@ import shutil
 import sys
 import threading
 import zlib
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+
+from convoy.runtime.snapshot import flatten, unflatten
 
 MANIFEST = "convoy-manifest.json"
 _COMPLETE = re.compile(r"^step-(\d+)$")
@@ -92,27 +94,42 @@ def remove_stale_tmp(root: Path) -> None:
 
 
 class PersistentSaver:
-    """Runs one async DCP save at a time on its own process group; rank 0 seals each save."""
+    """One background DCP save at a time, on its own process group; rank 0 seals each save."""
 
     def __init__(self, root: Path, group: dist.ProcessGroup, rank: int, keep: int, round_id: int,
                  log: Callable[[str], None]) -> None:
         self.root, self.group, self.rank, self.keep, self.round_id, self.log = root, group, rank, keep, round_id, log
         self._pending: threading.Thread | None = None
+        self._staged = threading.Event()
+        self._buffers: list[torch.Tensor] = []
         self.last_error: BaseException | None = None
 
-    def save_async(self, state: dict[str, Any], step: int) -> None:
-        """Stage ``state`` (blocking copy) and write it in the background."""
+    def save_async(self, state: dict[str, Any], step: int, stable: set[int]) -> None:
+        """Copy ``state`` into reused staging buffers and write it on a background thread.
+
+        Tensors whose storage is in ``stable`` (parameters, optimizer state) are copied in the
+        background too; the training loop only waits (``wait_staged``, before the next
+        ``optimizer.step()``) if that copy has not finished while the next forward and backward
+        ran. Everything else (buffers a forward may change) is copied here and now.
+        """
         self.wait()
         tmp = self.root / f"{step_dir(self.root, step).name}.tmp-r{self.round_id}"
-        try:
-            if self.rank == 0:
-                self.root.mkdir(parents=True, exist_ok=True)
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
-        except (Exception, CheckpointException) as exc:  # a failed save is reported, training goes on
-            self._failed(step, tmp, exc)
-            return
-        self._pending = threading.Thread(target=self._finish, args=(future, step, tmp), name="convoy-seal", daemon=True)
+        tensors: list[torch.Tensor] = []
+        skeleton = flatten(state, tensors)
+        if [(t.shape, t.dtype) for t in self._buffers] != [(t.shape, t.dtype) for t in tensors]:
+            self._buffers = [torch.empty(t.shape, dtype=t.dtype) for t in tensors]
+        later = [i for i, t in enumerate(tensors) if t.data_ptr() in stable]
+        for i in sorted(set(range(len(tensors))) - set(later)):
+            self._buffers[i].copy_(tensors[i].detach())
+        self._staged.clear()
+        self._pending = threading.Thread(target=self._write, args=(skeleton, [(i, tensors[i]) for i in later], step,
+                                                                   tmp), name="convoy-persist", daemon=True)
         self._pending.start()
+
+    def wait_staged(self) -> None:
+        """Block until the save in flight no longer reads the live tensors."""
+        if self._pending is not None:
+            self._staged.wait()
 
     def wait(self) -> None:
         """Block until the save in flight is written and sealed (or has failed)."""
@@ -120,23 +137,29 @@ class PersistentSaver:
             self._pending.join()
             self._pending = None
 
-    def _finish(self, future: Future[Any], step: int, tmp: Path) -> None:
-        error = future.exception()
-        if error is not None:
-            self._failed(step, tmp, error)
-            return
-        if self.rank != 0:
-            return
+    def _write(self, skeleton: Any, later: list[tuple[int, torch.Tensor]], step: int, tmp: Path) -> None:
         try:
-            write_manifest(tmp, step)
-            final = step_dir(self.root, step)
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
-            for _, old in complete_checkpoints(self.root)[self.keep :]:
-                shutil.rmtree(old, ignore_errors=True)
-        except OSError as exc:
+            for index, tensor in later:
+                self._buffers[index].copy_(tensor.detach())
+        finally:
+            self._staged.set()
+        try:
+            if self.rank == 0:
+                self.root.mkdir(parents=True, exist_ok=True)
+            dcp.save(unflatten(skeleton, self._buffers), checkpoint_id=str(tmp), process_group=self.group)
+            if self.rank == 0:
+                self._seal(step, tmp)
+        except (Exception, CheckpointException) as exc:  # a failed save is reported, training goes on
             self._failed(step, tmp, exc)
+
+    def _seal(self, step: int, tmp: Path) -> None:
+        write_manifest(tmp, step)
+        final = step_dir(self.root, step)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        for _, old in complete_checkpoints(self.root)[self.keep :]:
+            shutil.rmtree(old, ignore_errors=True)
 
     def _failed(self, step: int, tmp: Path, error: BaseException) -> None:
         self.last_error = error
