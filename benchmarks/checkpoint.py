@@ -9,9 +9,12 @@ after each pair (the peer). Every number is a median over repetitions. What "blo
 
 - a save: the time inside ``ckpt.step()`` plus what the next ``optimizer.step()`` waits for in the
   Checkpointer's pre-step hook (timed by hooks registered before and after it), for in-memory
-  snapshots and for persistent (DCP) saves; the background write is timed until ``step-N`` is sealed;
+  snapshots and for persistent (DCP) saves; the background write is timed until ``step-N`` is sealed,
+  and the next save starts only after that (an untimed wait), so each save is measured on its own;
 - a restore: a worker training with snapshots is SIGKILLed; fresh processes time ``restore()`` plus
   the first ``optimizer.step()``'s wait, and ``torch.load`` + ``load_state_dict`` of the peer file.
+
+CPU-time rows tell work from waiting for a core: on a busy 2-core machine the wall times swing.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ class Sizes:
     batch: int = 32
     reps: int = 5  # blocks without and with snapshots, each followed by one peer save
     block: int = 6  # steps per block; the first of each is not timed
-    persist_every: int = 10
+    persist_every: int = 8
     persist_saves: int = 4  # the first is a warm-up, reported on its own
     restores: int = 5  # fresh restore processes, and as many torch.load processes
 
@@ -357,6 +360,7 @@ def main() -> None:
     parser.add_argument("--tmp", default=None, help="where the peer file and persistent checkpoints go (default: $TMPDIR)")
     args = parser.parse_args()
     sizes = QUICK if args.quick else FULL
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # e.g. `timeout`: still clean up shm and workers
     job_id = f"bench-ckpt-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     kill_job_id = f"{job_id}-kill"  # the killed worker's own segment, apart from this process's
     root = Path(tempfile.mkdtemp(prefix="convoy-bench-ckpt-", dir=args.tmp))

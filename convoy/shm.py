@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
@@ -11,8 +12,10 @@ def segment_prefix(job_id: str) -> str:
     return f"convoy-{job_id}-"
 
 
-def segment_path(job_id: str, rank: int) -> Path:
-    return SHM_DIR / f"{segment_prefix(job_id)}rank{rank}"
+def segment_path(job_id: str, worker: int | str) -> Path:
+    """One worker's segment: by rank, or by a name that stays put across rounds (node + local rank)."""
+    name = f"rank{worker}" if isinstance(worker, int) else re.sub(r"[^A-Za-z0-9_.-]", "_", worker)
+    return SHM_DIR / f"{segment_prefix(job_id)}{name}"
 
 
 def remove_segments(job_id: str) -> list[Path]:

@@ -96,7 +96,10 @@ class Checkpointer:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.log = log or (persist.stderr_log if self.rank == 0 else (lambda message: None))
         job_id = os.environ.get("CONVOY_JOB_ID")
-        self._snapshot = SnapshotFile(segment_path(job_id, self.rank)) if job_id else None
+        # keyed by node and local rank, not global rank: ranks shift when nodes come and go, and
+        # a worker must find its own snapshot on its own host
+        worker = f"{os.environ.get('CONVOY_NODE_ID', 'node')}-local{os.environ.get('LOCAL_RANK', self.rank)}"
+        self._snapshot = SnapshotFile(segment_path(job_id, worker)) if job_id else None
         self._seq = max((s[0] for s in self._snapshot.slots()), default=0) if self._snapshot else 0
         self._copy_thread: threading.Thread | None = None
         self._copy_error: BaseException | None = None
