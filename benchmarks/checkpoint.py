@@ -48,7 +48,7 @@ sys.path.insert(0, str(SCRIPTS))
 from ckpt_worker import build, forward_backward  # noqa: E402
 
 JOB_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-           "MASTER_ADDR", "MASTER_PORT", "CONVOY_JOB_ID", "CONVOY_RUN_DIR", "CONVOY_ROUND")
+           "MASTER_ADDR", "MASTER_PORT", "CONVOY_JOB_ID", "CONVOY_NODE_ID", "CONVOY_RUN_DIR", "CONVOY_ROUND")
 
 
 @dataclass(frozen=True)
@@ -149,8 +149,8 @@ def measure_snapshots(trainer: Trainer, job_id: str, root: Path, peer_file: Path
         ckpt.close()  # right after the last ckpt.step(): the whole copy, overlapping nothing
         samples["copy_alone"].append(time.perf_counter() - started)
         samples["snap_step"] += [s.total for s in timed[1:]]
-        samples["snap_in_ckpt"] += [s.in_ckpt for s in timed]
-        samples["snap_in_ckpt_cpu"] += [s.in_ckpt_cpu for s in timed]
+        samples["snap_in_ckpt"] += [s.in_ckpt for s in timed[:-1]]  # the saves whose next step is timed
+        samples["snap_in_ckpt_cpu"] += [s.in_ckpt_cpu for s in timed[:-1]]
         samples["snap_wait"] += [s.wait for s in timed[1:]]
         samples["snap_blocking"] += [timed[k].in_ckpt + timed[k + 1].wait for k in range(sizes.block - 1)]
         samples["torch_save"].append(peer_save(trainer, peer_file, fsync=False))

@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from convoy.errors import CheckpointError
 from convoy.runtime import persist
-from convoy.runtime.snapshot import SnapshotFile, flatten, layout
+from convoy.runtime.snapshot import SnapshotFile, flatten, layout, map_leaves
 from convoy.shm import segment_path
 
 META_RESERVE = 1 << 20
@@ -158,7 +158,8 @@ class Checkpointer:
         index = self._snapshot.begin(self._seq)
         stable = self._stable_until_optimizer_step()
         later = [i for i, t in enumerate(tensors) if self.async_snapshot and t.data_ptr() in stable]
-        now = [i for i in range(len(tensors)) if i not in set(later)]
+        later_set = set(later)
+        now = [i for i in range(len(tensors)) if i not in later_set]
         self._snapshot.write_tensors(index, [tensors[i] for i in now], [offsets[i] for i in now])
 
         def finish() -> None:
@@ -233,13 +234,39 @@ class Checkpointer:
             return None
         step = max(common)
         assert self._snapshot is not None
-        state = self._snapshot.read(step)
-        if not self._fits(state, step):
+        views = self._snapshot.read(step, copy=False)
+        if not self._fits(views, step):
             return None
-        self._apply_local(state)
+        self._apply_snapshot(views)
         self.restored_from = f"in-memory snapshot of step {step}"
         self.log(f"resumed from the in-memory snapshot of step {step}")
         return step
+
+    def _apply_snapshot(self, views: dict[str, Any]) -> None:
+        """``_apply_local`` from views into shared memory, copying each byte once: load_state_dict copies
+        the model's tensors into its parameters and buffers; extras and RNG are small and cloned; the
+        optimizer adopts empty tensors that a background thread fills while the first step computes
+        (the optimizer's pre-step hook waits for it, as it does for a snapshot's copy)."""
+        small = {key: map_leaves(views[key], torch.Tensor, torch.Tensor.clone) for key in ("extra", "rng")}
+        if self.optimizer is None:
+            self._apply_local({**views, **small})
+            return
+        saved = views["optim"].get("state", {})
+        empty = {**views["optim"], "state": map_leaves(saved, torch.Tensor, torch.empty_like)}
+        self._apply_local({"model": views["model"], "optim": empty, **small})
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        pairs = [(self.optimizer.state[params[index]][name], value) for index, param_state in saved.items()
+                 for name, value in param_state.items() if isinstance(value, torch.Tensor)]
+
+        def fill() -> None:
+            try:
+                for live, value in pairs:
+                    live.copy_(value)
+            except BaseException as exc:  # noqa: BLE001 (re-raised in the training thread)
+                self._copy_error = exc
+
+        self._copy_thread = threading.Thread(target=fill, name="convoy-restore", daemon=True)
+        self._copy_thread.start()
 
     def _fits(self, state: dict[str, Any], step: int) -> bool:
         """Every rank checks its snapshot against its model; all agree, or none uses theirs."""

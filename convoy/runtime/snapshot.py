@@ -163,20 +163,22 @@ class SnapshotFile:
         self._mm[start : start + len(meta)] = meta
         _SLOT.pack_into(self._mm, _HEADER.size + index * _SLOT.size, seq, step, data_len, len(meta))
 
-    def read(self, step: int) -> Any:
-        """The state of the complete snapshot at ``step``, tensors copied out of shared memory."""
+    def read(self, step: int, copy: bool = True) -> Any:
+        """The state of the complete snapshot at ``step``, tensors copied out of shared memory
+        (``copy=False``: views into it, valid until this slot is written again)."""
         assert self._mm is not None and self._bytes is not None
         for index, (seq, slot_step, data_len, meta_len) in enumerate(self.slots()):
             if seq > 0 and slot_step == step:
                 base = HEADER_SIZE + index * self.slot_size
                 skeleton = pickle.loads(self._mm[base + data_len : base + data_len + meta_len])
-                return _restore(skeleton, self._bytes, base)
+                return _restore(skeleton, self._bytes, base, copy)
         raise KeyError(f"no complete snapshot of step {step} in {self.path}")
 
 
-def _restore(skeleton: Any, data: torch.Tensor, base: int) -> Any:
+def _restore(skeleton: Any, data: torch.Tensor, base: int, copy: bool) -> Any:
     def copy_out(ref: TensorRef) -> torch.Tensor:
         raw = data[base + ref.offset : base + ref.offset + ref.nbytes]
-        return raw.view(getattr(torch, ref.dtype)).view(ref.shape).clone()
+        view = raw.view(getattr(torch, ref.dtype)).view(ref.shape)
+        return view.clone() if copy else view
 
     return map_leaves(skeleton, TensorRef, copy_out)
