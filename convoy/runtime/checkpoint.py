@@ -74,9 +74,12 @@ class Checkpointer:
     ``async_snapshot`` copies parameters and optimizer state while the next step computes and
     waits before ``optimizer.step()``; turn it off if parameters change anywhere else.
     ``replicated`` (default: whether ``model`` is DDP) says every rank holds the same model and
-    optimizer state, so when no step is held by every rank (a node just joined) the ranks
-    without the newest one take it from a rank that has it; their data position and RNG start
-    fresh. Otherwise all ranks resume from the newest step they all hold, which is exact.
+    optimizer state. A step counts as finished when ``step()`` returns, before its background
+    copy lands; a rank killed in between still holds its own data position and RNG of that step,
+    and takes parameters and optimizer state from a rank whose copy landed, so the resume is
+    exact and no finished step is redone. A node that just joined takes them the same way and
+    starts its data position and RNG fresh. Without ``replicated`` all ranks resume from the
+    newest step whose copy landed on every rank, which is exact but may redo the last step.
     """
 
     def __init__(
@@ -160,21 +163,24 @@ class Checkpointer:
         later = [i for i, t in enumerate(tensors) if self.async_snapshot and t.data_ptr() in stable]
         later_set = set(later)
         now = [i for i in range(len(tensors)) if i not in later_set]
-        self._snapshot.write_tensors(index, [tensors[i] for i in now], [offsets[i] for i in now])
+        try:
+            self._snapshot.write_tensors(index, [tensors[i] for i in now], [offsets[i] for i in now])
+            # partial until the background copy lands: this rank's own part of ``step`` is in place
+            self._snapshot.commit(index, self._seq, step, skeleton, offsets, data_len, pending=frozenset(later))
+        except OSError as exc:
+            raise CheckpointError(f"in-memory snapshot failed: {exc}") from exc
+        if not later:
+            return
 
         def finish() -> None:
             try:
                 self._snapshot.write_tensors(index, [tensors[i] for i in later], [offsets[i] for i in later])  # type: ignore[union-attr]
-                self._snapshot.commit(index, self._seq, step, skeleton, offsets, data_len)  # type: ignore[union-attr]
+                self._snapshot.mark_complete(index)  # type: ignore[union-attr]
             except BaseException as exc:  # noqa: BLE001 (re-raised in the training thread)
                 self._copy_error = exc
 
-        if later:
-            self._copy_thread = threading.Thread(target=finish, name="convoy-snapshot", daemon=True)
-            self._copy_thread.start()
-        else:
-            finish()
-            self._raise_copy_error()
+        self._copy_thread = threading.Thread(target=finish, name="convoy-snapshot", daemon=True)
+        self._copy_thread.start()
 
     def _stable_until_optimizer_step(self) -> set[int]:
         """Storage of tensors that only ``optimizer.step()`` changes: safe to copy in the background."""
@@ -223,16 +229,30 @@ class Checkpointer:
         return bool(flag.item())
 
     def _restore_snapshot(self) -> int | None:
-        local = self._snapshot.steps() if self._snapshot is not None else []
-        every: list[list[int]] = [[] for _ in range(self.world_size)]
-        dist.all_gather_object(every, local, group=self._group)
-        common = set(every[0]).intersection(*map(set, every[1:]))
-        newest = max((step for steps in every for step in steps), default=None)
-        if not common:  # e.g. a node just joined: its ranks have no snapshot the others have
-            if self.replicated and newest is not None:
-                return self._restore_from_peer(newest, [newest in steps for steps in every])
-            return None
-        step = max(common)
+        """Pick the step to resume from what every rank holds in shared memory, and load it.
+
+        A snapshot is *whole* once its background copy landed, *partial* before (only the rank's
+        own data position and RNG are certain). Replicated state resumes from the newest step that
+        every rank holds at least partially and one rank holds whole: a worker killed while its
+        copy was in flight loses no finished step. Otherwise the newest step all hold whole."""
+        snap = self._snapshot
+        held = (snap.steps(), snap.steps(partial=True)) if snap is not None else ([], [])
+        every: list[tuple[list[int], list[int]]] = [([], []) for _ in range(self.world_size)]
+        dist.all_gather_object(every, held, group=self._group)
+        whole, some = [set(w) for w, _ in every], [set(p) for _, p in every]
+        anywhere = set().union(*whole)
+        candidates = set.intersection(*some) & anywhere if self.replicated else set.intersection(*whole)
+        if candidates:
+            step = max(candidates)
+            if all(step in w for w in whole):
+                return self._restore_own(step)
+            return self._restore_from_peer(step, [step in w for w in whole])
+        if self.replicated and anywhere:  # e.g. a node just joined: its ranks hold no step the others have
+            newest = max(anywhere)
+            return self._restore_from_peer(newest, [newest in w for w in whole])
+        return None
+
+    def _restore_own(self, step: int) -> int | None:
         assert self._snapshot is not None
         views = self._snapshot.read(step, copy=False)
         if not self._fits(views, step):
@@ -278,9 +298,13 @@ class Checkpointer:
         return False
 
     def _restore_from_peer(self, step: int, holders: list[bool]) -> int | None:
-        """Replicated state after a membership change: the lowest rank holding ``step`` sends it."""
-        owner = holders.index(True)
-        mine = self._snapshot.read(step) if holders[self.rank] and self._snapshot is not None else None
+        """Replicated state: the lowest rank holding ``step`` whole sends model and optimizer state to
+        the ranks without it. Those keep their own data position and RNG of ``step`` where their
+        partial snapshot has them (exact), else start them fresh (a node that just joined)."""
+        snap, owner = self._snapshot, holders.index(True)
+        mine = snap.read(step) if holders[self.rank] and snap is not None else None
+        part = snap.read(step, partial=True) if mine is None and snap is not None \
+            and step in snap.steps(partial=True) else None
         shared = [{"model": mine["model"], "optim": mine["optim"]} if self.rank == owner and mine else None]
         dist.broadcast_object_list(shared, src=owner, group=self._group)
         state = mine or {**shared[0], "extra": None, "rng": None}
@@ -292,9 +316,14 @@ class Checkpointer:
             self.model.load_state_dict(state["model"])
             if self.optimizer is not None:
                 self.optimizer.load_state_dict(state["optim"])
-        source = "own" if mine is not None else f"rank {owner}'s"
+            if part is not None:
+                for name, obj in self.extra.items():
+                    _load_extra(obj, part["extra"][name])
+                _set_rng_state(part["rng"])
+        source = "own" if mine is not None else f"rank {owner}'s" + (" with its own data position" if part else "")
         self.restored_from = f"in-memory snapshot of step {step} ({source})"
-        self.log(f"resumed from the in-memory snapshot of step {step}, sent by rank {owner} to ranks without it")
+        self.log(f"resumed from the in-memory snapshot of step {step}, model and optimizer sent by rank {owner} "
+                 "to ranks without it")
         return step
 
     def _optim_mismatch(self, state: dict[str, Any]) -> str | None:

@@ -5,6 +5,11 @@ holds the tensors' bytes (64-byte aligned) followed by a pickled skeleton of the
 nested structure with each tensor replaced by a ``TensorRef``). A slot's sequence number is
 zeroed before it is written and set only after its last byte is in place, so a worker
 killed mid-copy leaves the other slot, the previous complete snapshot, readable.
+
+A slot can also be committed *partial*: its skeleton and the tensors not marked ``pending``
+are in place, the pending ones (parameters and optimizer state, copied in the background) are
+not yet. ``mark_complete`` flips it once they are. A partial slot still carries a rank's own
+small state (data position, RNG) for a step whose replicated state a peer can supply.
 """
 
 from __future__ import annotations
@@ -19,11 +24,11 @@ from typing import Any, Callable
 
 import torch
 
-MAGIC = b"CVYSNAP1"
+MAGIC = b"CVYSNAP2"
 HEADER_SIZE = 4096
 ALIGN = 64
 _HEADER = struct.Struct("<8sq")  # magic, slot size
-_SLOT = struct.Struct("<qqqq")  # sequence (0: not valid), step, data length, meta length
+_SLOT = struct.Struct("<qqqqq")  # sequence (0: not valid), step, data length, meta length, complete
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,8 @@ class TensorRef:
     shape: tuple[int, ...]
     nbytes: int
     offset: int = -1
+    pending: bool = False
+    """Not yet written when the slot was committed partial."""
 
 
 def map_leaves(obj: Any, leaf_type: type, fn: Callable[[Any], Any]) -> Any:
@@ -126,15 +133,15 @@ class SnapshotFile:
         self.slot_size = slot_size
         self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
 
-    def slots(self) -> list[tuple[int, int, int, int]]:
-        """``(sequence, step, data_len, meta_len)`` of both slots (sequence 0: empty or torn)."""
+    def slots(self) -> list[tuple[int, int, int, int, int]]:
+        """``(sequence, step, data_len, meta_len, complete)`` of both slots (sequence 0: empty or torn)."""
         if self._mm is None:
             return []
         return [_SLOT.unpack_from(self._mm, _HEADER.size + i * _SLOT.size) for i in range(2)]
 
-    def steps(self) -> list[int]:
-        """Steps of the complete snapshots held, newest first."""
-        return [step for seq, step, _, _ in sorted(self.slots(), reverse=True) if seq > 0]
+    def steps(self, partial: bool = False) -> list[int]:
+        """Steps of the complete snapshots held (``partial``: and of the partial ones), newest first."""
+        return [step for seq, step, _, _, done in sorted(self.slots(), reverse=True) if seq > 0 and (done or partial)]
 
     def fits(self, data_len: int, meta_len: int) -> bool:
         return self._mm is not None and data_len + meta_len <= self.slot_size
@@ -143,7 +150,7 @@ class SnapshotFile:
         """Pick the slot to overwrite (the older one) and mark it invalid; returns its index."""
         slots = self.slots()
         index = 0 if slots[0][0] <= slots[1][0] else 1
-        _SLOT.pack_into(self._mm, _HEADER.size + index * _SLOT.size, 0, -1, 0, 0)  # type: ignore[arg-type]
+        _SLOT.pack_into(self._mm, _HEADER.size + index * _SLOT.size, 0, -1, 0, 0, 0)  # type: ignore[arg-type]
         return index
 
     def write_tensors(self, index: int, tensors: list[torch.Tensor], offsets: list[int]) -> None:
@@ -155,28 +162,40 @@ class SnapshotFile:
             target = self._bytes[base + offset : base + offset + nbytes]
             target.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
 
-    def commit(self, index: int, seq: int, step: int, skeleton: Any, offsets: list[int], data_len: int) -> None:
+    def commit(self, index: int, seq: int, step: int, skeleton: Any, offsets: list[int], data_len: int,
+               pending: frozenset[int] = frozenset()) -> None:
+        """Make a slot readable; with ``pending`` tensor indices it is partial until ``mark_complete``."""
         assert self._mm is not None
-        placed = map_leaves(skeleton, TensorRef, lambda ref: replace(ref, offset=offsets[ref.index]))
+        placed = map_leaves(skeleton, TensorRef,
+                            lambda ref: replace(ref, offset=offsets[ref.index], pending=ref.index in pending))
         meta = pickle.dumps(placed, protocol=pickle.HIGHEST_PROTOCOL)
         start = HEADER_SIZE + index * self.slot_size + data_len
         self._mm[start : start + len(meta)] = meta
-        _SLOT.pack_into(self._mm, _HEADER.size + index * _SLOT.size, seq, step, data_len, len(meta))
+        _SLOT.pack_into(self._mm, _HEADER.size + index * _SLOT.size, seq, step, data_len, len(meta), not pending)
 
-    def read(self, step: int, copy: bool = True) -> Any:
+    def mark_complete(self, index: int) -> None:
+        """The pending tensors of a partial slot are written now."""
+        assert self._mm is not None
+        seq, step, data_len, meta_len, _ = self.slots()[index]
+        _SLOT.pack_into(self._mm, _HEADER.size + index * _SLOT.size, seq, step, data_len, meta_len, 1)
+
+    def read(self, step: int, copy: bool = True, partial: bool = False) -> Any:
         """The state of the complete snapshot at ``step``, tensors copied out of shared memory
-        (``copy=False``: views into it, valid until this slot is written again)."""
+        (``copy=False``: views into it, valid until this slot is written again). ``partial``
+        also reads a partial slot, with None in place of its pending tensors."""
         assert self._mm is not None and self._bytes is not None
-        for index, (seq, slot_step, data_len, meta_len) in enumerate(self.slots()):
-            if seq > 0 and slot_step == step:
+        for index, (seq, slot_step, data_len, meta_len, done) in enumerate(self.slots()):
+            if seq > 0 and slot_step == step and (done or partial):
                 base = HEADER_SIZE + index * self.slot_size
                 skeleton = pickle.loads(self._mm[base + data_len : base + data_len + meta_len])
-                return _restore(skeleton, self._bytes, base, copy)
-        raise KeyError(f"no complete snapshot of step {step} in {self.path}")
+                return _restore(skeleton, self._bytes, base, copy, drop_pending=not done)
+        raise KeyError(f"no {'' if partial else 'complete '}snapshot of step {step} in {self.path}")
 
 
-def _restore(skeleton: Any, data: torch.Tensor, base: int, copy: bool) -> Any:
-    def copy_out(ref: TensorRef) -> torch.Tensor:
+def _restore(skeleton: Any, data: torch.Tensor, base: int, copy: bool, drop_pending: bool = False) -> Any:
+    def copy_out(ref: TensorRef) -> torch.Tensor | None:
+        if ref.pending and drop_pending:
+            return None
         raw = data[base + ref.offset : base + ref.offset + ref.nbytes]
         view = raw.view(getattr(torch, ref.dtype)).view(ref.shape)
         return view.clone() if copy else view

@@ -51,7 +51,7 @@ def _assert_same(a: object, b: object) -> None:
             _assert_same(a[key], b[key])
     elif isinstance(a, (list, tuple)):
         assert type(a) is type(b) and len(a) == len(b)
-        for x, y in zip(a, b):
+        for x, y in zip(a, b, strict=True):
             _assert_same(x, y)
     else:
         assert a == b
@@ -87,6 +87,30 @@ def test_torn_write_leaves_previous_snapshot_readable(job_id: str) -> None:
     _assert_same(reader.read(11), _state(11.0))
     with pytest.raises(KeyError):
         reader.read(10)
+
+
+def test_partial_slot_holds_only_what_was_written_until_marked_complete(job_id: str) -> None:
+    path = segment_path(job_id, "node-local0")
+    writer = SnapshotFile(path)
+    _write(writer, 1, 3, _state(3.0))
+    state = _state(4.0)
+    tensors: list[torch.Tensor] = []
+    skeleton = flatten(state, tensors)
+    offsets, data_len = layout(tensors)
+    index = writer.begin(2)
+    writer.write_tensors(index, tensors[1:], offsets[1:])  # "w" (tensor 0) is copied in the background
+    writer.commit(index, 2, 4, skeleton, offsets, data_len, pending=frozenset({0}))
+    reader = SnapshotFile(path)
+    assert reader.steps() == [3] and reader.steps(partial=True) == [4, 3]
+    with pytest.raises(KeyError):
+        reader.read(4)
+    partial = reader.read(4, partial=True)
+    assert partial["w"] is None
+    _assert_same(partial["nested"], state["nested"])
+    writer.write_tensors(index, tensors[:1], offsets[:1])
+    writer.mark_complete(index)
+    assert reader.steps() == [4, 3]
+    _assert_same(reader.read(4), state)
 
 
 def test_foreign_or_short_segment_is_ignored(job_id: str) -> None:

@@ -1,0 +1,80 @@
+"""Replicated (DDP) state across two real gloo ranks: a rank whose background copy of the last
+finished step never landed resumes that step exactly, taking parameters and optimizer state from
+a peer and its own data position from its partial snapshot."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import FIXTURES
+from convoy.agent.client import free_port
+from convoy.runtime.snapshot import _HEADER, _SLOT, HEADER_SIZE, TensorRef, map_leaves
+from convoy.shm import remove_segments, segment_path
+
+pytestmark = pytest.mark.slow
+SCRIPT = str(FIXTURES / "peer_restore.py")
+
+
+@pytest.fixture
+def job_id() -> Iterator[str]:
+    job = f"peers{uuid.uuid4().hex[:8]}"
+    yield job
+    remove_segments(job)
+
+
+def _run(job_id: str, start: int, stop: int, out: Path) -> list[str]:
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "CONVOY_JOB_ID": job_id, "CONVOY_NODE_ID": "n0", "CONVOY_RUN_DIR": str(out.parent)}
+        procs.append(subprocess.Popen([sys.executable, SCRIPT, str(start), str(stop), str(out)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    for proc in procs:
+        output, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, output
+        outputs.append(output)
+    return outputs
+
+
+def _unfinish_newest(path: Path) -> int:
+    """Make the newest slot look as if the worker died before its background copy landed: partial,
+    with every pending tensor's bytes overwritten. Returns that slot's step."""
+    with open(path, "r+b") as segment:
+        raw = bytearray(segment.read())
+    _, slot_size = _HEADER.unpack_from(raw, 0)
+    slots = [_SLOT.unpack_from(raw, _HEADER.size + i * _SLOT.size) for i in range(2)]
+    index = max(range(2), key=lambda i: slots[i][0])
+    seq, step, data_len, meta_len, _ = slots[index]
+    base = HEADER_SIZE + index * slot_size
+    skeleton = pickle.loads(bytes(raw[base + data_len : base + data_len + meta_len]))
+    pending: list[TensorRef] = []
+    map_leaves(skeleton, TensorRef, lambda ref: pending.append(ref) if ref.pending else None)
+    assert pending, "the snapshot copied nothing in the background"
+    for ref in pending:
+        raw[base + ref.offset : base + ref.offset + ref.nbytes] = b"\xff" * ref.nbytes
+    _SLOT.pack_into(raw, _HEADER.size + index * _SLOT.size, seq, step, data_len, meta_len, 0)
+    path.write_bytes(raw)
+    return step
+
+
+def test_rank_with_unfinished_copy_resumes_its_finished_step_from_a_peer(job_id: str, tmp_path: Path) -> None:
+    _run(f"{job_id}ref", 0, 10, tmp_path / "reference.pt")
+    _run(job_id, 0, 6, tmp_path / "first.pt")
+    assert _unfinish_newest(segment_path(job_id, "n0-local1")) == 5
+    outputs = _run(job_id, 6, 10, tmp_path / "resumed.pt")
+    assert "rank 0: in-memory snapshot of step 5 (own)" in outputs[0]
+    assert "rank 1: in-memory snapshot of step 5 (rank 0's with its own data position)" in outputs[1]
+    reference, resumed = torch.load(tmp_path / "reference.pt"), torch.load(tmp_path / "resumed.pt")
+    for name, value in reference.items():
+        assert torch.equal(value, resumed[name]), name
