@@ -140,17 +140,17 @@ def _agent(args: argparse.Namespace) -> int:
         raise ConfigError(f"--token-file {str(args.token_file)!r} cannot be read: {exc.strerror}") from exc
     run_dir = args.run_dir or args.token_file.parent
     check_run_dir(run_dir)
+    from convoy.agent.client import local_address_towards
     from convoy.agent.workers import WorkerGroup
 
-    group = WorkerGroup(workers, run_dir)
+    address = args.host or local_address_towards(host, port)
+    group = WorkerGroup(workers, run_dir, host=address)
     group.fill_standbys()  # start importing torch before anything else
     from convoy.agent.agent import Agent, AgentConfig
-    from convoy.agent.client import local_address_towards
 
     config = AgentConfig(
         master_host=host, master_port=port, token=token,
-        node_id=args.node_id or f"{socket.gethostname()}-{os.getpid()}",
-        host=args.host or local_address_towards(host, port), run_dir=run_dir, workers=workers,
+        node_id=args.node_id or f"{socket.gethostname()}-{os.getpid()}", host=address, run_dir=run_dir, workers=workers,
     )
     return Agent(config, group).run()
 

@@ -153,10 +153,10 @@ class Job:
     def train_args(self, sleep_s: float, seed: int) -> list[str]:
         return [str(TRAIN), "--out", str(self.out), "--sleep", str(sleep_s), "--seed", str(seed)]
 
-    def spawn(self, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    def spawn(self, argv: list[str]) -> subprocess.Popen[bytes]:
         with open(self.console, "ab") as log:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    env={**tagged_env(self.tag), **(env or {})}, start_new_session=True)
+                                    env=tagged_env(self.tag), start_new_session=True)
         self.known[proc.pid] = psutil.Process(proc.pid)
         return proc
 

@@ -121,9 +121,7 @@ class NetJob(Job):
             self.agent_procs.append(self.spawn([
                 *agent_ns, *python, "agent", "--master", f"{self.net.address(1)}:{MASTER_PORT}", "--token-file",
                 str(self.run_dir / "token"), "--run-dir", str(self.run_dir), "--node-id", f"ns{index}",
-                "--nproc-per-node", "1", "--stop-grace", "2", *self.train_args(sleep_s, seed)],
-                # this host name resolves to 127.0.0.1: tell gloo which interface reaches the other nodes
-                env={"GLOO_SOCKET_IFNAME": self.net.agent_link(index)}))
+                "--nproc-per-node", "1", "--stop-grace", "2", *self.train_args(sleep_s, seed)]))
 
     def agents(self) -> list[psutil.Process]:
         return [self.known[p.pid] for p in self.agent_procs if p.poll() is None]

@@ -74,7 +74,7 @@ class Agent:
     def __init__(self, config: AgentConfig, group: WorkerGroup | None = None) -> None:
         self.config = config
         self.client = MasterClient(config.master_host, config.master_port, config.token, config.master_timeout_s)
-        self.group = group or WorkerGroup(config.workers, config.run_dir)
+        self.group = group or WorkerGroup(config.workers, config.run_dir, host=config.host)
         self.heartbeat = _Heartbeat(config)
         self.master_url = f"{config.master_host}:{config.master_port}"
         self._final_status = ""

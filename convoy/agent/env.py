@@ -2,17 +2,48 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import socket
+import struct
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from convoy.control.protocol import MemberInfo, RoundInfo
 
 
-def spawn_env(nproc_per_node: int, base: dict[str, str] | None = None) -> dict[str, str]:
-    """What a standby starts with: the agent's environment plus settings read at import time."""
+SIOCGIFADDR = 0x8915
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface (Linux) whose IPv4 address is ``address``, or None."""
+    try:
+        wanted = socket.inet_aton(address)
+    except OSError:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                info = fcntl.ioctl(sock.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on this interface
+                continue
+            if info[20:24] == wanted:
+                return name
+    return None
+
+
+def spawn_env(nproc_per_node: int, base: dict[str, str] | None = None, host: str | None = None) -> dict[str, str]:
+    """What a standby starts with: the agent's environment plus settings read at import time.
+
+    ``host`` is the address other nodes reach this one at. Unless ``GLOO_SOCKET_IFNAME`` is set,
+    gloo is pointed at the interface that holds it: left alone, gloo advertises what the host name
+    resolves to, which is often 127.0.0.1 and unreachable from other hosts."""
     env = dict(os.environ if base is None else base)
+    if host and "GLOO_SOCKET_IFNAME" not in env:
+        interface = interface_of(host)
+        if interface is not None:
+            env["GLOO_SOCKET_IFNAME"] = interface
     env["LOCAL_WORLD_SIZE"] = str(nproc_per_node)
     env.setdefault("PYTHONUNBUFFERED", "1")  # worker output reaches the console as it is printed
     if nproc_per_node > 1:

@@ -112,10 +112,11 @@ class Worker:
 class WorkerGroup:
     """The local workers of one node. Keeps ``nproc`` warm standbys ready for the next round."""
 
-    def __init__(self, config: WorkerConfig, run_dir: Path, console: BinaryIO | None = None) -> None:
+    def __init__(self, config: WorkerConfig, run_dir: Path, console: BinaryIO | None = None,
+                 host: str | None = None) -> None:
         self.config = config
         self.run_dir = run_dir
-        self._env = spawn_env(config.nproc_per_node)
+        self._env = spawn_env(config.nproc_per_node, host=host)
         self._console = console or sys.stdout.buffer
         self._console_lock = threading.Lock()
         self._standbys: list[Worker] = []

@@ -23,6 +23,9 @@ from convoy.control.token import TOKEN_FILE, new_token, read_token, write_token
 from convoy.errors import ConflictError
 
 TICK_S = 0.1
+UNAUTHORIZED_EVERY_S = 10.0
+"""At most one ``unauthorized`` event per client address this often; the rest are counted."""
+UNAUTHORIZED_CLIENTS = 1024
 
 
 class JobMaster:
@@ -54,6 +57,7 @@ class JobMaster:
         self.store = Store(config.run_dir, config.to_json())
         self._changed = threading.Condition()
         self._acknowledged: set[str] = set()
+        self._rejected: dict[str, tuple[float, int]] = {}  # client -> (last recorded, rejected since)
         self._stopping = threading.Event()
         self._ticker = threading.Thread(target=self._tick_loop, name="convoy-ticker", daemon=True)
         self.started_at = time.time()
@@ -161,8 +165,18 @@ class JobMaster:
             self._apply([Event("api_error", f"{path} failed: {type(exc).__name__}: {exc}"[:2000])])
 
     def unauthorized(self, client: str, path: str) -> None:
+        """Record a request without the token; a flood from one client becomes one event per interval."""
+        now = time.monotonic()
         with self._changed:
-            self._apply([Event("unauthorized", f"rejected {path} from {client}: missing or wrong token")])
+            last, since = self._rejected.get(client, (-UNAUTHORIZED_EVERY_S, 0))
+            if now - last < UNAUTHORIZED_EVERY_S:
+                self._rejected[client] = (last, since + 1)
+                return
+            if len(self._rejected) >= UNAUTHORIZED_CLIENTS:  # bounded: forget clients not heard from lately
+                self._rejected = {c: v for c, v in self._rejected.items() if now - v[0] < UNAUTHORIZED_EVERY_S}
+            self._rejected[client] = (now, 0)
+            more = f" ({since} more from it since the last record)" if since else ""
+            self._apply([Event("unauthorized", f"rejected {path} from {client}: missing or wrong token{more}")])
 
     def status(self) -> dict[str, Any]:
         with self._changed:

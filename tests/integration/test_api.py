@@ -255,3 +255,15 @@ def test_a_round_short_of_min_fails_the_job_after_the_join_timeout(tmp_path: Pat
         assert any("job failed: round 1 waited" in line for line in started.console)
     finally:
         started.master.stop()
+
+
+def test_a_flood_of_bad_tokens_is_one_event_with_a_count(master: Master) -> None:
+    for _ in range(40):
+        status, _ = master.raw("GET", "/v1/status", token=None, headers={p.TOKEN_HEADER: "Bearer guess"})
+        assert status == 401
+    rejected = [e for e in read_status(master.run_dir)["events"] if e["kind"] == "unauthorized"]
+    assert len(rejected) == 1, "every rejection is answered, but a flood must not flood the job's record"
+    master.master._rejected["127.0.0.1"] = (time.monotonic() - 60.0, 39)  # as if the interval had passed
+    master.raw("GET", "/v1/status", token=None)
+    rejected = [e for e in read_status(master.run_dir)["events"] if e["kind"] == "unauthorized"]
+    assert len(rejected) == 2 and "(39 more from it since the last record)" in rejected[-1]["message"]

@@ -35,8 +35,9 @@ def _run(job_id: str, start: int, stop: int, out: Path) -> list[str]:
     port = free_port()
     procs = []
     for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "CONVOY_JOB_ID": job_id, "CONVOY_NODE_ID": "n0", "CONVOY_RUN_DIR": str(out.parent)}
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "CONVOY_JOB_ID": job_id,
+               "CONVOY_NODE_ID": "n0", "CONVOY_RUN_DIR": str(out.parent)}
         procs.append(subprocess.Popen([sys.executable, SCRIPT, str(start), str(stop), str(out)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from convoy.agent.env import spawn_env, worker_env
+from convoy.agent.env import interface_of, spawn_env, worker_env
 from convoy.control.protocol import MemberInfo, RoundInfo
 
 # what torchrun (torch/distributed/elastic/agent/server/local_elastic_agent.py) gives every worker
@@ -74,3 +74,12 @@ def test_spawn_env_keeps_the_agents_environment_and_sets_torchrun_defaults() -> 
 def test_spawn_env_respects_the_users_thread_count_and_single_workers() -> None:
     assert spawn_env(4, {"OMP_NUM_THREADS": "8"})["OMP_NUM_THREADS"] == "8"
     assert "OMP_NUM_THREADS" not in spawn_env(1, {})
+
+
+def test_gloo_is_pointed_at_the_interface_other_nodes_reach() -> None:
+    assert interface_of("127.0.0.1") == "lo"
+    assert spawn_env(1, {}, host="127.0.0.1")["GLOO_SOCKET_IFNAME"] == "lo"
+    assert spawn_env(1, {"GLOO_SOCKET_IFNAME": "eth9"}, host="127.0.0.1")["GLOO_SOCKET_IFNAME"] == "eth9"
+    assert "GLOO_SOCKET_IFNAME" not in spawn_env(1, {}, host="192.0.2.77")  # no interface holds it
+    assert "GLOO_SOCKET_IFNAME" not in spawn_env(1, {}, host="node-a.example")  # a name, not an address
+    assert interface_of("not an address") is None
