@@ -144,6 +144,22 @@ class ProcessScope:
     def run(self, args: Sequence[str], timeout: float = JOB_TIMEOUT_S, **kwargs: object) -> Result:
         return self.start(args, **kwargs).wait(timeout)  # type: ignore[arg-type]
 
+    def gloo_ranks(self, script: str, world_size: int, args: Sequence[object], env: dict[str, str] | None = None,
+                   timeout: float = JOB_TIMEOUT_S * 2) -> list[str]:
+        """Run ``script`` as ``world_size`` ranks of one gloo job on loopback (torchrun's variables,
+        one node); fail the test unless every rank exits 0. Returns each rank's stdout."""
+        from convoy.agent.client import free_port
+
+        port = str(free_port())
+        launched = [self.start(args, command=[sys.executable, script], env={
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+            "OMP_NUM_THREADS": "1", **(env or {})}) for rank in range(world_size)]
+        results = [rank.wait(timeout) for rank in launched]
+        for rank, result in enumerate(results):
+            assert result.returncode == 0, f"rank {rank}: {result.explain()}"
+        return [result.stdout for result in results]
+
     def leftovers(self) -> list[psutil.Process]:
         """Live (non-zombie) processes started by this test, found by env tag or tmp dir in argv."""
         marker = str(self.tmp_path)

@@ -4,10 +4,7 @@ a peer and its own data position from its partial snapshot."""
 
 from __future__ import annotations
 
-import os
 import pickle
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,8 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import FIXTURES
-from convoy.agent.client import free_port
+from helpers import FIXTURES, ProcessScope
 from convoy.runtime.snapshot import _HEADER, _SLOT, HEADER_SIZE, TensorRef, map_leaves
 from convoy.shm import remove_segments, segment_path
 
@@ -31,21 +27,9 @@ def job_id() -> Iterator[str]:
     remove_segments(job)
 
 
-def _run(job_id: str, start: int, stop: int, out: Path) -> list[str]:
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "CONVOY_JOB_ID": job_id,
-               "CONVOY_NODE_ID": "n0", "CONVOY_RUN_DIR": str(out.parent)}
-        procs.append(subprocess.Popen([sys.executable, SCRIPT, str(start), str(stop), str(out)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = []
-    for proc in procs:
-        output, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 0, output
-        outputs.append(output)
-    return outputs
+def _run(procs: ProcessScope, job_id: str, start: int, stop: int, out: Path) -> list[str]:
+    return procs.gloo_ranks(SCRIPT, 2, [start, stop, out], env={
+        "CONVOY_JOB_ID": job_id, "CONVOY_NODE_ID": "n0", "CONVOY_RUN_DIR": str(out.parent)})
 
 
 def _unfinish_newest(path: Path) -> int:
@@ -69,11 +53,12 @@ def _unfinish_newest(path: Path) -> int:
     return step
 
 
-def test_rank_with_unfinished_copy_resumes_its_finished_step_from_a_peer(job_id: str, tmp_path: Path) -> None:
-    _run(f"{job_id}ref", 0, 10, tmp_path / "reference.pt")
-    _run(job_id, 0, 6, tmp_path / "first.pt")
+def test_rank_with_unfinished_copy_resumes_its_finished_step_from_a_peer(procs: ProcessScope, job_id: str,
+                                                                          tmp_path: Path) -> None:
+    _run(procs, f"{job_id}ref", 0, 10, tmp_path / "reference.pt")
+    _run(procs, job_id, 0, 6, tmp_path / "first.pt")
     assert _unfinish_newest(segment_path(job_id, "n0-local1")) == 5
-    outputs = _run(job_id, 6, 10, tmp_path / "resumed.pt")
+    outputs = _run(procs, job_id, 6, 10, tmp_path / "resumed.pt")
     assert "rank 0: in-memory snapshot of step 5 (own)" in outputs[0]
     assert "rank 1: in-memory snapshot of step 5 (rank 0's with its own data position)" in outputs[1]
     reference, resumed = torch.load(tmp_path / "reference.pt"), torch.load(tmp_path / "resumed.pt")

@@ -1,0 +1,1 @@
+"""The data plane: collectives, pipeline schedules, sequence parallelism, local SGD, sharded embeddings."""

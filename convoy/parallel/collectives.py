@@ -1,0 +1,345 @@
+"""Hierarchical allreduce over torch.distributed sub-groups, a DDP hook, and the automatic choice.
+
+    comm = HierarchicalAllreduce(Topology.from_env())   # every rank, same order: builds sub-groups
+    comm.allreduce(tensor, op="avg")                      # algorithm="auto": the cost model picks
+    ddp.register_comm_hook(None, comm.ddp_hook())
+
+Who sends what, and the cost model, live in ``topology.py``; this file makes the calls. Both
+hierarchical algorithms cut the tensor into chunks and pipeline them, so the fast in-group
+phases of one chunk overlap the slow cross-group phase of another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from queue import Queue
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from convoy.errors import ConfigError
+from convoy.parallel.topology import ALGORITHMS, CostModel, Link, Topology
+
+OPS = ("sum", "avg")
+CHUNK_BYTES = 4 << 20
+BUCKET_BYTES = 25 << 20
+PROBE_BYTES = (64 << 10, 4 << 20)
+PROBE_REPS = 5
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+           torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool]
+
+
+class HierarchicalAllreduce:
+    """Allreduce that knows which ranks share fast links. Create it on every rank of the default
+    group in the same order (it creates the sub-groups it needs, a collective call).
+
+    ``cost``: the links' costs; by default measured on first use of ``auto`` (a few allreduces
+    inside a group and among the leaders) and cached per job in ``cache_dir`` (default
+    ``$CONVOY_RUN_DIR/collectives``), so a restarted round of the same job does not measure again."""
+
+    def __init__(self, topology: Topology | None = None, *, cost: CostModel | None = None,
+                 cache_dir: str | Path | None = None, chunk_bytes: int = CHUNK_BYTES) -> None:
+        if not dist.is_initialized():
+            raise ConfigError("call convoy.init() (or init_process_group) before creating a HierarchicalAllreduce")
+        if chunk_bytes < 1:
+            raise ConfigError(f"chunk_bytes must be >= 1 (got {chunk_bytes})")
+        self.topology = topology or Topology.from_env()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        if self.topology.world_size != self.world_size:
+            raise ConfigError(f"topology covers {self.topology.world_size} ranks but the process group has "
+                              f"{self.world_size}; give one group entry per rank of the job")
+        self.chunk_bytes = chunk_bytes
+        self._cost = cost
+        run_dir = os.environ.get("CONVOY_RUN_DIR")
+        self.cache_dir = Path(cache_dir) if cache_dir else (Path(run_dir) / "collectives" if run_dir else None)
+        groups = self.topology.groups
+        index = self.topology.group_of(self.rank)
+        self.members = groups[index]
+        intra = [dist.new_group(list(group)) for group in groups]
+        self._intra = intra[index]
+        leaders = dist.new_group(list(self.topology.leaders))
+        self._leaders = leaders if self.rank in self.topology.leaders else None
+        self._shard = None
+        if self.topology.is_uniform:
+            shards = [dist.new_group(list(ring)) for ring in self.topology.shard_groups()]
+            self._shard = shards[self.topology.local_index(self.rank)]
+        self._hook_queue: Queue[Callable[[], None] | None] | None = None
+
+    # --- the public calls ---
+
+    def allreduce(self, tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto", check: bool = True) -> str:
+        """Reduce ``tensor`` in place across all ranks; returns the algorithm used.
+
+        ``check`` first compares size, dtype, op and algorithm across ranks (one small all-gather)
+        and raises ``ConfigError`` on every rank if they differ, before any data moves."""
+        self._validate(tensor, op, algorithm)
+        if check:
+            self._check_same(tensor, op, algorithm)
+        chosen = self.choose(tensor.numel() * tensor.element_size()) if algorithm == "auto" else algorithm
+        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+        flat = work.view(-1)
+        if chosen == "flat" or self.world_size == 1:
+            dist.all_reduce(flat)
+        elif chosen == "leader":
+            self._leader(flat)
+        else:
+            self._reduce_scatter(flat)
+        if op == "avg":
+            flat.div_(self.world_size)
+        if work is not tensor:
+            tensor.copy_(work)
+        return chosen
+
+    def allreduce_coalesced(self, tensors: Sequence[torch.Tensor], op: str = "sum", algorithm: str = "auto",
+                            bucket_bytes: int = BUCKET_BYTES, check: bool = True) -> None:
+        """Reduce a list of tensors in place: flattened into buckets of one dtype, up to ``bucket_bytes`` each."""
+        buckets: list[list[torch.Tensor]] = []
+        current: dict[torch.dtype, list[torch.Tensor]] = {}
+        sizes: dict[torch.dtype, int] = {}
+        for tensor in tensors:
+            bucket = current.setdefault(tensor.dtype, [])
+            if bucket and sizes[tensor.dtype] + tensor.numel() * tensor.element_size() > bucket_bytes:
+                buckets.append(bucket)
+                bucket = current[tensor.dtype] = []
+                sizes[tensor.dtype] = 0
+            bucket.append(tensor)
+            sizes[tensor.dtype] = sizes.get(tensor.dtype, 0) + tensor.numel() * tensor.element_size()
+        buckets.extend(bucket for bucket in current.values() if bucket)
+        for bucket in buckets:
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            self.allreduce(flat, op, algorithm, check)
+            for tensor, part in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
+                tensor.copy_(part.view_as(tensor))
+
+    def choose(self, nbytes: int) -> str:
+        """What ``auto`` runs for a message of ``nbytes`` (measures the links the first time)."""
+        if len(self.topology.groups) in (1, self.world_size):
+            return "flat"
+        return self.cost_model().choose(self.topology, nbytes)
+
+    def ddp_hook(self, algorithm: str = "auto") -> Callable[[Any, dist.GradBucket], torch.futures.Future]:
+        """A DDP communication hook averaging gradients with this allreduce:
+        ``model.register_comm_hook(None, comm.ddp_hook())``. Buckets are reduced one at a time on
+        a background thread, in the order DDP hands them over (the same on every rank), so the
+        backward pass goes on computing while they travel."""
+        if algorithm != "auto" and algorithm not in ALGORITHMS:
+            raise ConfigError(f"unknown allreduce algorithm {algorithm!r}; choose from {', '.join(ALGORITHMS)}, auto")
+        if algorithm == "auto":
+            self.choose(1)  # measure now, on the main thread, not inside backward
+        queue = self._start_hook_thread()
+
+        def hook(state, bucket):  # type: ignore[no-untyped-def]  (DDP rejects string annotations)
+            future: torch.futures.Future = torch.futures.Future()
+            buffer = bucket.buffer()
+
+            def run() -> None:
+                try:
+                    self.allreduce(buffer, "avg", algorithm, check=False)
+                    future.set_result(buffer)
+                except BaseException as exc:  # noqa: BLE001 (handed to DDP through the future)
+                    future.set_exception(exc)
+
+            queue.put(run)
+            return future
+
+        return hook
+
+    def close(self) -> None:
+        """Stop the DDP hook's thread (sub-groups go with the default group)."""
+        if self._hook_queue is not None:
+            self._hook_queue.put(None)
+            self._hook_queue = None
+
+    # --- the algorithms ---
+
+    def _chunks(self, flat: torch.Tensor, multiple: int = 1) -> list[torch.Tensor]:
+        per_chunk = max(self.chunk_bytes // flat.element_size() // multiple, 1) * multiple
+        return list(flat.split(per_chunk))
+
+    def _leader(self, flat: torch.Tensor) -> None:
+        """Reduce to the leader, allreduce among leaders, broadcast; chunk by chunk, pipelined."""
+        leader, local = self.members[0], len(self.members) > 1
+        chunks = self._chunks(flat)
+        reduces = [dist.reduce(c, dst=leader, group=self._intra, async_op=True) for c in chunks] if local else []
+        across = []
+        if self._leaders is not None and len(self.topology.groups) > 1:
+            for index, chunk in enumerate(chunks):
+                if local:
+                    reduces[index].wait()
+                across.append(dist.all_reduce(chunk, group=self._leaders, async_op=True))
+        if not local:
+            for work in across:
+                work.wait()
+            return
+        broadcasts = []
+        for index, chunk in enumerate(chunks):
+            (across[index] if across else reduces[index]).wait()  # a leader's across-phase began after its reduce
+            broadcasts.append(dist.broadcast(chunk, src=leader, group=self._intra, async_op=True))
+        for work in broadcasts:
+            work.wait()
+
+    def _reduce_scatter(self, flat: torch.Tensor) -> None:
+        """Reduce-scatter in the group, allreduce each shard across groups, all-gather; pipelined."""
+        if self._shard is None:
+            self.topology.shard_groups()  # raises the reason
+        size = len(self.members)
+        padded = -(-flat.numel() // size) * size
+        work = flat if padded == flat.numel() else torch.zeros(padded, dtype=flat.dtype)
+        if work is not flat:
+            work[: flat.numel()].copy_(flat)
+        chunks = self._chunks(work, multiple=size)
+        shards = [torch.empty(c.numel() // size, dtype=c.dtype) for c in chunks]
+        if size > 1:
+            scatters = [dist.reduce_scatter_single(s, c, group=self._intra, async_op=True)
+                        for s, c in zip(shards, chunks, strict=True)]
+        else:
+            shards = chunks
+            scatters = []
+        across = []
+        for index, shard in enumerate(shards):
+            if scatters:
+                scatters[index].wait()
+            if len(self.topology.groups) > 1:
+                across.append(dist.all_reduce(shard, group=self._shard, async_op=True))
+        gathers = []
+        for index, (shard, chunk) in enumerate(zip(shards, chunks, strict=True)):
+            if across:
+                across[index].wait()
+            if size > 1:
+                gathers.append(dist.all_gather_single(chunk, shard, group=self._intra, async_op=True))
+        for handle in gathers:
+            handle.wait()
+        if work is not flat:
+            flat.copy_(work[: flat.numel()])
+
+    # --- checks and measurements ---
+
+    def _validate(self, tensor: torch.Tensor, op: str, algorithm: str) -> None:
+        if op not in OPS:
+            raise ConfigError(f"unknown reduce op {op!r}; choose from {', '.join(OPS)}")
+        if algorithm != "auto" and algorithm not in ALGORITHMS:
+            raise ConfigError(f"unknown allreduce algorithm {algorithm!r}; choose from {', '.join(ALGORITHMS)}, auto")
+        if tensor.device.type != "cpu" and dist.get_backend() == "gloo":
+            raise ConfigError(f"gloo reduces CPU tensors; this one is on {tensor.device}")
+        if op == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
+            raise ConfigError(f"op 'avg' needs a floating-point or complex tensor, not {tensor.dtype}; "
+                              "use op 'sum' and divide")
+        if algorithm == "reduce_scatter" and not self.topology.is_uniform:
+            self.topology.shard_groups()  # raises the reason
+
+    def _check_same(self, tensor: torch.Tensor, op: str, algorithm: str) -> None:
+        dtype = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
+        mine = torch.tensor([tensor.numel(), dtype, OPS.index(op), (*ALGORITHMS, "auto").index(algorithm)])
+        every = torch.empty(self.world_size * 4, dtype=torch.int64)
+        dist.all_gather_single(every, mine)
+        rows = every.view(self.world_size, 4).tolist()
+        if any(row != rows[0] for row in rows):
+            differ = [rank for rank, row in enumerate(rows) if row != rows[0]]
+            described = [f"rank {r}: {row[0]} elements of {_dtype_name(row[1])}, op {OPS[row[2]]}, "
+                         f"algorithm {(*ALGORITHMS, 'auto')[row[3]]}" for r, row in enumerate(rows)
+                         if r == 0 or r in differ][:4]
+            raise ConfigError("allreduce called with different tensors or settings on different ranks ("
+                              + "; ".join(described) + "); every rank must pass the same size, dtype, op and algorithm")
+
+    def cost_model(self) -> CostModel:
+        """The links' costs: given, cached for this job and topology, or measured now (collective)."""
+        if self._cost is not None:
+            return self._cost
+        cache = self._cache_file()
+        found: list[Any] = [None]
+        if self.rank == 0 and cache is not None and cache.exists():
+            try:
+                found[0] = json.loads(cache.read_text())
+            except (OSError, ValueError):
+                found[0] = None
+        dist.broadcast_object_list(found, src=0)
+        if found[0] is not None:
+            self._cost = CostModel(Link(*found[0]["intra"]), Link(*found[0]["inter"]))
+            return self._cost
+        self._cost = self.measure()
+        if self.rank == 0 and cache is not None:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"topology": self.topology.key(), "intra": list(vars(self._cost.intra).values()),
+                                       "inter": list(vars(self._cost.inter).values())}))
+            tmp.replace(cache)
+        return self._cost
+
+    def _cache_file(self) -> Path | None:
+        if self.cache_dir is None:
+            return None
+        digest = hashlib.sha1(self.topology.key().encode()).hexdigest()[:12]
+        return self.cache_dir / f"links-{digest}.json"
+
+    def measure(self) -> CostModel:
+        """Time ring allreduces of two sizes inside the first group with more than one rank and
+        among the leaders; fit each link's latency and bandwidth; every rank gets rank 0's view."""
+        groups = self.topology.groups
+        local_group = next((i for i, g in enumerate(groups) if len(g) > 1), None)
+        mine = [0.0] * 4
+        if local_group is not None and self.rank in groups[local_group]:
+            mine[:2] = _fit(self._intra, len(groups[local_group]))
+        if len(groups) > 1 and self._leaders is not None:
+            mine[2:] = _fit(self._leaders, len(groups))
+        every: list[list[float]] = [[] for _ in range(self.world_size)]
+        dist.all_gather_object(every, mine)
+        intra = Link(*every[groups[local_group][0]][:2]) if local_group is not None else None
+        inter = Link(*every[self.topology.leaders[0]][2:]) if len(groups) > 1 else None
+        fallback = intra or inter or Link(0.0, 1e-9)
+        return CostModel(intra or fallback, inter or fallback)
+
+    def _start_hook_thread(self) -> Queue[Callable[[], None] | None]:
+        if self._hook_queue is None:
+            queue: Queue[Callable[[], None] | None] = Queue()
+
+            def serve() -> None:
+                while (task := queue.get()) is not None:
+                    task()
+
+            threading.Thread(target=serve, name="convoy-allreduce-hook", daemon=True).start()
+            self._hook_queue = queue
+        return self._hook_queue
+
+
+def _fit(group: Any, ranks: int) -> tuple[float, float]:
+    """(latency, s/byte) of a ring allreduce in ``group`` from the median time at two sizes."""
+    points = []
+    for nbytes in PROBE_BYTES:
+        buffer = torch.ones(nbytes // 4, dtype=torch.float32)
+        dist.all_reduce(buffer, group=group)  # warm the connections
+        times = []
+        for _ in range(PROBE_REPS):
+            dist.barrier(group=group)
+            began = time.perf_counter()
+            dist.all_reduce(buffer, group=group)
+            times.append(time.perf_counter() - began)
+        points.append((float(nbytes), statistics.median(times)))
+    link = Link.fit_ring(ranks, points[0], points[1])
+    return link.latency_s, link.s_per_byte
+
+
+def _dtype_name(index: int) -> str:
+    return str(_DTYPES[index]).removeprefix("torch.") if index < len(_DTYPES) else "another dtype"
+
+
+_CACHED: dict[str, HierarchicalAllreduce] = {}
+
+
+def allreduce(tensor: torch.Tensor, topology: Topology | None = None, algorithm: str = "auto",
+              op: str = "sum") -> str:
+    """Allreduce ``tensor`` in place with the topology's hierarchy (default: one group per node
+    from the environment); returns the algorithm used. The sub-groups for a topology are built
+    on its first call, so every rank must make that call."""
+    topology = topology or Topology.from_env()
+    comm = _CACHED.get(topology.key())
+    if comm is None:
+        comm = _CACHED[topology.key()] = HierarchicalAllreduce(topology)
+    return comm.allreduce(tensor, op, algorithm)

@@ -1,0 +1,211 @@
+"""Which ranks share fast links, who sends what to whom in each allreduce, and what it costs.
+
+Pure (no torch): ``collectives.py`` does the communication. Every algorithm is modelled as
+the rings gloo runs (a ring allreduce of ``k`` ranks takes ``2 (k - 1)`` steps of ``S / k``
+bytes each), on two kinds of link: inside a group (``intra``) and across groups (``inter``,
+where all the streams leaving one group share its uplink).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from convoy.errors import ConfigError
+
+ALGORITHMS = ("flat", "leader", "reduce_scatter")
+"""``flat``: one ring over all ranks. ``leader``: reduce to each group's first rank, allreduce
+among those, broadcast back. ``reduce_scatter``: reduce-scatter inside each group, allreduce
+shard i among the ranks at local index i of every group, all-gather inside each group."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Groups of ranks joined by fast links (a node, a rack, or any grouping the user gives).
+
+    Every rank of the world appears in exactly one group; a group's first rank is its leader."""
+
+    groups: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise ConfigError("topology has no groups; give at least one group of ranks")
+        seen: dict[int, int] = {}
+        for index, group in enumerate(self.groups):
+            if not group:
+                raise ConfigError(f"topology group {index} has no ranks; every group needs at least one")
+            for rank in group:
+                if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+                    raise ConfigError(f"topology group {index} holds {rank!r}; ranks are whole numbers >= 0")
+                if rank in seen:
+                    raise ConfigError(f"rank {rank} is in topology groups {seen[rank]} and {index}; "
+                                      "each rank must be in exactly one group")
+                seen[rank] = index
+        missing = sorted(set(range(len(seen))) - set(seen))
+        if missing:
+            raise ConfigError(f"topology covers ranks up to {max(seen)} but not {missing[:8]}; "
+                              "every rank 0..world_size-1 must be in one group")
+
+    @classmethod
+    def from_groups(cls, groups: Sequence[Sequence[int]]) -> Topology:
+        return cls(tuple(tuple(group) for group in groups))
+
+    @classmethod
+    def uniform(cls, world_size: int, group_size: int) -> Topology:
+        """Consecutive ranks in groups of ``group_size`` (as agents number a node's workers)."""
+        if world_size < 1 or group_size < 1 or world_size % group_size:
+            raise ConfigError(f"cannot split {world_size} ranks into groups of {group_size}; "
+                              "world size must be a positive multiple of the group size")
+        return cls.from_groups([range(start, start + group_size) for start in range(0, world_size, group_size)])
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Topology:
+        """One group per node: from ``CONVOY_TOPOLOGY`` (set by convoy agents), else torchrun's
+        ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` (nodes of equal size)."""
+        env = os.environ if env is None else env
+        if "CONVOY_TOPOLOGY" in env:
+            try:
+                listed = json.loads(env["CONVOY_TOPOLOGY"])
+                nodes = sorted((int(node_rank), int(nproc)) for node_rank, _, nproc in listed)
+            except (ValueError, TypeError) as exc:
+                raise ConfigError(f"CONVOY_TOPOLOGY={env['CONVOY_TOPOLOGY']!r} is not [[node_rank, host, nproc], ...]"
+                                  ) from exc
+            groups, start = [], 0
+            for _, nproc in nodes:
+                groups.append(range(start, start + nproc))
+                start += nproc
+            return cls.from_groups(groups)
+        try:
+            return cls.uniform(int(env["WORLD_SIZE"]), int(env["LOCAL_WORLD_SIZE"]))
+        except (KeyError, ValueError) as exc:
+            raise ConfigError("no topology in the environment: run under convoy or torchrun (CONVOY_TOPOLOGY, or "
+                              "WORLD_SIZE and LOCAL_WORLD_SIZE), or give the groups with Topology.from_groups"
+                              ) from exc
+
+    @property
+    def world_size(self) -> int:
+        return sum(len(group) for group in self.groups)
+
+    @property
+    def leaders(self) -> tuple[int, ...]:
+        return tuple(group[0] for group in self.groups)
+
+    @property
+    def is_uniform(self) -> bool:
+        return len({len(group) for group in self.groups}) == 1
+
+    def group_of(self, rank: int) -> int:
+        return next(index for index, group in enumerate(self.groups) if rank in group)
+
+    def local_index(self, rank: int) -> int:
+        return self.groups[self.group_of(rank)].index(rank)
+
+    def shard_groups(self) -> tuple[tuple[int, ...], ...]:
+        """For ``reduce_scatter``: the ranks at local index i of every group, for each i."""
+        if not self.is_uniform:
+            raise ConfigError(f"the reduce_scatter allreduce needs groups of equal size (got sizes "
+                              f"{[len(g) for g in self.groups]}); use algorithm 'leader' or 'auto'")
+        return tuple(tuple(group[i] for group in self.groups) for i in range(len(self.groups[0])))
+
+    def key(self) -> str:
+        """A short name for this grouping (for caching measurements per topology)."""
+        return "-".join(".".join(map(str, group)) for group in self.groups)[:200]
+
+
+def ring_cross_bytes(topology: Topology, ring: Sequence[int], nbytes: float) -> float:
+    """Bytes a ring allreduce of ``nbytes`` over ``ring`` sends between groups, in all."""
+    k = len(ring)
+    if k < 2:
+        return 0.0
+    pairs = zip(ring, [*ring[1:], ring[0]], strict=True)
+    crossing = sum(topology.group_of(a) != topology.group_of(b) for a, b in pairs)
+    return crossing * 2 * (k - 1) / k * nbytes
+
+
+def cross_bytes(topology: Topology, algorithm: str, nbytes: float) -> float:
+    """Bytes an allreduce of ``nbytes`` per rank sends across group boundaries, summed over links."""
+    if algorithm == "flat":
+        return ring_cross_bytes(topology, range(topology.world_size), nbytes)
+    if algorithm == "leader":
+        return ring_cross_bytes(topology, topology.leaders, nbytes)
+    if algorithm == "reduce_scatter":
+        shards = topology.shard_groups()
+        return sum(ring_cross_bytes(topology, ring, nbytes / len(shards)) for ring in shards)
+    raise ConfigError(f"unknown allreduce algorithm {algorithm!r}; choose from {', '.join(ALGORITHMS)} or 'auto'")
+
+
+def min_cross_bytes(topology: Topology, nbytes: float) -> float:
+    """The least any allreduce must send between groups: each of G groups sends 2 (G - 1) / G of
+    the data out (the bandwidth lower bound of allreduce, with a group as one party)."""
+    num_groups = len(topology.groups)
+    return 2 * (num_groups - 1) * nbytes
+
+
+@dataclass(frozen=True)
+class Link:
+    """The alpha-beta cost of one message on a link: ``latency_s + nbytes * s_per_byte``."""
+
+    latency_s: float
+    s_per_byte: float
+
+    def cost(self, steps: float, nbytes: float) -> float:
+        return steps * self.latency_s + nbytes * self.s_per_byte
+
+    @classmethod
+    def fit_ring(cls, ranks: int, small: tuple[float, float], large: tuple[float, float]) -> Link:
+        """From the times of a ring allreduce of ``ranks`` at two sizes, ``(nbytes, seconds)`` each."""
+        steps = 2 * (ranks - 1)
+        per_step_bytes = [size / ranks for size, _ in (small, large)]
+        slope = (large[1] - small[1]) / max(steps * (per_step_bytes[1] - per_step_bytes[0]), 1e-30)
+        s_per_byte = max(slope, 1e-13)
+        latency = max((small[1] - steps * per_step_bytes[0] * s_per_byte) / steps, 0.0)
+        return cls(latency, s_per_byte)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Predicted time of each algorithm on a topology, from the two links' measured costs."""
+
+    intra: Link
+    inter: Link
+
+    def _ring(self, topology: Topology, ring: Sequence[int], nbytes: float, streams: int = 1) -> float:
+        """A ring allreduce; ``streams`` such rings run at once and share each group's uplink."""
+        k = len(ring)
+        if k < 2:
+            return 0.0
+        uplink: dict[int, int] = {}
+        for a, b in zip(ring, [*ring[1:], ring[0]], strict=True):
+            if topology.group_of(a) != topology.group_of(b):
+                uplink[topology.group_of(a)] = uplink.get(topology.group_of(a), 0) + 1
+        step_bytes = nbytes / k
+        if uplink:
+            per_step = self.inter.cost(1, max(uplink.values()) * streams * step_bytes)
+        else:
+            per_step = self.intra.cost(1, step_bytes)
+        return 2 * (k - 1) * per_step
+
+    def predict(self, topology: Topology, algorithm: str, nbytes: float) -> float:
+        sizes = [len(group) for group in topology.groups]
+        biggest = max(sizes)
+        if algorithm == "flat":
+            return self._ring(topology, range(topology.world_size), nbytes)
+        if algorithm == "leader":
+            tree = math.ceil(math.log2(biggest)) if biggest > 1 else 0
+            local = 2 * self.intra.cost(tree, tree * nbytes)  # reduce to the leader, then broadcast
+            return local + self._ring(topology, topology.leaders, nbytes)
+        if algorithm == "reduce_scatter":
+            shards = topology.shard_groups()
+            local = 2 * self.intra.cost(biggest - 1, (biggest - 1) / biggest * nbytes)  # reduce-scatter, all-gather
+            return local + self._ring(topology, shards[0], nbytes / biggest, streams=len(shards))
+        raise ConfigError(f"unknown allreduce algorithm {algorithm!r}; choose from {', '.join(ALGORITHMS)} or 'auto'")
+
+    def choose(self, topology: Topology, nbytes: float) -> str:
+        """The algorithm with the least predicted time (ties go to the simpler one)."""
+        usable = [a for a in ALGORITHMS if a != "reduce_scatter" or topology.is_uniform]
+        if len(topology.groups) in (1, topology.world_size):
+            usable = ["flat"]  # one group, or groups of one: every algorithm is the flat ring or worse
+        return min(usable, key=lambda algorithm: self.predict(topology, algorithm, nbytes))

@@ -1,0 +1,80 @@
+"""The pure side of the collectives: topologies, who sends what across groups, the cost model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from convoy.errors import ConfigError
+from convoy.parallel.topology import CostModel, Link, Topology, cross_bytes, min_cross_bytes
+
+MB = 1 << 20
+
+
+@pytest.mark.parametrize("groups, words", [
+    ([], "no groups"),
+    ([[0, 1], []], "group 1 has no ranks"),
+    ([[0, 1], [1, 2]], "rank 1 is in topology groups 0 and 1"),
+    ([[0, 1], [3]], "not [2]"),
+    ([[0, -1]], "whole numbers >= 0"),
+    ([[0, "1"]], "whole numbers >= 0"),
+])
+def test_a_topology_must_cover_every_rank_once(groups: list[list[int]], words: str) -> None:
+    with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):
+        Topology.from_groups(groups)
+
+
+def test_topology_from_the_agents_environment_and_from_torchrun() -> None:
+    convoy_env = {"CONVOY_TOPOLOGY": json.dumps([[1, "hostB", 3], [0, "hostA", 2]])}
+    assert Topology.from_env(convoy_env).groups == ((0, 1), (2, 3, 4))  # node rank order, as ranks are given
+    assert Topology.from_env({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}).groups == ((0, 1, 2, 3), (4, 5, 6, 7))
+    with pytest.raises(ConfigError, match="no topology in the environment"):
+        Topology.from_env({})
+    with pytest.raises(ConfigError, match="CONVOY_TOPOLOGY"):
+        Topology.from_env({"CONVOY_TOPOLOGY": "[[0, 1]]"})
+    with pytest.raises(ConfigError, match="cannot split 6 ranks into groups of 4"):
+        Topology.uniform(6, 4)
+
+
+def test_shard_groups_pair_equal_local_indices_and_need_equal_groups() -> None:
+    topology = Topology.from_groups([[0, 1, 2], [3, 4, 5]])
+    assert topology.shard_groups() == ((0, 3), (1, 4), (2, 5))
+    assert topology.leaders == (0, 3) and topology.local_index(4) == 1 and topology.group_of(5) == 1
+    with pytest.raises(ConfigError, match="groups of equal size"):
+        Topology.from_groups([[0], [1, 2]]).shard_groups()
+
+
+def test_bytes_across_groups_against_the_minimum() -> None:
+    two_by_two = Topology.uniform(4, 2)
+    # flat ring 0-1-2-3-0 crosses twice; each crossing carries 2 (4-1)/4 S
+    assert cross_bytes(two_by_two, "flat", MB) == 2 * 1.5 * MB
+    assert cross_bytes(two_by_two, "leader", MB) == 2 * MB == min_cross_bytes(two_by_two, MB)
+    assert cross_bytes(two_by_two, "reduce_scatter", MB) == 2 * MB
+    two_by_four = Topology.uniform(8, 4)
+    assert cross_bytes(two_by_four, "flat", MB) == 2 * 1.75 * MB
+    assert cross_bytes(two_by_four, "reduce_scatter", MB) == min_cross_bytes(two_by_four, MB)
+    interleaved = Topology.from_groups([[0, 2], [1, 3]])  # every ring edge crosses
+    assert cross_bytes(interleaved, "flat", MB) == 4 * 1.5 * MB
+
+
+def test_cost_model_prefers_flat_on_even_links_and_hierarchy_on_a_slow_uplink() -> None:
+    topology = Topology.uniform(8, 4)
+    even = CostModel(Link(50e-6, 1 / 2e9), Link(50e-6, 1 / 2e9))
+    assert even.choose(topology, 16 * MB) == "flat"
+    slow = CostModel(Link(50e-6, 1 / 2e9), Link(500e-6, 1 / 125e6))  # 1 Gbit/s, 0.5 ms across
+    assert slow.choose(topology, 16 * MB) == "reduce_scatter"
+    assert slow.predict(topology, "flat", 16 * MB) > 1.5 * slow.predict(topology, "reduce_scatter", 16 * MB)
+    assert slow.choose(topology, 256) in ("flat", "leader")  # tiny messages: latency, not bandwidth
+    assert slow.choose(Topology.from_groups([[0], [1, 2, 3]]), 16 * MB) == "leader"  # uneven: no reduce_scatter
+    assert slow.choose(Topology.uniform(4, 4), 16 * MB) == "flat"
+    with pytest.raises(ConfigError, match="unknown allreduce algorithm 'tree'"):
+        slow.predict(topology, "tree", MB)
+
+
+def test_fitting_a_link_recovers_its_latency_and_bandwidth() -> None:
+    truth = Link(100e-6, 1 / 1e9)
+    ranks = 4
+    times = [(size, 2 * (ranks - 1) * (truth.latency_s + size / ranks * truth.s_per_byte)) for size in (64e3, 4e6)]
+    fitted = Link.fit_ring(ranks, times[0], times[1])
+    assert fitted.latency_s == pytest.approx(truth.latency_s) and fitted.s_per_byte == pytest.approx(truth.s_per_byte)
