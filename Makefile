@@ -23,6 +23,9 @@ test: setup
 
 bench: setup
 	$(PY) benchmarks/launch.py
+	$(PY) benchmarks/checkpoint.py
+	$(PY) benchmarks/faults.py
+	$(PY) benchmarks/allreduce.py
 
 clean:
 	rm -rf $(VENV) convoy-runs .pytest_cache

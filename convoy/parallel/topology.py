@@ -165,12 +165,25 @@ class Link:
         return cls(latency, s_per_byte)
 
 
+    @classmethod
+    def fit_line(cls, small: tuple[float, float], large: tuple[float, float]) -> Link:
+        """A straight line through two ``(nbytes, seconds)`` points: a fixed cost plus a cost per byte."""
+        s_per_byte = max((large[1] - small[1]) / max(large[0] - small[0], 1e-30), 1e-13)
+        return cls(max(small[1] - small[0] * s_per_byte, 0.0), s_per_byte)
+
+
 @dataclass(frozen=True)
 class CostModel:
-    """Predicted time of each algorithm on a topology, from the two links' measured costs."""
+    """Predicted time of each algorithm on a topology, from the two links' measured costs.
+
+    ``leader_local`` and ``shard_local``, when measured, are the in-group phases of ``leader``
+    (reduce + broadcast) and ``reduce_scatter`` (reduce-scatter + all-gather) as whole messages
+    cost them on this machine; otherwise they are derived from ``intra`` as gloo's rings."""
 
     intra: Link
     inter: Link
+    leader_local: Link | None = None
+    shard_local: Link | None = None
 
     def _ring(self, topology: Topology, ring: Sequence[int], nbytes: float, streams: int = 1) -> float:
         """A ring allreduce; ``streams`` such rings run at once and share each group's uplink."""
@@ -195,11 +208,21 @@ class CostModel:
             return self._ring(topology, range(topology.world_size), nbytes)
         if algorithm == "leader":
             tree = math.ceil(math.log2(biggest)) if biggest > 1 else 0
-            local = 2 * self.intra.cost(tree, tree * nbytes)  # reduce to the leader, then broadcast
+            if biggest == 1:
+                local = 0.0
+            elif self.leader_local is not None:
+                local = self.leader_local.cost(1, nbytes)
+            else:
+                local = 2 * self.intra.cost(tree, tree * nbytes)  # reduce to the leader, then broadcast
             return local + self._ring(topology, topology.leaders, nbytes)
         if algorithm == "reduce_scatter":
             shards = topology.shard_groups()
-            local = 2 * self.intra.cost(biggest - 1, (biggest - 1) / biggest * nbytes)  # reduce-scatter, all-gather
+            if biggest == 1:
+                local = 0.0
+            elif self.shard_local is not None:
+                local = self.shard_local.cost(1, nbytes)
+            else:
+                local = 2 * self.intra.cost(biggest - 1, (biggest - 1) / biggest * nbytes)  # scatter, then gather
             return local + self._ring(topology, shards[0], nbytes / biggest, streams=len(shards))
         raise ConfigError(f"unknown allreduce algorithm {algorithm!r}; choose from {', '.join(ALGORITHMS)} or 'auto'")
 

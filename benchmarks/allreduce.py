@@ -1,0 +1,151 @@
+"""Flat gloo all_reduce against convoy's hierarchical allreduce, on loopback and on a two-tier network.
+
+    python benchmarks/allreduce.py [--quick] [--worlds 4,8] [--sizes-mb 1,4,16,64] [--reps 5]
+
+Ranks form two "hosts" of world/2 ranks each. (a) loopback: every rank on 127.0.0.1, all links
+equally fast. (b) two-tier: each host is a network namespace on a bridge; what a host sends to
+the other goes through ``tc netem`` (default 1 Gbit/s, 0.5 ms; ``tbf`` at that rate and no delay
+where the kernel lacks netem), while ranks of one host talk
+over their namespace's loopback. Gloo is pointed at each host's link as a convoy agent would.
+The peer is ``torch.distributed.all_reduce`` in the same job. Bytes across the slow link are
+read from the hosts' link counters (TCP/IP headers included) and set against the analytic
+minimum 2 (G - 1) S for G groups. Needs root for (b); without it (b) is skipped and reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from convoy.agent.client import free_port  # noqa: E402
+from convoy.parallel.topology import Topology, cross_bytes, min_cross_bytes  # noqa: E402
+from convoy.testing.netns import HostNetwork, netns_problem  # noqa: E402
+
+WORKER = REPO / "benchmarks" / "scripts" / "allreduce_worker.py"
+HIERARCHICAL = ("leader", "reduce_scatter")
+SPEEDUP_GOAL, AUTO_GOAL, SPEEDUP_FROM_MB = 1.5, 1.10, 16.0
+MB = 1 << 20
+
+
+def run_job(world: int, sizes: str, reps: int, out: Path, net: HostNetwork | None) -> dict:
+    """Start ``world`` ranks (two hosts), wait for them, return rank 0's results."""
+    port, per_host = str(free_port()), world // 2
+    procs = []
+    for rank in range(world):
+        host = rank // per_host
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank % per_host), "WORLD_SIZE": str(world),
+               "LOCAL_WORLD_SIZE": str(per_host), "MASTER_PORT": port, "OMP_NUM_THREADS": "1",
+               "MASTER_ADDR": net.host_address(0) if net else "127.0.0.1",
+               "CONVOY_BENCH_LINK": net.host_link(host) if net else ""}
+        if net:
+            env["GLOO_SOCKET_IFNAME"] = net.host_link(host)
+        prefix = net.exec_prefix(host) if net else []
+        procs.append(subprocess.Popen([*prefix, sys.executable, str(WORKER), "--sizes-mb", sizes, "--reps", str(reps),
+                                       "--out", str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    failed = []
+    for rank, proc in enumerate(procs):
+        output, _ = proc.communicate(timeout=1800)
+        if proc.returncode != 0:
+            failed.append(f"rank {rank} exited {proc.returncode}: {output[-1500:]}")
+    if failed:
+        raise RuntimeError("\n".join(failed))
+    return json.loads(out.read_text())
+
+
+def by_size(results: list[dict]) -> dict[float, dict[str, dict]]:
+    table: dict[float, dict[str, dict]] = {}
+    for row in results:
+        table.setdefault(row["size_mb"], {})[row["algorithm"]] = row
+    return table
+
+
+def report(name: str, world: int, data: dict, net: bool) -> tuple[list[float], list[float]]:
+    """Print one configuration's table; return (best hierarchical speedups from 16 MB up, auto / fastest)."""
+    topology = Topology.uniform(world, world // 2)
+    intra, inter = data["links"]["intra"], data["links"]["inter"]
+    print(f"\n{name}, {world} ranks as 2 hosts x {world // 2}; measured links: in-host {intra[0] * 1e6:.0f} us + "
+          f"{1 / intra[1] / 1e9:.2f} GB/s, across {inter[0] * 1e6:.0f} us + {1 / inter[1] / 1e9:.2f} GB/s")
+    print(f"{'size':>7}{'flat (torch)':>14}{'leader':>10}{'reduce_sc.':>12}{'auto':>10}{'auto ran':>16}"
+          f"{'best hier. speedup':>20}{'auto / fastest':>16}")
+    speedups, auto_ratios = [], []
+    for size, row in sorted(by_size(data["results"]).items()):
+        times = {algorithm: row[algorithm]["median_s"] for algorithm in row}
+        best_hier = min(times[a] for a in HIERARCHICAL)
+        speedup = times["flat_torch"] / best_hier
+        fastest = min(times[a] for a in ("flat_torch", *HIERARCHICAL))
+        ratio = times["auto"] / fastest
+        if size >= SPEEDUP_FROM_MB and net:
+            speedups.append(speedup)
+        if not net:
+            auto_ratios.append(ratio)
+        print(f"{size:>5g}MB" + "".join(f"{times[a] * 1e3:>{w}.1f}" for a, w in
+                                        (("flat_torch", 12), ("leader", 10), ("reduce_scatter", 12), ("auto", 10)))
+              + f"  ms{row['auto']['chosen']:>14}{speedup:>19.2f}x{ratio:>15.2f}")
+    if net:
+        print("bytes across the slow link per allreduce (measured on the links / model / analytic minimum):")
+        for size, row in sorted(by_size(data["results"]).items()):
+            nbytes = size * MB
+            parts = []
+            for algorithm, model_name in (("flat_torch", "flat"), ("leader", "leader"),
+                                          ("reduce_scatter", "reduce_scatter")):
+                parts.append(f"{algorithm} {row[algorithm]['cross_bytes'] / MB:.1f} / "
+                             f"{cross_bytes(topology, model_name, nbytes) / MB:.1f}")
+            print(f"{size:>5g}MB  " + ", ".join(parts) + f"  (minimum {min_cross_bytes(topology, nbytes) / MB:.1f}) MB")
+    return speedups, auto_ratios
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="4 ranks, 1 and 16 MB, 3 reps (under a minute)")
+    parser.add_argument("--worlds", default=None, help="comma-separated world sizes, even (default 4,8)")
+    parser.add_argument("--sizes-mb", default=None, help="message sizes in MB (default 1,4,16,64)")
+    parser.add_argument("--reps", type=int, default=None, help="timed reps per algorithm and size (default 5)")
+    parser.add_argument("--rate", default="1gbit", help="the slow link's rate (tc syntax)")
+    parser.add_argument("--delay", default="0.5ms", help="the slow link's one-way delay (tc syntax)")
+    args = parser.parse_args()
+    worlds = [int(w) for w in (args.worlds or ("4" if args.quick else "4,8")).split(",")]
+    sizes = args.sizes_mb or ("1,16" if args.quick else "1,4,16,64")
+    reps = args.reps or (3 if args.quick else 5)
+    if any(w < 2 or w % 2 for w in worlds) or reps < 1:
+        parser.error("world sizes must be even and >= 2, reps >= 1")
+    problem = "network namespaces need root" if os.geteuid() != 0 else netns_problem()
+    speedups: list[float] = []
+    auto_ratios: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="convoy-bench-allreduce-") as tmp:
+        for world in worlds:
+            data = run_job(world, sizes, reps, Path(tmp) / f"loopback-{world}.json", None)
+            auto_ratios += report("(a) loopback", world, data, net=False)[1]
+            if problem:
+                continue
+            with HostNetwork(2, prefix="cvb", second_octet=78) as net:
+                shaped = {net.shape(host, args.rate, args.delay) for host in range(2)}
+                data = run_job(world, sizes, reps, Path(tmp) / f"two-tier-{world}.json", net)
+            speedups += report(f"(b) two-tier (between hosts {', '.join(shaped)})", world, data, net=True)[0]
+    if problem:
+        print(f"\n(b) two-tier skipped: {problem}")
+    print()
+    if speedups:
+        worst = min(speedups)
+        print(f"target two_tier_speedup: best hierarchical vs flat from {SPEEDUP_FROM_MB:g} MB up, worst case "
+              f"{worst:.2f}x, median {statistics.median(speedups):.2f}x (goal >= {SPEEDUP_GOAL}x) "
+              f"{'met' if worst >= SPEEDUP_GOAL else 'missed'}")
+    else:
+        why = problem or "no size >= 16 MB"
+        print(f"target two_tier_speedup: not measured ({why}) (goal >= {SPEEDUP_GOAL}x) missed")
+    worst_auto = max(auto_ratios)
+    print(f"target auto_loopback: auto / fastest worst case {worst_auto:.2f} (goal <= {AUTO_GOAL:.2f}) "
+          f"{'met' if worst_auto <= AUTO_GOAL else 'missed'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""One rank of benchmarks/allreduce.py: time flat, leader, reduce_scatter and auto allreduce.
+
+Groups are the ranks of each host (``LOCAL_WORLD_SIZE`` consecutive ranks). Each timed rep
+starts after a barrier and counts the slowest rank; between reps the buffer is refilled (not
+timed). The first rank of each host reads its host link's sent bytes (``CONVOY_BENCH_LINK``,
+empty on loopback) before and after the reps. Rank 0 writes the results as JSON to ``--out``.
+Checks across ranks are off (``check=False``), as in the DDP hook, so each algorithm is timed alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import convoy
+from convoy.parallel.collectives import HierarchicalAllreduce
+from convoy.parallel.topology import Topology
+
+ALGORITHMS = ("flat_torch", "leader", "reduce_scatter", "auto")
+
+
+def sent_bytes() -> int:
+    link = os.environ.get("CONVOY_BENCH_LINK", "")
+    if not link:
+        return 0
+    return int(Path(f"/sys/class/net/{link}/statistics/tx_bytes").read_text())
+
+
+def run(comm: HierarchicalAllreduce, buffer: torch.Tensor, algorithm: str) -> str:
+    if algorithm == "flat_torch":
+        dist.all_reduce(buffer)
+        return algorithm
+    return comm.allreduce(buffer, "sum", algorithm, check=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes-mb", default="1,4,16,64")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    ctx = convoy.init()
+    topology = Topology.uniform(ctx.world_size, ctx.local_world_size)
+    comm = HierarchicalAllreduce(topology)
+    comm.choose(1)  # measure the links once, before anything is timed
+    counts_bytes = ctx.local_rank == 0
+    results = []
+    for size_mb in [float(s) for s in args.sizes_mb.split(",")]:
+        buffer = torch.ones(int(size_mb * (1 << 20)) // 4)
+        for algorithm in ALGORITHMS:
+            chosen = run(comm, buffer, algorithm)  # warm: connections and buffers
+            times, before = [], sent_bytes() if counts_bytes else 0
+            for _ in range(args.reps):
+                buffer.fill_(1.0)
+                dist.barrier()
+                began = time.perf_counter()
+                run(comm, buffer, algorithm)
+                times.append(time.perf_counter() - began)
+            sent = (sent_bytes() - before) if counts_bytes else 0
+            slowest = torch.tensor(times, dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            total_sent = torch.tensor([sent], dtype=torch.int64)
+            dist.all_reduce(total_sent)
+            assert torch.all(buffer == ctx.world_size), f"{algorithm} gave a wrong sum"
+            results.append({"size_mb": size_mb, "algorithm": algorithm, "chosen": chosen,
+                            "median_s": statistics.median(slowest.tolist()),
+                            "cross_bytes": total_sent.item() / args.reps})
+    if ctx.rank == 0:
+        cost = comm.cost_model()
+        Path(args.out).write_text(json.dumps({"results": results, "links": {
+            "intra": [cost.intra.latency_s, cost.intra.s_per_byte],
+            "inter": [cost.inter.latency_s, cost.inter.s_per_byte]}}))
+    comm.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

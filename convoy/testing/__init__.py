@@ -1,0 +1,1 @@
+"""Tools for testing convoy on one machine: network namespaces as hosts."""
