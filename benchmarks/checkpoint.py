@@ -357,7 +357,8 @@ def report(sizes: Sizes, trainer: Trainer, samples: dict[str, list[float]], rest
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a quarter-size model and fewer reps (under a minute)")
-    parser.add_argument("--tmp", default=None, help="where the peer file and persistent checkpoints go (default: $TMPDIR)")
+    parser.add_argument("--tmp", default=None,
+                        help="where the peer file and persistent checkpoints go (default: $TMPDIR)")
     args = parser.parse_args()
     sizes = QUICK if args.quick else FULL
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # e.g. `timeout`: still clean up shm and workers

@@ -237,8 +237,8 @@ def median(values: list[float | None]) -> float | None:
 
 
 def report(results: dict[str, list[Outcome]], skipped: dict[str, str], runs: int, elapsed: float) -> None:
-    print(f"\nfault matrix: 2 nodes x 1 worker, gloo DDP (fault_train.py, seed {SEED}, {STEP_SLEEP_S} s sleep per step), "
-          f"{runs} run(s) per fault; {elapsed:.0f} s in all")
+    print(f"\nfault matrix: 2 nodes x 1 worker, gloo DDP (fault_train.py, seed {SEED}, {STEP_SLEEP_S} s sleep per "
+          f"step), {runs} run(s) per fault; {elapsed:.0f} s in all")
     print("recovered: exit 0 and trained after the fault; lost: finished steps redone after a restart;")
     print("recover: fault -> first step of the restarted workers (master_kill: -> master answers again;")
     print("corrupt_request: 0 when the job was untouched); pause: longest time without a finished step")
@@ -297,7 +297,8 @@ def main() -> int:
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
     unknown = [f for f in faults if f not in FAULTS]
     if unknown or runs < 1:
-        parser.error(f"unknown fault(s) {unknown}; choose from {','.join(FAULTS)}" if unknown else "--runs must be >= 1")
+        parser.error(f"unknown fault(s) {unknown}; choose from {','.join(FAULTS)}" if unknown
+                     else "--runs must be >= 1")
     skipped: dict[str, str] = {}
     if "link_cut" in faults:
         problem = "network namespaces need root" if os.geteuid() != 0 else netns_problem()

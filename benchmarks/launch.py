@@ -279,7 +279,7 @@ def recovery_runs(kind: str, base: Path, kills: int, timeout_s: float, settle_s:
                     result.startups.append(startup)
             current = job
             took: float | None = None
-            if wait_for(current, lambda: ready_to_kill(current, settle_s) or None, 120.0):
+            if wait_for(current, lambda job=current: ready_to_kill(job, settle_s) or None, 120.0):
                 for name, value in launcher_rss(current).items():
                     result.rss[name] = max(value, result.rss.get(name, 0.0))
                 if index >= kills:

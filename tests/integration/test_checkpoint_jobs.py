@@ -28,7 +28,8 @@ def _segments(job_id: str) -> list[str]:
     return sorted(p.name for p in SHM_DIR.glob(f"convoy-{job_id}-*"))
 
 
-def _train(procs: ProcessScope, run_dir: Path, nodes: int, nproc: int, *extra: str) -> tuple[Result, dict[str, torch.Tensor]]:
+def _train(procs: ProcessScope, run_dir: Path, nodes: int, nproc: int,
+           *extra: str) -> tuple[Result, dict[str, torch.Tensor]]:
     out = run_dir.parent / f"{run_dir.name}-params.pt"
     result = procs.run(["run", "--nnodes", nodes, "--nproc-per-node", nproc, "--run-dir", run_dir, "--stop-grace", 2,
                         EXAMPLE, "--steps", STEPS, "--persist-every", 0, "--out", out, *extra])

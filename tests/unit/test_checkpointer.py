@@ -46,7 +46,8 @@ class Trainer:
 
     def __init__(self, width: int = 8) -> None:
         torch.manual_seed(0)
-        self.model = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.BatchNorm1d(width), torch.nn.Linear(width, 1))
+        layers = [torch.nn.Linear(4, width), torch.nn.BatchNorm1d(width), torch.nn.Linear(width, 1)]
+        self.model = torch.nn.Sequential(*layers)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.01)
         self.data = torch.Generator().manual_seed(5)
 
@@ -104,7 +105,7 @@ def test_resume_from_memory_is_bit_identical(job: str) -> None:
     start = ckpt.restore()
     assert start == 6 and "in-memory snapshot of step 5" in ckpt.restored_from
     second.run(ckpt, start, 10)
-    for got, want in zip(second.params(), _reference(10)):
+    for got, want in zip(second.params(), _reference(10), strict=True):
         assert torch.equal(got, want)
 
 
@@ -116,7 +117,7 @@ def test_resume_from_persistent_checkpoint_when_memory_is_gone(job: str, tmp_pat
     ckpt = second.checkpointer()
     assert ckpt.restore() == 4 and "persistent checkpoint" in ckpt.restored_from
     second.run(ckpt, 4, 10)
-    for got, want in zip(second.params(), _reference(10)):
+    for got, want in zip(second.params(), _reference(10), strict=True):
         assert torch.equal(got, want)
 
 
