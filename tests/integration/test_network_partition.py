@@ -63,3 +63,35 @@ def test_cut_link_shrinks_the_job_and_restored_link_grows_it(procs: ProcessScope
     assert result.returncode == 0, result.explain()
     assert "job succeeded" in result.stdout
     wait_for(lambda: not procs.leftovers(), 15, "agents to exit")
+
+
+RECEIVE = """
+import socket, sys
+server = socket.create_server((sys.argv[1], int(sys.argv[2])))
+print("listening", flush=True)
+conn, _ = server.accept()
+total = 0
+while chunk := conn.recv(1 << 16):
+    total += len(chunk)
+print(total, flush=True)
+"""
+SEND = """
+import socket, sys
+with socket.create_connection((sys.argv[1], int(sys.argv[2]))) as conn:
+    conn.sendall(b"x" * int(sys.argv[3]))
+"""
+
+
+def test_shaped_link_carries_and_counts_what_leaves_a_host(procs: ProcessScope, network: HostNetwork) -> None:
+    applied = network.shape(0, "50mbit", "1ms")
+    assert applied.startswith(("netem", "tbf")) and "50mbit" in applied
+    receiver = procs.start(["-c", RECEIVE, network.host_address(1), 29500],
+                           command=[*network.exec_prefix(1), sys.executable])
+    receiver.wait_output("listening")
+    before = network.sent_bytes(0)
+    sent = procs.run(["-c", SEND, network.host_address(1), 29500, 2_000_000],
+                     command=[*network.exec_prefix(0), sys.executable])
+    assert sent.returncode == 0, sent.explain()
+    result = receiver.wait(30)
+    assert result.returncode == 0 and result.stdout.split()[-1] == "2000000", result.explain()
+    assert network.sent_bytes(0) - before >= 2_000_000, "the host's link counter missed what it sent"
