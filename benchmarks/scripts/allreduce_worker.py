@@ -1,9 +1,9 @@
 """One rank of benchmarks/allreduce.py: time flat, leader, reduce_scatter and auto allreduce.
 
-Groups are the ranks of each host (``LOCAL_WORLD_SIZE`` consecutive ranks). Each timed rep
-starts after a barrier and counts the slowest rank; between reps the buffer is refilled (not
-timed). The first rank of each host reads its host link's sent bytes (``CONVOY_BENCH_LINK``,
-empty on loopback) before and after the reps. Rank 0 writes the results as JSON to ``--out``.
+Groups are the ranks of each host (``LOCAL_WORLD_SIZE`` consecutive ranks). Reps of the
+algorithms are interleaved; each starts after a barrier and counts the slowest rank; between
+reps the buffer is refilled (not timed). The first rank of each host reads its host link's
+sent bytes (``CONVOY_BENCH_LINK``, empty on loopback) around each rep. Rank 0 writes the results as JSON to ``--out``.
 Checks across ranks are off (``check=False``), as in the DDP hook, so each algorithm is timed alone.
 """
 
@@ -54,24 +54,28 @@ def main() -> None:
     results = []
     for size_mb in [float(s) for s in args.sizes_mb.split(",")]:
         buffer = torch.ones(int(size_mb * (1 << 20)) // 4)
-        for algorithm in ALGORITHMS:
-            chosen = run(comm, buffer, algorithm)  # warm: connections and buffers
-            times, before = [], sent_bytes() if counts_bytes else 0
-            for _ in range(args.reps):
+        chosen = {algorithm: run(comm, buffer, algorithm) for algorithm in ALGORITHMS}  # warm
+        times: dict[str, list[float]] = {algorithm: [] for algorithm in ALGORITHMS}
+        sent = dict.fromkeys(ALGORITHMS, 0)
+        reps = args.reps * 3 if size_mb <= 4 else args.reps  # small messages are noisier
+        for _ in range(reps):  # interleaved, so a slow moment of the machine hits every algorithm alike
+            for algorithm in ALGORITHMS:
                 buffer.fill_(1.0)
                 dist.barrier()
+                before = sent_bytes() if counts_bytes else 0
                 began = time.perf_counter()
                 run(comm, buffer, algorithm)
-                times.append(time.perf_counter() - began)
-            sent = (sent_bytes() - before) if counts_bytes else 0
-            slowest = torch.tensor(times, dtype=torch.float64)
+                times[algorithm].append(time.perf_counter() - began)
+                dist.barrier()  # every rank of the host is done sending before the counter is read
+                sent[algorithm] += (sent_bytes() - before) if counts_bytes else 0
+                assert torch.all(buffer == ctx.world_size), f"{algorithm} gave a wrong sum"
+        for algorithm in ALGORITHMS:
+            slowest = torch.tensor(times[algorithm], dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            total_sent = torch.tensor([sent], dtype=torch.int64)
+            total_sent = torch.tensor([sent[algorithm]], dtype=torch.int64)
             dist.all_reduce(total_sent)
-            assert torch.all(buffer == ctx.world_size), f"{algorithm} gave a wrong sum"
-            results.append({"size_mb": size_mb, "algorithm": algorithm, "chosen": chosen,
-                            "median_s": statistics.median(slowest.tolist()),
-                            "cross_bytes": total_sent.item() / args.reps})
+            results.append({"size_mb": size_mb, "algorithm": algorithm, "chosen": chosen[algorithm],
+                            "median_s": statistics.median(slowest.tolist()), "cross_bytes": total_sent.item() / reps})
     if ctx.rank == 0:
         cost = comm.cost_model()
         Path(args.out).write_text(json.dumps({"results": results, "links": {

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,9 +30,8 @@ from convoy.parallel.topology import ALGORITHMS, CostModel, Link, Topology
 OPS = ("sum", "avg")
 CHUNK_BYTES = 1 << 20
 BUCKET_BYTES = 25 << 20
-PROBE_BYTES = (64 << 10, 4 << 20)
+PROBE_BYTES = (1 << 20, 16 << 20)
 PROBE_REPS = 5
-LINKS = ("intra", "inter", "leader_local", "shard_local")
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
            torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool]
 
@@ -263,14 +261,19 @@ class HierarchicalAllreduce:
                 found[0] = None
         dist.broadcast_object_list(found, src=0)
         if found[0] is not None:
-            self._cost = CostModel(*(Link(*found[0][name]) if found[0].get(name) else None for name in LINKS))
+            saved = found[0]
+            self._cost = CostModel(Link(*saved["intra"]), Link(*saved["inter"]),
+                                   tuple((name, Link(*line)) for name, line in saved["measured"]))
             return self._cost
         self._cost = self.measure()
         if self.rank == 0 and cache is not None:
             cache.parent.mkdir(parents=True, exist_ok=True)
             tmp = cache.with_suffix(".tmp")
-            links = {name: list(vars(link).values()) if (link := getattr(self._cost, name)) else None for name in LINKS}
-            tmp.write_text(json.dumps({"topology": self.topology.key(), **links}))
+            cost = self._cost
+            tmp.write_text(json.dumps({
+                "topology": self.topology.key(), "intra": [cost.intra.latency_s, cost.intra.s_per_byte],
+                "inter": [cost.inter.latency_s, cost.inter.s_per_byte],
+                "measured": [[name, [line.latency_s, line.s_per_byte]] for name, line in cost.measured]}))
             tmp.replace(cache)
         return self._cost
 
@@ -282,37 +285,25 @@ class HierarchicalAllreduce:
 
     def measure(self) -> CostModel:
         """Time ring allreduces of two sizes inside the first group with more than one rank and
-        among the leaders; fit each link's latency and bandwidth; every rank gets rank 0's view."""
+        among the leaders, fitting each link's latency and bandwidth; then each usable algorithm
+        end to end at the same sizes. Every rank gets rank 0's view, so all choose alike."""
         groups = self.topology.groups
         local_group = next((i for i, g in enumerate(groups) if len(g) > 1), None)
-        mine = [0.0] * 8
+        usable = [a for a in ALGORITHMS if a != "reduce_scatter" or self._shard is not None]
+        mine = [0.0] * (4 + 2 * len(usable))
         if local_group is not None and self.rank in groups[local_group]:
             mine[:2] = _fit(lambda b: dist.all_reduce(b, group=self._intra), self._intra, len(groups[local_group]))
-            mine[4:6] = _fit(lambda b: self._leader_local(b), self._intra)
-            if self._shard is not None:
-                mine[6:8] = _fit(lambda b: self._shard_local(b), self._intra)
         if len(groups) > 1 and self._leaders is not None:
             mine[2:4] = _fit(lambda b: dist.all_reduce(b, group=self._leaders), self._leaders, len(groups))
+        for index, algorithm in enumerate(usable):
+            mine[4 + 2 * index : 6 + 2 * index] = _fit(
+                lambda b, algorithm=algorithm: self.allreduce(b, "sum", algorithm, check=False), None)
         every: list[list[float]] = [[] for _ in range(self.world_size)]
         dist.all_gather_object(every, mine)
-        if local_group is None:  # groups of one: only the link across groups exists
-            inter = Link(*every[self.topology.leaders[0]][2:4])
-            return CostModel(inter, inter)
-        local = every[groups[local_group][0]]
-        intra = Link(*local[:2])
-        inter = Link(*every[self.topology.leaders[0]][2:4]) if len(groups) > 1 else intra
-        return CostModel(intra, inter, Link(*local[4:6]), Link(*local[6:8]) if self._shard is not None else None)
-
-    def _leader_local(self, buffer: torch.Tensor) -> None:
-        """The in-group phases of ``leader`` alone (for measuring them)."""
-        dist.reduce(buffer, dst=self.members[0], group=self._intra)
-        dist.broadcast(buffer, src=self.members[0], group=self._intra)
-
-    def _shard_local(self, buffer: torch.Tensor) -> None:
-        """The in-group phases of ``reduce_scatter`` alone (for measuring them)."""
-        shard = torch.empty(buffer.numel() // len(self.members), dtype=buffer.dtype)
-        dist.reduce_scatter_single(shard, buffer[: shard.numel() * len(self.members)], group=self._intra)
-        dist.all_gather_single(buffer[: shard.numel() * len(self.members)], shard, group=self._intra)
+        inter = Link(*every[self.topology.leaders[0]][2:4]) if len(groups) > 1 else None
+        intra = Link(*every[groups[local_group][0]][:2]) if local_group is not None else None
+        lines = tuple((algorithm, Link(*every[0][4 + 2 * i : 6 + 2 * i])) for i, algorithm in enumerate(usable))
+        return CostModel(intra or inter or Link(0.0, 1e-9), inter or intra or Link(0.0, 1e-9), lines)
 
     def _start_hook_thread(self) -> Queue[Callable[[], None] | None]:
         if self._hook_queue is None:
@@ -328,7 +319,7 @@ class HierarchicalAllreduce:
 
 
 def _fit(run: Callable[[torch.Tensor], None], group: Any, ring_ranks: int = 0) -> tuple[float, float]:
-    """(fixed s, s/byte) of ``run`` on ``group`` from the median time at two sizes; with
+    """(fixed s, s/byte) of ``run`` on ``group`` from the fastest time at two sizes; with
     ``ring_ranks`` the times are read as a ring allreduce of that many ranks (a link's cost)."""
     points = []
     for nbytes in PROBE_BYTES:
@@ -340,7 +331,7 @@ def _fit(run: Callable[[torch.Tensor], None], group: Any, ring_ranks: int = 0) -
             began = time.perf_counter()
             run(buffer)
             times.append(time.perf_counter() - began)
-        points.append((float(nbytes), statistics.median(times)))
+        points.append((float(nbytes), min(times)))  # what the link can do; a busy moment only adds
     link = Link.fit_ring(ring_ranks, points[0], points[1]) if ring_ranks else Link.fit_line(points[0], points[1])
     return link.latency_s, link.s_per_byte
 

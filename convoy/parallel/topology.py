@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from convoy.errors import ConfigError
 
+CHOICE_MARGIN = 0.10
 ALGORITHMS = ("flat", "leader", "reduce_scatter")
 """``flat``: one ring over all ranks. ``leader``: reduce to each group's first rank, allreduce
 among those, broadcast back. ``reduce_scatter``: reduce-scatter inside each group, allreduce
@@ -174,16 +175,16 @@ class Link:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Predicted time of each algorithm on a topology, from the two links' measured costs.
+    """Predicted time of each algorithm on a topology.
 
-    ``leader_local`` and ``shard_local``, when measured, are the in-group phases of ``leader``
-    (reduce + broadcast) and ``reduce_scatter`` (reduce-scatter + all-gather) as whole messages
-    cost them on this machine; otherwise they are derived from ``intra`` as gloo's rings."""
+    From the two links' alpha-beta costs, with each algorithm modelled as the rings gloo runs;
+    or, where the job measured an algorithm end to end at two sizes (``measured``: algorithm ->
+    fixed cost + cost per byte), from that line, which also holds what the model leaves out
+    (in-group phases under CPU contention, per-operation overheads)."""
 
     intra: Link
     inter: Link
-    leader_local: Link | None = None
-    shard_local: Link | None = None
+    measured: tuple[tuple[str, Link], ...] = ()
 
     def _ring(self, topology: Topology, ring: Sequence[int], nbytes: float, streams: int = 1) -> float:
         """A ring allreduce; ``streams`` such rings run at once and share each group's uplink."""
@@ -195,40 +196,37 @@ class CostModel:
             if topology.group_of(a) != topology.group_of(b):
                 uplink[topology.group_of(a)] = uplink.get(topology.group_of(a), 0) + 1
         step_bytes = nbytes / k
+        crossing = sum(uplink.values())
+        per_step = 0.0  # every edge sends at once: a step lasts as long as its slowest edge
         if uplink:
             per_step = self.inter.cost(1, max(uplink.values()) * streams * step_bytes)
-        else:
-            per_step = self.intra.cost(1, step_bytes)
+        if crossing < k:
+            per_step = max(per_step, self.intra.cost(1, step_bytes))
         return 2 * (k - 1) * per_step
 
     def predict(self, topology: Topology, algorithm: str, nbytes: float) -> float:
-        sizes = [len(group) for group in topology.groups]
-        biggest = max(sizes)
+        lines = dict(self.measured)
+        if algorithm in lines:
+            return lines[algorithm].cost(1, nbytes)
+        biggest = max(len(group) for group in topology.groups)
         if algorithm == "flat":
             return self._ring(topology, range(topology.world_size), nbytes)
         if algorithm == "leader":
             tree = math.ceil(math.log2(biggest)) if biggest > 1 else 0
-            if biggest == 1:
-                local = 0.0
-            elif self.leader_local is not None:
-                local = self.leader_local.cost(1, nbytes)
-            else:
-                local = 2 * self.intra.cost(tree, tree * nbytes)  # reduce to the leader, then broadcast
+            local = 2 * self.intra.cost(tree, tree * nbytes)  # reduce to the leader, then broadcast
             return local + self._ring(topology, topology.leaders, nbytes)
         if algorithm == "reduce_scatter":
             shards = topology.shard_groups()
-            if biggest == 1:
-                local = 0.0
-            elif self.shard_local is not None:
-                local = self.shard_local.cost(1, nbytes)
-            else:
-                local = 2 * self.intra.cost(biggest - 1, (biggest - 1) / biggest * nbytes)  # scatter, then gather
+            local = 2 * self.intra.cost(biggest - 1, (biggest - 1) / biggest * nbytes)  # scatter, then gather
             return local + self._ring(topology, shards[0], nbytes / biggest, streams=len(shards))
         raise ConfigError(f"unknown allreduce algorithm {algorithm!r}; choose from {', '.join(ALGORITHMS)} or 'auto'")
 
-    def choose(self, topology: Topology, nbytes: float) -> str:
-        """The algorithm with the least predicted time (ties go to the simpler one)."""
-        usable = [a for a in ALGORITHMS if a != "reduce_scatter" or topology.is_uniform]
+    def choose(self, topology: Topology, nbytes: float, margin: float = CHOICE_MARGIN) -> str:
+        """The algorithm with the least predicted time; a hierarchical one only when it beats the
+        flat ring by ``margin`` (measured links are noisy, and the flat ring is the safe default)."""
         if len(topology.groups) in (1, topology.world_size):
-            usable = ["flat"]  # one group, or groups of one: every algorithm is the flat ring or worse
-        return min(usable, key=lambda algorithm: self.predict(topology, algorithm, nbytes))
+            return "flat"  # one group, or groups of one: every algorithm is the flat ring or worse
+        usable = [a for a in ALGORITHMS[1:] if a != "reduce_scatter" or topology.is_uniform]
+        best = min(usable, key=lambda algorithm: self.predict(topology, algorithm, nbytes))
+        flat = self.predict(topology, "flat", nbytes)
+        return best if self.predict(topology, best, nbytes) < (1 - margin) * flat else "flat"

@@ -68,6 +68,14 @@ def test_cost_model_prefers_flat_on_even_links_and_hierarchy_on_a_slow_uplink() 
     assert slow.choose(topology, 256) in ("flat", "leader")  # tiny messages: latency, not bandwidth
     assert slow.choose(Topology.from_groups([[0], [1, 2, 3]]), 16 * MB) == "leader"  # uneven: no reduce_scatter
     assert slow.choose(Topology.uniform(4, 4), 16 * MB) == "flat"
+    # measured end to end, an algorithm's line wins over the link model (here: in-group phases are slow)
+    measured = CostModel(slow.intra, slow.inter, (("flat", Link(1e-3, 1 / 0.5e9)), ("leader", Link(2e-3, 1 / 0.4e9))))
+    assert measured.predict(topology, "flat", 16 * MB) == pytest.approx(1e-3 + 16 * MB / 0.5e9)
+    assert [measured.choose(topology, size * MB) for size in (1, 4, 16, 64)] == ["flat"] * 4
+    # within the margin the flat ring stays: probes on a busy machine are noisy
+    close = CostModel(slow.intra, slow.inter, (("flat", Link(1e-3, 1 / 1.0e9)), ("leader", Link(1e-3, 1 / 1.1e9))))
+    assert close.choose(Topology.uniform(4, 2), 64 * MB, margin=0.15) == "flat"
+    assert close.choose(Topology.uniform(4, 2), 64 * MB, margin=0.0) == "leader"
     with pytest.raises(ConfigError, match="unknown allreduce algorithm 'tree'"):
         slow.predict(topology, "tree", MB)
 
