@@ -38,7 +38,8 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
-from fault_job import LEFTOVERS, Job, LocalJob, Step, master_serving, wait_for
+from fault_job import LEFTOVERS, Job, LocalJob, master_serving, wait_for
+from steplog import Step
 from fault_net import NetJob, netns_problem
 from fault_requests import barrage
 

@@ -21,9 +21,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, NamedTuple, TypeVar
+from typing import Callable, TypeVar
 
 import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+from steplog import Step, StepLog  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "ddp_steps.py"
 NPROC = 2
@@ -38,45 +41,6 @@ def _tool(name: str, module: str) -> list[str]:
 
 
 LAUNCHERS = {"convoy": _tool("convoy", "convoy"), "torchrun": _tool("torchrun", "torch.distributed.run")}
-
-
-class Step(NamedTuple):
-    rank: int
-    step: int
-    pid: int
-    t: float
-
-
-class StepLog:
-    """The lines the training script appends to OUT/rank*.txt, read as the files grow."""
-
-    def __init__(self, out: Path) -> None:
-        self.out = out
-        self.offsets: dict[Path, int] = {}
-        self.steps: list[Step] = []
-
-    def poll(self) -> None:
-        for path in sorted(self.out.glob("rank*.txt")):
-            with open(path, "rb") as handle:
-                handle.seek(self.offsets.get(path, 0))
-                data = handle.read()
-            end = data.rfind(b"\n") + 1  # a line still being written waits for the next poll
-            self.offsets[path] = self.offsets.get(path, 0) + end
-            for line in data[:end].decode().splitlines():
-                rank, step, pid, when = line.split()[:4]
-                self.steps.append(Step(int(rank), int(step), int(pid), float(when)))
-
-    def first_per_rank(self, accept: Callable[[Step], bool]) -> float | None:
-        """The time by which every rank has finished an accepted step (None if one has not)."""
-        firsts: dict[int, float] = {}
-        for step in self.steps:
-            if accept(step):
-                firsts.setdefault(step.rank, step.t)
-        return max(firsts.values()) if len(firsts) == NPROC else None
-
-    def current(self) -> dict[int, Step]:
-        """The latest step of each rank."""
-        return {step.rank: step for step in self.steps}
 
 
 class Job:
@@ -222,7 +186,7 @@ def standalone_master_rss(tmp: Path) -> float | None:
 
 def first_step(job: Job, timeout_s: float) -> float | None:
     """Seconds from just before Popen to step 0 finished by all ranks (the slower rank counts)."""
-    done = wait_for(job, lambda: job.steps.first_per_rank(lambda s: True), timeout_s)
+    done = wait_for(job, lambda: job.steps.first_per_rank(lambda s: True, NPROC), timeout_s)
     return None if done is None else done - job.started
 
 
@@ -261,7 +225,11 @@ def kill_and_time(job: Job, timeout_s: float) -> float | None:
         os.kill(victim, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    done = wait_for(job, lambda: job.steps.first_per_rank(lambda s: s.t > killed_at and s.pid not in seen), timeout_s)
+
+    def restarted(step: Step) -> bool:
+        return step.t > killed_at and step.pid not in seen
+
+    done = wait_for(job, lambda: job.steps.first_per_rank(restarted, NPROC), timeout_s)
     return None if done is None else done - killed_at
 
 

@@ -44,6 +44,14 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, interva
         time.sleep(interval)
 
 
+def gone(pid: int) -> bool:
+    """The process has exited (or is a zombie waiting for its parent to reap it)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def read_pid(path: Path) -> int:
     return int(path.read_text().strip())
 

@@ -18,9 +18,10 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple, TypeVar
+from typing import TypeVar
 
 import psutil
+from steplog import StepLog
 
 TRAIN = Path(__file__).resolve().parent / "fault_train.py"
 TAG_VAR = "CONVOY_FAULTS_TAG"
@@ -28,49 +29,6 @@ POLL_S = 0.05
 LEFTOVERS: list[str] = []
 """What a job left behind and ``Job.stop()`` had to remove (segments) or could not kill (pids)."""
 T = TypeVar("T")
-
-
-class Step(NamedTuple):
-    rank: int
-    step: int
-    pid: int
-    t: float
-    round_id: int
-
-
-class StepLog:
-    """The lines fault_train.py appends to OUT/rank*.txt, read as the files grow."""
-
-    def __init__(self, out: Path) -> None:
-        self.out = out
-        self.offsets: dict[Path, int] = {}
-        self.steps: list[Step] = []
-
-    def poll(self) -> None:
-        for path in sorted(self.out.glob("rank*.txt")):
-            with open(path, "rb") as handle:
-                handle.seek(self.offsets.get(path, 0))
-                data = handle.read()
-            end = data.rfind(b"\n") + 1  # a line still being written waits for the next poll
-            self.offsets[path] = self.offsets.get(path, 0) + end
-            for line in data[:end].decode().splitlines():
-                rank, step, pid, when, round_id = line.split()[:5]
-                self.steps.append(Step(int(rank), int(step), int(pid), float(when), int(round_id)))
-        self.steps.sort(key=lambda s: s.t)
-
-    def current(self) -> dict[int, Step]:
-        """The latest step of each rank."""
-        return {step.rank: step for step in self.steps}
-
-    def last_step(self) -> int:
-        return max((s.step for s in self.steps), default=-1)
-
-    def pids(self) -> set[int]:
-        return {s.pid for s in self.steps}
-
-    def after(self, when: float, new_since: set[int] | None = None) -> list[Step]:
-        """Steps finished after ``when``, only by workers not in ``new_since`` if given."""
-        return [s for s in self.steps if s.t > when and (new_since is None or s.pid not in new_since)]
 
 
 def tagged_env(tag: str) -> dict[str, str]:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from convoy.errors import ConfigError
-from convoy.parallel.topology import ALGORITHMS, CostModel, Link, Topology
+from convoy.parallel.topology import ALGORITHMS, CostModel, Link, Topology, check_algorithm
 
 OPS = ("sum", "avg")
 CHUNK_BYTES = 1 << 20
@@ -40,9 +40,10 @@ class HierarchicalAllreduce:
     """Allreduce that knows which ranks share fast links. Create it on every rank of the default
     group in the same order (it creates the sub-groups it needs, a collective call).
 
-    ``cost``: the links' costs; by default measured on first use of ``auto`` (a few allreduces
-    inside a group and among the leaders) and cached per job in ``cache_dir`` (default
-    ``$CONVOY_RUN_DIR/collectives``), so a restarted round of the same job does not measure again."""
+    ``cost``: what each algorithm costs; by default measured on first use of ``auto`` (the links
+    inside a group and among the leaders, then every algorithm end to end, at 1 and 16 MB) and
+    cached per job in ``cache_dir`` (default ``$CONVOY_RUN_DIR/collectives``), so a restarted
+    round of the same job does not measure again."""
 
     def __init__(self, topology: Topology | None = None, *, cost: CostModel | None = None,
                  cache_dir: str | Path | None = None, chunk_bytes: int = CHUNK_BYTES) -> None:
@@ -129,8 +130,7 @@ class HierarchicalAllreduce:
         ``model.register_comm_hook(None, comm.ddp_hook())``. Buckets are reduced one at a time on
         a background thread, in the order DDP hands them over (the same on every rank), so the
         backward pass goes on computing while they travel."""
-        if algorithm != "auto" and algorithm not in ALGORITHMS:
-            raise ConfigError(f"unknown allreduce algorithm {algorithm!r}; choose from {', '.join(ALGORITHMS)}, auto")
+        check_algorithm(algorithm)
         if algorithm == "auto":
             self.choose(1)  # measure now, on the main thread, not inside backward
         queue = self._start_hook_thread()
@@ -187,8 +187,7 @@ class HierarchicalAllreduce:
 
     def _reduce_scatter(self, flat: torch.Tensor) -> None:
         """Reduce-scatter in the group, allreduce each shard across groups, all-gather; pipelined."""
-        if self._shard is None:
-            self.topology.shard_groups()  # raises the reason
+        assert self._shard is not None, "_validate refuses reduce_scatter on groups of unequal size"
         size = len(self.members)
         padded = -(-flat.numel() // size) * size
         work = flat if padded == flat.numel() else torch.zeros(padded, dtype=flat.dtype)
@@ -224,8 +223,7 @@ class HierarchicalAllreduce:
     def _validate(self, tensor: torch.Tensor, op: str, algorithm: str) -> None:
         if op not in OPS:
             raise ConfigError(f"unknown reduce op {op!r}; choose from {', '.join(OPS)}")
-        if algorithm != "auto" and algorithm not in ALGORITHMS:
-            raise ConfigError(f"unknown allreduce algorithm {algorithm!r}; choose from {', '.join(ALGORITHMS)}, auto")
+        check_algorithm(algorithm)
         if tensor.device.type != "cpu" and dist.get_backend() == "gloo":
             raise ConfigError(f"gloo reduces CPU tensors; this one is on {tensor.device}")
         if op == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):

@@ -23,6 +23,13 @@ among those, broadcast back. ``reduce_scatter``: reduce-scatter inside each grou
 shard i among the ranks at local index i of every group, all-gather inside each group."""
 
 
+def check_algorithm(algorithm: str, auto: bool = True) -> None:
+    """Raise ``ConfigError`` unless ``algorithm`` names one (or, with ``auto``, is ``"auto"``)."""
+    if algorithm not in ALGORITHMS and not (auto and algorithm == "auto"):
+        raise ConfigError(f"unknown allreduce algorithm {algorithm!r}; choose from {', '.join(ALGORITHMS)}"
+                          + (" or 'auto'" if auto else ""))
+
+
 @dataclass(frozen=True)
 class Topology:
     """Groups of ranks joined by fast links (a node, a rack, or any grouping the user gives).
@@ -128,14 +135,13 @@ def ring_cross_bytes(topology: Topology, ring: Sequence[int], nbytes: float) -> 
 
 def cross_bytes(topology: Topology, algorithm: str, nbytes: float) -> float:
     """Bytes an allreduce of ``nbytes`` per rank sends across group boundaries, summed over links."""
+    check_algorithm(algorithm, auto=False)
     if algorithm == "flat":
         return ring_cross_bytes(topology, range(topology.world_size), nbytes)
     if algorithm == "leader":
         return ring_cross_bytes(topology, topology.leaders, nbytes)
-    if algorithm == "reduce_scatter":
-        shards = topology.shard_groups()
-        return sum(ring_cross_bytes(topology, ring, nbytes / len(shards)) for ring in shards)
-    raise ConfigError(f"unknown allreduce algorithm {algorithm!r}; choose from {', '.join(ALGORITHMS)} or 'auto'")
+    shards = topology.shard_groups()
+    return sum(ring_cross_bytes(topology, ring, nbytes / len(shards)) for ring in shards)
 
 
 def min_cross_bytes(topology: Topology, nbytes: float) -> float:
@@ -164,7 +170,6 @@ class Link:
         s_per_byte = max(slope, 1e-13)
         latency = max((small[1] - steps * per_step_bytes[0] * s_per_byte) / steps, 0.0)
         return cls(latency, s_per_byte)
-
 
     @classmethod
     def fit_line(cls, small: tuple[float, float], large: tuple[float, float]) -> Link:
@@ -205,6 +210,7 @@ class CostModel:
         return 2 * (k - 1) * per_step
 
     def predict(self, topology: Topology, algorithm: str, nbytes: float) -> float:
+        check_algorithm(algorithm, auto=False)
         lines = dict(self.measured)
         if algorithm in lines:
             return lines[algorithm].cost(1, nbytes)
@@ -215,11 +221,9 @@ class CostModel:
             tree = math.ceil(math.log2(biggest)) if biggest > 1 else 0
             local = 2 * self.intra.cost(tree, tree * nbytes)  # reduce to the leader, then broadcast
             return local + self._ring(topology, topology.leaders, nbytes)
-        if algorithm == "reduce_scatter":
-            shards = topology.shard_groups()
-            local = 2 * self.intra.cost(biggest - 1, (biggest - 1) / biggest * nbytes)  # scatter, then gather
-            return local + self._ring(topology, shards[0], nbytes / biggest, streams=len(shards))
-        raise ConfigError(f"unknown allreduce algorithm {algorithm!r}; choose from {', '.join(ALGORITHMS)} or 'auto'")
+        shards = topology.shard_groups()
+        local = 2 * self.intra.cost(biggest - 1, (biggest - 1) / biggest * nbytes)  # scatter, then gather
+        return local + self._ring(topology, shards[0], nbytes / biggest, streams=len(shards))
 
     def choose(self, topology: Topology, nbytes: float, margin: float = CHOICE_MARGIN) -> str:
         """The algorithm with the least predicted time; a hierarchical one only when it beats the

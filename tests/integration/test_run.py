@@ -22,6 +22,7 @@ from helpers import (
     ProcessScope,
     Result,
     fixture,
+    gone,
     read_pid,
     records,
     wait_for,
@@ -106,14 +107,7 @@ def test_worker_that_kills_itself_is_restarted(procs: ProcessScope, run_dir: Pat
     assert {r: first[r]["env"]["CONVOY_NODE_ID"] for r in first} == {
         r: second[r]["env"]["CONVOY_NODE_ID"] for r in second}, "node ranks are sticky across rounds"
     for rank in (0, 1, 2):  # stopped by their agents when the round ended, long before their minute was up
-        assert not psutil.pid_exists(first[rank]["pid"]) or _is_zombie(first[rank]["pid"])
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
+        assert gone(first[rank]["pid"])
 
 
 def test_worker_killed_from_outside_is_restarted(procs: ProcessScope, run_dir: Path, tmp_path: Path) -> None:
@@ -131,7 +125,7 @@ def test_worker_killed_from_outside_is_restarted(procs: ProcessScope, run_dir: P
     assert "convoy: rank 1 (node 0, local rank 1) was killed by SIGKILL in round 1" in result.stdout
     assert "convoy: restart 1/3: opening round 2" in result.stdout
     assert sorted(records(record_dir, round_id=2)) == [0, 1, 2, 3]
-    assert not psutil.pid_exists(victim) or _is_zombie(victim)
+    assert gone(victim)
 
 
 def test_restarts_exhausted_fails_naming_rank_code_and_last_lines(procs: ProcessScope, run_dir: Path) -> None:
@@ -188,7 +182,7 @@ def test_children_a_worker_leaves_behind_are_stopped(procs: ProcessScope, run_di
     result = procs.run(run_args(run_dir, WORKER, "--record", record_dir, "--grandchild", nnodes="1", nproc=1))
     assert_succeeded(result, world_size=1, restarts=0)
     child = read_pid(record_dir / "rank0.round1.child.pid")
-    wait_for(lambda: _is_zombie(child), 10, f"the worker's `sleep 300` child (pid {child}) to be stopped")
+    wait_for(lambda: gone(child), 10, f"the worker's `sleep 300` child (pid {child}) to be stopped")
 
 
 @pytest.mark.parametrize("launcher", [
@@ -224,7 +218,7 @@ def test_job_ends_when_every_agent_is_gone(procs: ProcessScope, run_dir: Path, t
     result = job.wait()
     assert result.returncode == 1, result.explain()
     assert "every agent exited before the job ended" in result.stdout
-    wait_for(lambda: _is_zombie(worker), 10, "the dead agent's worker to die with it")
+    wait_for(lambda: gone(worker), 10, "the dead agent's worker to die with it")
 
 
 def test_relative_script_path_runs_from_the_launchers_directory(procs: ProcessScope, run_dir: Path,

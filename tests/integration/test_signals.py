@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import Launched, ProcessScope, fixture, read_pid, records, wait_for
+from helpers import Launched, ProcessScope, fixture, gone, read_pid, records, wait_for
 
 from convoy.control.store import read_status
 
@@ -32,11 +32,13 @@ def start_long_job(procs: ProcessScope, run_dir: Path, record_dir: Path, *worker
     return job, [read_pid(p) for p in pid_files]
 
 
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
+def kill_agent_of(worker: int) -> str:
+    """SIGKILL the agent that started ``worker``; returns its node id."""
+    agent = psutil.Process(worker).parent()
+    assert agent is not None and "agent" in agent.cmdline()
+    node_id = agent.cmdline()[agent.cmdline().index("--node-id") + 1]
+    agent.kill()
+    return node_id
 
 
 def test_sigint_to_the_launcher_stops_the_job_with_130(procs: ProcessScope, run_dir: Path, tmp_path: Path) -> None:
@@ -129,9 +131,7 @@ def test_sigkill_of_one_agent_kills_its_workers_and_the_job_ends(procs: ProcessS
     sit out the join timeout (10 minutes by default; 8 s here) waiting for a node that will never come back."""
     job, workers = start_long_job(procs, run_dir, tmp_path / "records", hold="--hold-first",
                                   options=("--join-timeout", 8))
-    victim = psutil.Process(workers[3]).parent()
-    assert victim is not None and "agent" in victim.cmdline()
-    victim.kill()
+    kill_agent_of(workers[3])
     wait_for(lambda: gone(workers[2]) and gone(workers[3]), 10, "the killed agent's workers to die with it")
     result = job.wait(timeout=30)
     assert result.returncode in (0, 1), result.explain()
@@ -141,10 +141,7 @@ def test_sigkill_of_one_agent_kills_its_workers_and_the_job_ends(procs: ProcessS
 
 def test_relaunch_replaces_a_killed_agent(procs: ProcessScope, run_dir: Path, tmp_path: Path) -> None:
     job, workers = start_long_job(procs, run_dir, tmp_path / "records", hold="--hold-first", options=("--relaunch",))
-    victim = psutil.Process(workers[3]).parent()
-    assert victim is not None and "agent" in victim.cmdline()
-    node_id = victim.cmdline()[victim.cmdline().index("--node-id") + 1]
-    victim.kill()
+    node_id = kill_agent_of(workers[3])
     result = job.wait(timeout=60)
     assert result.returncode == 0, result.explain()
     assert f"convoy: agent of node {node_id} killed by SIGKILL; relaunching it" in result.stdout
@@ -167,10 +164,7 @@ def test_elastic_job_goes_on_with_fewer_nodes_after_losing_an_agent(procs: Proce
     pid_files = [record_dir / f"rank{rank}.round1.pid" for rank in range(4)]
     wait_for(lambda: all(p.exists() for p in pid_files), 60, "all four workers to start")
     workers = [read_pid(p) for p in pid_files]
-    victim = psutil.Process(workers[3]).parent()
-    assert victim is not None and "agent" in victim.cmdline()
-    node_id = victim.cmdline()[victim.cmdline().index("--node-id") + 1]
-    victim.kill()
+    node_id = kill_agent_of(workers[3])
     result = job.wait(timeout=60)
     assert result.returncode == 0, result.explain()
     assert f"convoy: node {node_id} left (agent killed by SIGKILL): going on with 1 nodes (round 2)" in result.stdout
