@@ -59,8 +59,10 @@ def main() -> None:
         times: dict[str, list[float]] = {algorithm: [] for algorithm in ALGORITHMS}
         sent = dict.fromkeys(ALGORITHMS, 0)
         reps = args.reps * 3 if size_mb <= 4 else args.reps  # small messages are noisier
-        for _ in range(reps):  # interleaved, so a slow moment of the machine hits every algorithm alike
-            for algorithm in ALGORITHMS:
+        for rep in range(reps):  # interleaved, so a slow moment of the machine hits every algorithm alike,
+            shift = rep % len(ALGORITHMS)  # and rotated, so no algorithm always runs right after another
+            order = ALGORITHMS[shift:] + ALGORITHMS[:shift]
+            for algorithm in order:
                 buffer.fill_(1.0)
                 dist.barrier()
                 before = sent_bytes() if counts_bytes else 0
