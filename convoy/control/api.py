@@ -7,6 +7,7 @@ import hmac
 import json
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
     from convoy.control.master import JobMaster
 
 MAX_BODY = 1 << 20
+DISCARD_S = 2.0
+"""How long a refused body is read and dropped before the connection closes."""
 
 
 # path -> (request model, reply model, summary); None: a GET without a body
@@ -103,7 +106,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._reply(400, p.ErrorBody(error="Content-Length is not a whole number >= 0"))
         if length > MAX_BODY:
             self.close_connection = True
-            return self._reply(413, p.ErrorBody(error="request body too large"))
+            self._reply(413, p.ErrorBody(error="request body too large"))
+            return self._discard(length)
         body = self.rfile.read(length) if length else b""
         master = self.server.master
         if not self._authorized():
@@ -128,6 +132,20 @@ class _Handler(BaseHTTPRequestHandler):
             master.api_fault(path, exc)
             return self._reply(500, p.ErrorBody(error=f"internal error in {path}: {type(exc).__name__}"))
         self._reply(200, reply)
+
+    def _discard(self, length: int) -> None:
+        """Read and drop a refused body (for a bounded time) before closing: closing with unread
+        bytes resets the connection, and the client may lose the answer before it reads it."""
+        deadline = time.monotonic() + DISCARD_S
+        self.connection.settimeout(DISCARD_S)
+        try:
+            while length > 0 and time.monotonic() < deadline:
+                chunk = self.rfile.read1(min(length, 1 << 16))
+                if not chunk:
+                    return
+                length -= len(chunk)
+        except OSError:  # timed out or gone: the answer was sent, the connection closes anyway
+            return
 
     def _authorized(self) -> bool:
         given = self.headers.get(p.TOKEN_HEADER, "")

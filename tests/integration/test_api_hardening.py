@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import string
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -136,3 +138,20 @@ def test_openapi_schema_is_served_and_describes_every_endpoint(master: JobMaster
     ref = join["requestBody"]["content"]["application/json"]["schema"]["$ref"]
     assert schema["components"]["schemas"][ref.rsplit("/", 1)[1]]["properties"]["nproc"]["minimum"] == 1
     assert _request(master, "GET", p.API_PREFIX + "/openapi.json", b"", token="nope")[0] == 401
+
+
+def test_an_oversize_body_sent_after_the_refusal_still_gets_the_answer(master: JobMaster) -> None:
+    """The client writes its body only after the 413 is on its way: the master must not close
+    (and so reset) the connection under it while it still sends."""
+    host, port = master.api.address
+    body = b"x" * (4 << 20)
+    with socket.create_connection((host, port), timeout=10) as conn:
+        conn.sendall(f"POST {p.API_PREFIX}/join HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
+                     f"{p.TOKEN_HEADER}: Bearer {master.token}\r\n\r\n".encode())
+        time.sleep(0.3)  # the master has read the headers and answered by now
+        conn.sendall(body)
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 413") and b"request body too large" in answer, answer[:200]
+    _still_serving(master)
