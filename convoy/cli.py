@@ -1,4 +1,4 @@
-"""``convoy run | master | agent | status``: parse the command line, then call the library."""
+"""``convoy run | master | agent | status | pipeline plan``: parse the command line, then call the library."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from convoy.errors import ConfigError, ConvoyError
 from convoy.procs import Interrupted, raise_interrupted
 
 EXIT_USAGE = 2
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "two-group")
+"""The names in ``convoy.parallel.pipeline.schedule.GENERATORS`` (not imported here, to keep startup light)."""
 _WORKERS, _MASTER, _RDZV = WorkerConfig(), MasterConfig(run_dir=Path(".")), RendezvousConfig()
 
 
@@ -70,7 +72,28 @@ def build_parser() -> argparse.ArgumentParser:
     _add_worker_options(agent)
     status = commands.add_parser("status", help="show a job's nodes, round, restarts and recent events")
     status.add_argument("--run-dir", type=Path, required=True, help="the job's run directory")
+    _add_pipeline_commands(commands.add_parser("pipeline", help="plan pipeline-parallel schedules"))
     return parser
+
+
+def _add_pipeline_commands(pipeline: argparse.ArgumentParser) -> None:
+    commands = pipeline.add_subparsers(dest="pipeline_command", required=True)
+    plan = commands.add_parser("plan", help="build, check, time and draw a pipeline schedule")
+    plan.add_argument("--schedule", choices=(*PIPELINE_SCHEDULES, "all"), default="1f1b",
+                      help="which schedule, or all to compare them (default %(default)s)")
+    plan.add_argument("--ranks", type=int, default=4, metavar="P", help="pipeline ranks (default %(default)s)")
+    plan.add_argument("--microbatches", type=int, default=8, metavar="M",
+                      help="micro-batches per step (default %(default)s)")
+    plan.add_argument("--forward", type=float, default=1.0, metavar="F",
+                      help="forward time of one micro-batch through the whole model (default %(default)s)")
+    plan.add_argument("--backward", type=float, default=2.0, metavar="B",
+                      help="backward time of one micro-batch through the whole model (default %(default)s)")
+    plan.add_argument("--comm", type=float, default=0.0, metavar="C",
+                      help="time of one message between ranks (default %(default)s)")
+    plan.add_argument("--png", type=Path, default=None, metavar="PATH",
+                      help="timeline image (default pipeline-SCHEDULE.png; with all, one per schedule, "
+                           "PATH's name suffixed with -SCHEDULE)")
+    plan.add_argument("--comms", action="store_true", help="show sends and receives in the grid")
 
 
 def _worker_config(args: argparse.Namespace) -> WorkerConfig:
@@ -163,13 +186,49 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pipeline(args: argparse.Namespace) -> int:
+    from convoy.parallel.pipeline.schedule import GENERATORS
+    from convoy.parallel.pipeline.simulate import Costs, compare, simulate
+    from convoy.parallel.pipeline.timeline import draw_schedule
+    from convoy.parallel.pipeline.validate import validate
+
+    if args.forward <= 0 or args.backward <= 0 or args.comm < 0:
+        raise ConfigError(f"--forward and --backward must be > 0 and --comm >= 0, got {args.forward}, "
+                          f"{args.backward} and {args.comm}")
+    costs = Costs(forward=args.forward, backward=args.backward, comm=args.comm)
+    names = PIPELINE_SCHEDULES if args.schedule == "all" else (args.schedule,)
+    schedules = []
+    for name in names:  # build and check every schedule before printing or writing anything
+        if name == "two-group":  # its lags depend on the relative costs
+            schedule = GENERATORS[name](args.ranks, args.microbatches, args.forward, args.backward, args.comm)
+        else:
+            schedule = GENERATORS[name](args.ranks, args.microbatches)
+        schedules.append((name, validate(schedule)))
+    for index, (_, schedule) in enumerate(schedules):
+        result = simulate(schedule, costs, check=False)
+        peaks = " ".join(f"{result.peak_activations[rank]:.2f}" for rank in sorted(result.peak_activations))
+        print(("\n" if index else "") + schedule.grid(comms=args.comms))
+        print(f"{result.summary()}  (per rank: {peaks})")
+    if len(schedules) > 1:
+        print("\n" + compare([schedule for _, schedule in schedules], costs))
+    for name, schedule in schedules:
+        print(f"wrote {draw_schedule(schedule, _png_path(args.png, name, len(schedules) > 1), costs)}")
+    return 0
+
+
+def _png_path(png: Path | None, name: str, several: bool) -> Path:
+    if png is None:
+        return Path(f"pipeline-{name}.png")
+    return png.with_name(f"{png.stem}-{name}{png.suffix or '.png'}") if several else png
+
+
 def _console(line: str) -> None:
     print(line, flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"run": _run, "master": _master, "agent": _agent, "status": _status}
+    handlers = {"run": _run, "master": _master, "agent": _agent, "status": _status, "pipeline": _pipeline}
     try:
         return handlers[args.command](args)
     except ConvoyError as exc:

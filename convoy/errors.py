@@ -33,3 +33,7 @@ class CheckpointError(ConvoyError):
 
 class ConflictError(ConvoyError):
     """A request clashes with the job's state (e.g. a node id already in use); HTTP 409."""
+
+
+class ScheduleError(ConvoyError):
+    """A pipeline schedule or stage split is invalid; the message names the first offending action."""

@@ -1,0 +1,3 @@
+"""Pipeline parallelism: schedules as data (schedule.py), checked (validate.py), timed on paper
+(simulate.py), executed on torch.distributed (runtime.py), bubbles filled by tensor parallelism
+(fill.py), and drawn (timeline.py)."""
