@@ -8,6 +8,7 @@ import pytest
 
 from convoy.errors import ScheduleError
 from convoy.parallel.pipeline import schedule as plans
+from convoy.parallel.pipeline.fill import plan_fills
 from convoy.parallel.pipeline.schedule import Action, Kind, Schedule
 from convoy.parallel.pipeline.simulate import Costs, simulate
 from convoy.parallel.pipeline.validate import validate
@@ -139,3 +140,24 @@ def test_grid_prints_one_row_per_rank() -> None:
     assert grid.splitlines()[1].split()[2:] == ["0F0", "0F1", "0B0", "0B1"]
     assert "1F0" in grid.splitlines()[2] and "SEND" not in grid
     assert "0SEND_F0" in plans.one_f_one_b(2, 2).grid(comms=True)
+
+
+def test_fills_are_planned_only_where_the_simulator_says_they_pay() -> None:
+    schedule = plans.one_f_one_b(4, 8)
+    cheap = Costs(comm=0.01, fill_comm=0.01, fill_params=0.01)
+    filled, result = plan_fills(schedule, cheap)
+    helpers = [(rank, a) for rank, acts in filled.actions.items() for a in acts if a.kind is Kind.H]
+    assert helpers and filled.name == "1f1b+fill"
+    assert result.makespan < simulate(schedule, cheap).makespan
+    assert result.makespan == pytest.approx(simulate(filled, cheap).makespan)
+    for rank, help_action in helpers:  # every helper was idle, in the unfilled step, while it helps
+        owner = filled.placement[help_action.stage]
+        assert rank != owner and help_action.peer == owner
+        assert any(a.kind is Kind.F and a.peer == rank and a.stage == help_action.stage for a in filled.actions[owner])
+    # the warm-up forwards of the first micro-batch are the ones worth splitting
+    assert {(a.stage, a.mb) for _, a in helpers} <= {(s, 0) for s in range(4)} | {(s, 1) for s in range(4)}
+    pricey = Costs(comm=0.01, fill_comm=0.05, fill_params=0.2)
+    unfilled, same = plan_fills(schedule, pricey)
+    assert unfilled.name == "1f1b" and same.makespan == pytest.approx(simulate(schedule, pricey).makespan)
+    only_last, _ = plan_fills(schedule, cheap, fillable=[3])
+    assert all(a.stage == 3 for acts in only_last.actions.values() for a in acts if a.kind is Kind.H)

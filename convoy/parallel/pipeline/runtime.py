@@ -26,6 +26,7 @@ from convoy.errors import ScheduleError
 from convoy.parallel.pipeline.memory import ActivationMeter
 from convoy.parallel.pipeline.schedule import Action, Kind, Schedule, split_microbatches
 from convoy.parallel.pipeline.simulate import Span
+from convoy.parallel.pipeline.tp import Filler, split_blocks
 from convoy.parallel.pipeline.validate import validate
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -43,7 +44,7 @@ class PipelineRuntime:
     """Runs ``schedule`` for this rank's ``stages`` (stage index -> module) in ``group``."""
 
     def __init__(self, schedule: Schedule, stages: Mapping[int, nn.Module], loss_fn: LossFn,
-                 group: dist.ProcessGroup | None = None, filler: object | None = None) -> None:
+                 group: dist.ProcessGroup | None = None) -> None:
         validate(schedule)
         self.schedule, self.loss_fn, self.group = schedule, loss_fn, group
         self.rank = dist.get_rank(group)
@@ -55,8 +56,13 @@ class PipelineRuntime:
             raise ScheduleError(f"rank {self.rank} holds stages {mine} in the schedule but was given "
                                 f"{sorted(stages)}; pass exactly those")
         self.stages = dict(stages)
-        self.filler = filler
         self.actions = schedule.actions[self.rank]
+        self.filler: Filler | None = None
+        if any(a.kind is Kind.H or a.peer is not None for a in self.actions):
+            for act in self.actions:
+                if act.kind is Kind.F and act.peer is not None:
+                    split_blocks(self.stages[act.stage], act.stage)
+            self.filler = Filler(self.rank, schedule.n_microbatches, self._global, group)
         self.last = schedule.n_stages - 1
         self._shapes: dict[int, tuple[torch.Size, torch.dtype]] | None = None
         """Stage -> shape and dtype of its input micro-batch (this rank's stages and their neighbours)."""
@@ -167,6 +173,8 @@ class _Step:
         if self.record:
             rt.spans = []
             dist.barrier(group=rt.group)
+        if rt.filler is not None:
+            rt.filler.begin()
         for act in rt.actions:
             if act.compute:
                 self.flush(wait=True)
@@ -179,6 +187,8 @@ class _Step:
         self.flush(wait=True)
         for work in self.sends:
             work.wait()
+        if rt.filler is not None:
+            rt.filler.finish()
         return self.losses if rt.last in rt.stages else None
 
     def flush(self, wait: bool) -> None:
