@@ -94,6 +94,10 @@ def _add_pipeline_commands(pipeline: argparse.ArgumentParser) -> None:
                       help="timeline image (default pipeline-SCHEDULE.png; with all, one per schedule, "
                            "PATH's name suffixed with -SCHEDULE)")
     plan.add_argument("--comms", action="store_true", help="show sends and receives in the grid")
+    plan.add_argument("--fill", action="store_true",
+                      help="split forwards with idle ranks (tensor parallel) where the simulator says it pays")
+    plan.add_argument("--fill-params", type=float, default=0.0, metavar="T",
+                      help="time to send a stage's parameter shard to a helper, once per step (default %(default)s)")
 
 
 def _worker_config(args: argparse.Namespace) -> WorkerConfig:
@@ -187,15 +191,16 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _pipeline(args: argparse.Namespace) -> int:
+    from convoy.parallel.pipeline.fill import plan_fills
     from convoy.parallel.pipeline.schedule import GENERATORS
     from convoy.parallel.pipeline.simulate import Costs, compare, simulate
     from convoy.parallel.pipeline.timeline import draw_schedule
     from convoy.parallel.pipeline.validate import validate
 
-    if args.forward <= 0 or args.backward <= 0 or args.comm < 0:
-        raise ConfigError(f"--forward and --backward must be > 0 and --comm >= 0, got {args.forward}, "
-                          f"{args.backward} and {args.comm}")
-    costs = Costs(forward=args.forward, backward=args.backward, comm=args.comm)
+    if args.forward <= 0 or args.backward <= 0 or args.comm < 0 or args.fill_params < 0:
+        raise ConfigError(f"--forward and --backward must be > 0, --comm and --fill-params >= 0; got {args.forward}, "
+                          f"{args.backward}, {args.comm} and {args.fill_params}")
+    costs = Costs(forward=args.forward, backward=args.backward, comm=args.comm, fill_params=args.fill_params)
     names = PIPELINE_SCHEDULES if args.schedule == "all" else (args.schedule,)
     schedules = []
     for name in names:  # build and check every schedule before printing or writing anything
@@ -203,6 +208,8 @@ def _pipeline(args: argparse.Namespace) -> int:
             schedule = GENERATORS[name](args.ranks, args.microbatches, args.forward, args.backward, args.comm)
         else:
             schedule = GENERATORS[name](args.ranks, args.microbatches)
+        if args.fill:
+            schedule = plan_fills(schedule, costs)[0]
         schedules.append((name, validate(schedule)))
     for index, (_, schedule) in enumerate(schedules):
         result = simulate(schedule, costs, check=False)

@@ -86,9 +86,13 @@ def test_split_forward_costs_owner_and_helper_their_shares() -> None:
     filled = validate(edit(edit(base, 0, owner), 1, helper))
     costs = Costs(forward=2, backward=4, fill_comm=0.1, fill_params=0.2)
     spans = {str(s.action): (s.start, s.end) for s in simulate(filled, costs).spans}
-    assert spans["0F0@1"] == (0.0, 0.5)
-    assert spans["0H0@0"] == pytest.approx((0.3, 0.8))  # input and parameters arrive first
-    assert spans["1F0"][0] == pytest.approx(0.9)  # the helper's half is back at 0.9
+    # the parameters arrive at 0.2 (the input at 0.1); the helper's half (0.5) is back at 0.8
+    assert spans["0F0@1"] == pytest.approx((0.0, 0.8))
+    assert spans["0H0@0"] == pytest.approx((0.2, 0.7))
+    assert spans["1F0"][0] == pytest.approx(0.8)
+    # two blocks, two exchanges: the second input leaves when the first block is whole (0.55)
+    spans = {str(s.action): (s.start, s.end) for s in simulate(filled, dataclasses.replace(costs, fill_rounds=2)).spans}
+    assert spans["0F0@1"] == pytest.approx((0.0, 1.0)) and spans["0H0@0"] == pytest.approx((0.2, 0.9))
     with pytest.raises(ScheduleError, match=r"rank 0, action 0 \(0F0@1\): helper rank 1 has no H"):
         validate(edit(base, 0, owner))
 

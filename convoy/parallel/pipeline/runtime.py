@@ -116,7 +116,11 @@ class PipelineRuntime:
     # -- one step --------------------------------------------------------------------------
     def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None,
              record: bool = False) -> list[float] | None:
-        """One training step; returns each micro-batch's loss on the last stage's rank, else None."""
+        """One training step; returns each micro-batch's loss on the last stage's rank, else None.
+
+        With ``record``, ``self.spans`` holds this rank's compute actions with their
+        ``time.perf_counter()`` start and end (one clock for all processes of a Linux host);
+        ``gather_spans`` collects them from every rank."""
         m = self.schedule.n_microbatches
         x_mbs = t_mbs = None
         problem = None
@@ -172,7 +176,6 @@ class _Step:
         rt = self.rt
         if self.record:
             rt.spans = []
-            dist.barrier(group=rt.group)
         if rt.filler is not None:
             rt.filler.begin()
         for act in rt.actions:

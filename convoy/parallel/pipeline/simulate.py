@@ -37,6 +37,9 @@ class Costs:
     """Sending a stage's parameter shard to a helper, once per (stage, helper) and step."""
     fill_overhead: float = 0.0
     """Extra time the owner spends to split and merge a forward."""
+    fill_rounds: int = 1
+    """Exchanges per split forward (one per MLP block of the stage): each sends the block's
+    input to the helper and waits for its part back before the next block can start."""
     stage_weights: tuple[float, ...] | None = None
     """Relative cost of each stage; default equal."""
 
@@ -112,8 +115,8 @@ def simulate(schedule: Schedule, costs: Costs | None = None, check: bool = True)
     arrival: dict[tuple[Kind, int, int], float] = {}
     spans: list[Span] = []
     shipped: set[tuple[int, int]] = set()
-    split: dict[tuple[int, int], tuple[float, float]] = {}
-    """(stage, mb) -> (start of the owner's split forward, when the helper's part is back)."""
+    split: dict[tuple[int, int], float] = {}
+    """(stage, mb) -> when the owner starts its split forward."""
 
     def visit(rank: int, act: Action) -> None:
         now = free[rank]
@@ -126,24 +129,30 @@ def simulate(schedule: Schedule, costs: Costs | None = None, check: bool = True)
             return
         cost = costs.of(schedule, act)
         if act.kind is Kind.F and act.peer is not None:
-            own = cost * (1 - costs.fill_share) + costs.fill_overhead
-            split[act.stage, act.mb] = (now, now + own)
-            spans.append(Span(rank, act, now, now + own))
-            busy[rank] += own
-            free[rank] = now + own  # the helper's part may extend this (below)
+            split[act.stage, act.mb] = now  # timed with its helper's H, visited next
             return
         if act.kind is Kind.H:
-            owner = act.peer
-            begun, own_end = split[act.stage, act.mb]
-            start = max(now, begun + fill_comm)
+            owner, begun = act.peer, split[act.stage, act.mb]
+            rounds = max(1, costs.fill_rounds)
+            own = (cost * (1 - costs.fill_share) + costs.fill_overhead) / rounds
+            theirs = cost * costs.fill_share / rounds
+            ready = now
             if (act.stage, rank) not in shipped:
                 shipped.add((act.stage, rank))
-                start += costs.fill_params
-            end = start + cost * costs.fill_share
-            spans.append(Span(rank, act, start, end))
-            busy[rank] += end - start
-            free[rank] = end
-            free[owner] = max(own_end, end + fill_comm)
+                ready = max(ready, begun + costs.fill_params)
+            at, first = begun, None
+            for _ in range(rounds):  # input out, both compute, the helper's part back
+                start = max(ready, at + fill_comm)
+                first = start if first is None else first
+                ready = start + theirs
+                at = max(at + own, ready + fill_comm)
+            owned = next(a for a in schedule.actions[owner] if a.kind is Kind.F and (a.stage, a.mb) == (act.stage,
+                                                                                                      act.mb))
+            spans.append(Span(owner, owned, begun, at))
+            spans.append(Span(rank, act, first, ready))
+            busy[owner] += own * rounds
+            busy[rank] += theirs * rounds
+            free[owner], free[rank] = at, ready
             return
         spans.append(Span(rank, act, now, now + cost))
         busy[rank] += cost

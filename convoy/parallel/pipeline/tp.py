@@ -7,8 +7,8 @@ autograd graph through ``_Injected``, whose backward is the linear layer's own, 
 backward (run by the owner alone, later) gives the same gradients as the unsplit block.
 
 The parameter shard goes to the helper once per (stage, helper) and step, before the first
-split forward that needs it; afterwards each block costs the input, the pre-activations and
-the partial output.
+split forward that needs it (a header and one flat tensor); afterwards each block costs two
+messages: the input out, the pre-activations and partial output back together.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ FILL_SHARE = 0.5
 _FILL_TAG = 1 << 24
 _PARAM_TAG = 1 << 28
 _MAX_BLOCKS = 16
+_LEAD = 10
+"""Header layout: block count, input rank - 1, up to 8 leading input dims, then 5 ints per block."""
+_HEADER = _LEAD + 5 * _MAX_BLOCKS
 
 
 class _Delay(torch.autograd.Function):
@@ -113,7 +116,7 @@ class Filler:
         self._sends, self._keep = [], []
 
     def _tag(self, stage: int, mb: int, block: int, which: int) -> int:
-        return _FILL_TAG + (((stage * self.m + mb) * _MAX_BLOCKS + block) * 4 + which)
+        return _FILL_TAG + (((stage * self.m + mb) * _MAX_BLOCKS + block) * 2 + which)
 
     def _send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         data = tensor.detach().contiguous()
@@ -122,41 +125,43 @@ class Filler:
 
     # -- owner -----------------------------------------------------------------------------
     def _ship(self, blocks: list[MLPBlock], stage: int, helper: int, x: torch.Tensor) -> None:
-        header = torch.zeros(1 + x.dim() + 5 * len(blocks), dtype=torch.int64)
+        """Two messages: a fixed-size header (block shapes, input shape, emulated costs) and
+        every block's parameter shard, flattened into one tensor."""
+        if x.dim() - 1 > _LEAD - 2:
+            raise ScheduleError(f"a split forward's input has {x.dim()} dims; bubble filling takes at most "
+                                f"{_LEAD - 1}: flatten the leading dims or leave stage {stage} unfilled")
+        header = torch.zeros(_HEADER, dtype=torch.int64)
         header[0], header[1] = len(blocks), x.dim() - 1
         header[2:1 + x.dim()] = torch.tensor(x.shape[:-1])
-        for j, b in enumerate(blocks):
-            base = 1 + x.dim() + 5 * j
-            header[base:base + 5] = torch.tensor([b.fc1.in_features, b.fc1.out_features, _cut(b.fc1.out_features),
-                                                  b.fc2.out_features, round(b.forward_ms * 1e3)])
-        size = torch.tensor([header.numel()], dtype=torch.int64)
-        self._send(size, helper, _PARAM_TAG + stage * 64)
-        self._send(header, helper, _PARAM_TAG + stage * 64 + 1)
+        shards = []
         for j, b in enumerate(blocks):
             cut = _cut(b.fc1.out_features)
-            for index, shard in enumerate((b.fc1.weight[cut:], b.fc1.bias[cut:], b.fc2.weight[:, cut:])):
-                self._send(shard, helper, _PARAM_TAG + stage * 64 + 2 + 3 * j + index)
+            header[_LEAD + 5 * j:_LEAD + 5 * j + 5] = torch.tensor([
+                b.fc1.in_features, b.fc1.out_features, cut, b.fc2.out_features, round(b.forward_ms * 1e3)])
+            shards += [b.fc1.weight[cut:].reshape(-1), b.fc1.bias[cut:], b.fc2.weight[:, cut:].reshape(-1)]
+        self._send(header, helper, _PARAM_TAG + 2 * stage)
+        self._send(torch.cat(shards), helper, _PARAM_TAG + 2 * stage + 1)
 
     def forward(self, act: Action, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """The owner's side of split forward ``act``: returns the stage output, in the graph."""
+        """The owner's side of split forward ``act``: returns the stage output, in the graph.
+        Per block: the input goes out, the helper's pre-activations and partial output come
+        back in one message while the owner computes its own columns."""
         blocks, helper = split_blocks(module, act.stage), act.peer
         assert helper is not None
         if (act.stage, helper) not in self._shipped:
             self._shipped.add((act.stage, helper))
             self._ship(blocks, act.stage, helper, x)
         for j, b in enumerate(blocks):
-            cut, hidden = _cut(b.fc1.out_features), b.fc1.out_features
+            cut, hidden, width = _cut(b.fc1.out_features), b.fc1.out_features, b.fc2.out_features
             self._send(x, helper, self._tag(act.stage, act.mb, j, 0))
-            pre_h = torch.empty(*x.shape[:-1], hidden - cut)
-            y_h = torch.empty(*x.shape[:-1], b.fc2.out_features)
-            works = [dist.irecv(pre_h, self._global(helper), self.group, self._tag(act.stage, act.mb, j, 1)),
-                     dist.irecv(y_h, self._global(helper), self.group, self._tag(act.stage, act.mb, j, 2))]
+            reply = torch.empty(*x.shape[:-1], hidden - cut + width)
+            work = dist.irecv(reply, self._global(helper), self.group, self._tag(act.stage, act.mb, j, 1))
             if b.forward_ms or b.backward_ms:
                 x = _Delay.apply(x, b.forward_ms * (1 - FILL_SHARE), b.backward_ms)
             w1, b1, w2 = b.fc1.weight, b.fc1.bias, b.fc2.weight
             y_own = F.linear(F.gelu(F.linear(x, w1[:cut], b1[:cut])), w2[:, :cut])
-            for work in works:
-                work.wait()
+            work.wait()
+            pre_h, y_h = reply.split([hidden - cut, width], dim=-1)
             pre = _Injected.apply(x, w1[cut:], b1[cut:], pre_h)
             y = _Injected.apply(F.gelu(pre), w2[:, cut:], None, y_h)
             x = y_own + y + b.fc2.bias
@@ -164,20 +169,20 @@ class Filler:
 
     # -- helper ----------------------------------------------------------------------------
     def _receive_shards(self, stage: int, owner: int) -> list[tuple]:
-        src, base = self._global(owner), _PARAM_TAG + stage * 64
-        size = torch.zeros(1, dtype=torch.int64)
-        dist.recv(size, src, self.group, base)
-        header = torch.zeros(int(size[0]), dtype=torch.int64)
-        dist.recv(header, src, self.group, base + 1)
+        src = self._global(owner)
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        dist.recv(header, src, self.group, _PARAM_TAG + 2 * stage)
         k, lead_dims = int(header[0]), int(header[1])
         lead = header[2:2 + lead_dims].tolist()
-        shards = []
-        for j in range(k):
-            d_in, hidden, cut, d_out, forward_us = header[2 + lead_dims + 5 * j:7 + lead_dims + 5 * j].tolist()
-            w1, b1, w2 = torch.empty(hidden - cut, d_in), torch.empty(hidden - cut), torch.empty(d_out, hidden - cut)
-            for index, tensor in enumerate((w1, b1, w2)):
-                dist.recv(tensor, src, self.group, base + 2 + 3 * j + index)
-            shards.append((w1, b1, w2, lead + [d_in], forward_us / 1e3))
+        dims = [header[_LEAD + 5 * j:_LEAD + 5 * j + 5].tolist() for j in range(k)]
+        flat = torch.empty(sum((hidden - cut) * (d_in + 1 + d_out) for d_in, hidden, cut, d_out, _ in dims))
+        dist.recv(flat, src, self.group, _PARAM_TAG + 2 * stage + 1)
+        shards, at = [], 0
+        for d_in, hidden, cut, d_out, forward_us in dims:
+            part = hidden - cut
+            w1, b1, w2 = flat[at:at + part * (d_in + 1 + d_out)].split([part * d_in, part, d_out * part])
+            at += part * (d_in + 1 + d_out)
+            shards.append((w1.view(part, d_in), b1, w2.view(d_out, part), lead + [d_in], forward_us / 1e3))
         return shards
 
     def help(self, act: Action) -> None:
@@ -194,5 +199,4 @@ class Filler:
                 y = F.linear(F.gelu(pre), w2)
                 if forward_ms:
                     time.sleep(forward_ms * FILL_SHARE / 1e3)
-                self._send(pre, owner, self._tag(act.stage, act.mb, j, 1))
-                self._send(y, owner, self._tag(act.stage, act.mb, j, 2))
+                self._send(torch.cat([pre, y], dim=-1), owner, self._tag(act.stage, act.mb, j, 1))
