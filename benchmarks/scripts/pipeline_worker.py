@@ -1,6 +1,6 @@
 """One rank of the pipeline benchmark: convoy's schedules against torch.distributed.pipelining.
 
-    python pipeline_worker.py --mode emulated|real --microbatches M --reps N --out FILE
+    python pipeline_worker.py --mode emulated|real|overhead --microbatches M --reps N --out FILE
     (RANK, WORLD_SIZE, MASTER_ADDR/PORT in env)
 
 Every configuration gets the same 8-block MLP (same seed) and the same batches. Each rep runs
@@ -39,6 +39,7 @@ BLOCKS = 8
 MODES = {  # width, hidden, micro-batch rows, forward ms and backward ms per block
     "emulated": (64, 128, 8, 10.0, 20.0),
     "real": (384, 1536, 32, 0.0, 0.0),
+    "overhead": (16, 32, 2, 0.0, 0.0),
 }
 
 
