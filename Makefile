@@ -26,6 +26,7 @@ bench: setup
 	$(PY) benchmarks/checkpoint.py
 	$(PY) benchmarks/faults.py
 	$(PY) benchmarks/allreduce.py
+	$(PY) benchmarks/pipeline.py
 
 clean:
 	rm -rf $(VENV) convoy-runs .pytest_cache
