@@ -125,15 +125,15 @@ def calibrate(mode: str, m: int, x: torch.Tensor, y: torch.Tensor) -> dict:
     return found
 
 
-def split_costs(mode: str, rows: int, stage_forward: float, reps: int = 5) -> dict:
+def split_costs(mode: str, rows: int, stage_forward: float, reps: int = 9) -> dict:
     """Time real split forwards of stage 0 (owner rank 0, helper rank 1) and fit the simulator's
-    fill costs to them: the parameter shard is what the first split of a step costs over the
-    others; ``fill_comm`` is what makes an exchange take as long as it did."""
+    fill costs to them: ``fill_comm`` is what makes an exchange take as long as it did (the
+    split forwards after the first of a step); the parameter shard is timed as one message."""
     rank, world = dist.get_rank(), dist.get_world_size()
     stage = split_sequential(make_model(mode), world)[0]
     filler = Filler(rank, 3, lambda r: r, None)
     x = torch.randn(rows, MODES[mode][0], requires_grad=True)
-    first, later = [], []
+    later = []
     for _ in range(reps):
         filler.begin()
         dist.barrier()
@@ -143,17 +143,19 @@ def split_costs(mode: str, rows: int, stage_forward: float, reps: int = 5) -> di
                 filler.forward(Action(Kind.F, 0, mb, 1), stage, x)
             elif rank == 1:
                 filler.help(Action(Kind.H, 0, mb, 0))
-            (first if mb == 0 else later).append(time.perf_counter() - start)
+            if mb:
+                later.append(time.perf_counter() - start)
         filler.finish()
     rounds = len(list(stage.children()))
     found = [None]
     if rank == 0:
         split = statistics.median(later)
         theirs = stage_forward * FILL_SHARE / rounds
-        found = [{"fill_comm": max(0.0, (split / rounds - theirs) / 2),
-                  "fill_params": max(0.0, statistics.median(first) - split), "split_forward": split}]
+        found = [{"fill_comm": max(0.0, (split / rounds - theirs) / 2), "split_forward": split}]
     dist.broadcast_object_list(found, src=0)
-    return found[0]
+    width, hidden = MODES[mode][:2]
+    shard = rounds * (hidden - hidden // 2) * (2 * width + 1)
+    return {**found[0], "fill_params": message_time((shard,))}
 
 
 def main() -> int:

@@ -168,9 +168,9 @@ class _Step:
         """(stage, mb) -> that stage's input activation, received or handed over locally."""
         self.losses: list[float] = [0.0] * rt.schedule.n_microbatches
         self.pending: list[dist.Work] = []
-        self.sends: list[dist.Work] = []
+        self.sends: list[tuple[dist.Work, torch.Tensor]] = []
+        """Sends in flight and their tensors, which must live until the send completes."""
         self.batch: list[dist.P2POp] = []
-        self.keep: list[torch.Tensor] = []
 
     def run(self) -> list[float] | None:
         rt = self.rt
@@ -188,8 +188,9 @@ class _Step:
             else:
                 self.comm(act)
         self.flush(wait=True)
-        for work in self.sends:
+        for work, _ in self.sends:
             work.wait()
+        self.sends = []
         if rt.filler is not None:
             rt.filler.finish()
         return self.losses if rt.last in rt.stages else None
@@ -198,12 +199,16 @@ class _Step:
         if self.batch:
             works = dist.batch_isend_irecv(self.batch)
             for op, work in zip(self.batch, works, strict=True):
-                (self.pending if op.op is dist.irecv else self.sends).append(work)
+                if op.op is dist.irecv:
+                    self.pending.append(work)
+                else:
+                    self.sends.append((work, op.tensor))
             self.batch = []
         if wait:
             for work in self.pending:
                 work.wait()
             self.pending = []
+            self.sends = [(work, tensor) for work, tensor in self.sends if not work.is_completed()]
 
     def comm(self, act: Action) -> None:
         rt, s, mb = self.rt, act.stage, act.mb
@@ -222,7 +227,6 @@ class _Step:
             shape, dtype = rt._shapes[s + 1]
             tensor, peer, op = torch.empty(shape, dtype=dtype), place[s + 1], dist.irecv
             self.grads[s, mb] = tensor
-        self.keep.append(tensor)
         self.batch.append(dist.P2POp(op, tensor, rt._global(peer), rt.group, tag))
 
     def compute(self, act: Action) -> None:
