@@ -128,12 +128,13 @@ def calibrate(mode: str, m: int, x: torch.Tensor, y: torch.Tensor) -> dict:
 def split_costs(mode: str, rows: int, stage_forward: float, reps: int = 9) -> dict:
     """Time real split forwards of stage 0 (owner rank 0, helper rank 1) and fit the simulator's
     fill costs to them: ``fill_comm`` is what makes an exchange take as long as it did (the
-    split forwards after the first of a step); the parameter shard is timed as one message."""
+    split forwards after the first of a step); the parameter shard costs what the first split
+    of a step takes over the others, and at least its time as one message."""
     rank, world = dist.get_rank(), dist.get_world_size()
     stage = split_sequential(make_model(mode), world)[0]
     filler = Filler(rank, 3, lambda r: r, None)
     x = torch.randn(rows, MODES[mode][0], requires_grad=True)
-    later = []
+    first, later = [], []
     for _ in range(reps):
         filler.begin()
         dist.barrier()
@@ -143,19 +144,20 @@ def split_costs(mode: str, rows: int, stage_forward: float, reps: int = 9) -> di
                 filler.forward(Action(Kind.F, 0, mb, 1), stage, x)
             elif rank == 1:
                 filler.help(Action(Kind.H, 0, mb, 0))
-            if mb:
-                later.append(time.perf_counter() - start)
+            (later if mb else first).append(time.perf_counter() - start)
         filler.finish()
     rounds = len(list(stage.children()))
     found = [None]
     if rank == 0:
         split = statistics.median(later)
         theirs = stage_forward * FILL_SHARE / rounds
-        found = [{"fill_comm": max(0.0, (split / rounds - theirs) / 2), "split_forward": split}]
+        found = [{"fill_comm": max(0.0, (split / rounds - theirs) / 2), "split_forward": split,
+                  "first_extra": statistics.median(first) - split}]
     dist.broadcast_object_list(found, src=0)
     width, hidden = MODES[mode][:2]
     shard = rounds * (hidden - hidden // 2) * (2 * width + 1)
-    return {**found[0], "fill_params": message_time((shard,))}
+    found[0]["fill_params"] = max(message_time((shard,)), found[0].pop("first_extra"))
+    return found[0]
 
 
 def main() -> int:
