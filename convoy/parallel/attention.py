@@ -1,0 +1,124 @@
+"""Blockwise attention math shared by every sequence-parallel scheme (no communication here).
+
+Shapes: queries ``(B, H, lq, D)``, keys and values ``(B, Hkv, lk, D)`` with ``H % Hkv == 0``
+(grouped K/V: query head h reads K/V head ``h // (H / Hkv)``, no copies). Positions are global
+token indices, so a block of queries from one device and a block of keys from another get the
+right causal mask. A key padding mask is ``(B, lk)``, True where the key is real.
+
+``partial`` attends a query block to a key block and returns the block's output and its
+log-sum-exp (the softmax normaliser); ``merge`` combines partials exactly; ``partial_backward``
+is the flash-attention backward of one block given the merged log-sum-exp, so any scheme can
+split the backward the way it split the forward. A query that sees no key at all (fully
+masked) gets output 0 and gradient 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    b, h, lq, d = q.shape
+    return q.reshape(b, kv_heads, h // kv_heads, lq, d)
+
+
+def block_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool,
+               key_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Which (query, key) pairs may attend, broadcastable to ``(B, Hkv, g, lq, lk)``; None for all."""
+    mask = None
+    if causal:
+        mask = (k_pos[None, :] <= q_pos[:, None])[None, None, None]
+    if key_mask is not None:
+        keys = key_mask[:, None, None, None, :]
+        mask = keys if mask is None else mask & keys
+    return mask
+
+
+def fully_masked(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool) -> bool:
+    """True when causality hides the whole key block from the whole query block."""
+    return causal and bool(k_pos.min() > q_pos.max())
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool,
+            key_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    s = torch.einsum("bhgqd,bhkd->bhgqk", _grouped(q, k.shape[1]), k) * scale
+    mask = block_mask(q_pos, k_pos, causal, key_mask)
+    return s if mask is None else s.masked_fill(~mask, NEG_INF)
+
+
+def partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+            causal: bool = False, key_mask: torch.Tensor | None = None, scale: float | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of query block ``q`` to key block ``k, v``: (output ``(B, H, lq, D)``, lse ``(B, H, lq)``)."""
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    b, h, lq, d = q.shape
+    s = _scores(q, k, q_pos, k_pos, causal, key_mask, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    out = torch.einsum("bhgqk,bhkd->bhgqd", p, v)
+    return out.reshape(b, h, lq, v.shape[-1]), lse.reshape(b, h, lq)
+
+
+def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine the partials of one query block over several key blocks, exactly."""
+    lse_all = torch.stack(lses)
+    lse = torch.logsumexp(lse_all, dim=0)
+    weights = torch.exp(lse_all - torch.where(torch.isinf(lse), 0.0, lse)[None])
+    out = (weights[..., None] * torch.stack(outs)).sum(0)
+    return out, lse
+
+
+def partial_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
+                     delta: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool = False,
+                     key_mask: torch.Tensor | None = None, scale: float | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients from one (query block, key block) pair: (dq, dk, dv). ``lse`` is the query
+    block's merged log-sum-exp over all keys, ``delta = (dout * out).sum(-1)`` with the merged output."""
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    kv_heads = k.shape[1]
+    s = _scores(q, k, q_pos, k_pos, causal, key_mask, scale)
+    lse_g = _grouped(lse[..., None], kv_heads)
+    p = torch.exp(s - torch.where(torch.isinf(lse_g), 0.0, lse_g))
+    dout_g = _grouped(dout, kv_heads)
+    dv = torch.einsum("bhgqk,bhgqd->bhkd", p, dout_g)
+    dp = torch.einsum("bhgqd,bhkd->bhgqk", dout_g, v)
+    ds = p * (dp - _grouped(delta[..., None], kv_heads))
+    dq = torch.einsum("bhgqk,bhkd->bhgqd", ds, k) * scale
+    dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, _grouped(q, kv_heads)) * scale
+    return dq.reshape(q.shape), dk, dv
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+              key_mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    """Single-device attention with plain autograd (the ground truth for tests and benchmarks)."""
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    pos_q = torch.arange(q.shape[2])
+    pos_k = torch.arange(k.shape[2])
+    s = _scores(q, k, pos_q, pos_k, causal, key_mask, scale)
+    dead = torch.isinf(s).all(dim=-1, keepdim=True)  # queries that see no key
+    p = torch.softmax(torch.where(dead, 0.0, s), dim=-1).masked_fill(dead, 0.0)
+    out = torch.einsum("bhgqk,bhkd->bhgqd", p, v)
+    return out.reshape(q.shape[0], q.shape[1], q.shape[2], v.shape[-1])
+
+
+class Traffic:
+    """Bytes this process hands to torch.distributed, counted at each send site (payload only)."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    def add(self, tensor: torch.Tensor, copies: int = 1) -> None:
+        """Count ``tensor`` sent to ``copies`` peers."""
+        self.sent += tensor.numel() * tensor.element_size() * copies
+
+    def reset(self) -> int:
+        sent, self.sent = self.sent, 0
+        return sent
+
+
+TRAFFIC = Traffic()
+"""What every sequence-parallel scheme in this process sent; benchmarks read and reset it."""
