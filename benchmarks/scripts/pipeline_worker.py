@@ -135,9 +135,16 @@ def split_costs(mode: str, rows: int, stage_forward: float, reps: int = 9) -> di
     filler = Filler(rank, 3, lambda r: r, None)
     x = torch.randn(rows, MODES[mode][0], requires_grad=True)
     first, later = [], []
+    token = torch.zeros(1)
     for _ in range(reps):
         filler.begin()
         dist.barrier()
+        if rank == 0:  # a ping-pong, so that both start together (a barrier lets them leave apart)
+            dist.send(token, 1)
+            dist.recv(token, 1)
+        elif rank == 1:
+            dist.recv(token, 0)
+            dist.send(token, 0)
         for mb in range(3):
             start = time.perf_counter()
             if rank == 0:
@@ -164,7 +171,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", choices=sorted(MODES), default="emulated")
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=10, help="timed steps per configuration (x4 for overhead)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo")
@@ -188,7 +195,7 @@ def main() -> int:
     for config in configs:  # warm-up: shapes, gloo pairs, allocator
         losses = config.step(x, y)
         record[config.name]["losses"] = losses
-    for rep in range(args.reps):
+    for rep in range(args.reps * (4 if args.mode == "overhead" else 1)):  # short steps: more of them
         shift = rep % len(configs)
         for config in configs[shift:] + configs[:shift]:
             dist.barrier()

@@ -6,12 +6,12 @@ In round j every rank sends its j-th query micro-sequence to the ranks whose key
 (all others; with a causal mask only the earlier ranks), each rank attends the queries it got
 to its own K and V (keeping the log-sum-exp), the partial outputs go back to their owner, and
 the owner merges them exactly with its own partial. The next round's queries are in flight
-while this round computes. The backward goes the same way: a rank sends its queries with
-their output gradient and log-sum-exp, each holder of keys adds its K and V gradients
-locally and returns the query gradient. Per rank it sends about ``2 L d (n - 1) / n`` bytes
-(half that with a causal mask, on average), independent of the K/V width, which is why it pays
-when K and V are larger than Q (long cached context, many K/V heads) and never limits the
-degree by the head count.
+while this round computes. The backward goes the same way: a rank sends its output gradient
+and log-sum-exp (the holders of keys kept its queries from the forward), each holder adds its
+K and V gradients locally and returns the query gradient. Per rank a forward sends about
+``2 L d (n - 1) / n`` bytes and so does a backward (half that with a causal mask, on average),
+independent of the K/V width, which is why it pays when K and V are larger than Q (long cached
+context, many K/V heads) and never limits the degree by the head count.
 
 Baselines with the same signature live in ``sequence_baselines.py`` (all-gather K/V, ring
 pass-K/V, Ulysses all-to-all); ``attention.py`` has the block math all of them share.
@@ -170,9 +170,10 @@ class _QueryBroadcast(torch.autograd.Function):
         to, froms = peers(rank, world, causal)
         k_pos = torch.arange(rank * local, (rank + 1) * local)
         q_parts = [q[:, :, lo:hi].contiguous() for lo, hi in bounds]
-        outs, lses = [], []
+        outs, lses, kept = [], [], []
         for j, got in _rounds(q_parts, to, froms, group, _TAG, width):
             lo, hi = bounds[j]
+            kept.append(got)  # the backward needs these queries again: keep them rather than resend
             reply = _Exchange(group, _TAG + 2 * j + 1)
             for source, theirs in got.items():
                 q_pos = torch.arange(source * local + lo, source * local + hi)
@@ -188,7 +189,7 @@ class _QueryBroadcast(torch.autograd.Function):
             lses.append(lse)
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k, v, out, lse, key_mask)
-        ctx.settings = (group, causal, micro, scale)
+        ctx.settings, ctx.kept = (group, causal, micro, scale), kept
         return out
 
     @staticmethod
@@ -203,16 +204,16 @@ class _QueryBroadcast(torch.autograd.Function):
         dout = dout.contiguous()
         delta = (dout * out).sum(-1)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        packs = [torch.cat([q[:, :, lo:hi], dout[:, :, lo:hi], lse[:, :, lo:hi, None], delta[:, :, lo:hi, None]],
-                           dim=-1) for lo, hi in bounds]
-        for j, got in _rounds(packs, to, froms, group, _TAG + 4 * micro, 2 * width + 2):
+        packs = [torch.cat([dout[:, :, lo:hi], lse[:, :, lo:hi, None], delta[:, :, lo:hi, None]], dim=-1)
+                 for lo, hi in bounds]
+        kept, ctx.kept = ctx.kept, None
+        for j, got in _rounds(packs, to, froms, group, _TAG + 4 * micro, width + 2):
             lo, hi = bounds[j]
             reply = _Exchange(group, _TAG + 4 * micro + 2 * j + 1)
             for source, theirs in got.items():
-                q_s, do_s = theirs[..., :width], theirs[..., width:2 * width]
                 q_pos = torch.arange(source * local + lo, source * local + hi)
-                dq_s, dk_s, dv_s = partial_backward(q_s, k, v, do_s, theirs[..., -2], theirs[..., -1], q_pos, k_pos,
-                                                    causal, key_mask, scale)
+                dq_s, dk_s, dv_s = partial_backward(kept[j][source], k, v, theirs[..., :width], theirs[..., -2],
+                                                    theirs[..., -1], q_pos, k_pos, causal, key_mask, scale)
                 dk += dk_s
                 dv += dv_s
                 reply.send(dq_s, source)

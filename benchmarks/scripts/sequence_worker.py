@@ -1,0 +1,122 @@
+"""One rank of the sequence-parallel attention benchmark (or the single-device peer with --single).
+
+    python sequence_worker.py --scheme S --length L --kv-heads K [--causal] --reps N --out FILE
+    (RANK, WORLD_SIZE, MASTER_ADDR/PORT in env; with --single: one process, no env)
+
+A fresh process per configuration, so its peak memory is its own: the resident size before
+the first forward and backward, against the most it ever reached (``ru_maxrss``). Then the
+timed reps: forward alone, and forward plus backward, and the bytes this rank sent in each.
+With ``--check`` the outputs and gradients are compared with single-device attention on the
+whole sequence, computed in float64 on every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from convoy.parallel import attention
+from convoy.parallel.sequence import sequence_attention
+
+B, HEADS, HEAD_DIM = 1, 8, 64
+
+
+def inputs(length: int, kv_heads: int, parts: range) -> tuple[torch.Tensor, ...]:
+    """q, k, v and the output gradient for the given parts of the sequence (each part its own
+    seed), so a rank makes only its own part and a check can make them all."""
+    def make(index: int, heads: int) -> torch.Tensor:
+        chunks = [torch.randn(B, heads, length, HEAD_DIM, generator=torch.Generator().manual_seed(index * 1000 + p))
+                  for p in parts]
+        return torch.cat(chunks, dim=2)
+    return make(0, HEADS), make(1, kv_heads), make(2, kv_heads), make(3, HEADS)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--scheme", default="query_broadcast")
+    parser.add_argument("--length", type=int, required=True)
+    parser.add_argument("--kv-heads", type=int, default=HEADS)
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--micro", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--single", action="store_true", help="single-device attention, one process")
+    parser.add_argument("--check", action="store_true")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rank, world = 0, 1
+    if not args.single:
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+    local = args.length // world
+    q, k, v, grad = inputs(local, args.kv_heads, range(rank, rank + 1) if world > 1 else range(1))
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    v.requires_grad_(True)
+
+    def run() -> torch.Tensor:
+        if args.single:
+            return attention.reference(q, k, v, causal=args.causal)
+        return sequence_attention(q, k, v, args.scheme, causal=args.causal, micro=args.micro, check=False)
+
+    before = psutil.Process().memory_info().rss
+    out = run()
+    out.backward(grad)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    result = {"peak_bytes": peak}
+    if args.check:
+        result["errors"] = check(q, k, v, grad, out, args, rank, world)
+    times = {"forward": [], "forward_backward": []}
+    traffic = {"forward": 0, "forward_backward": 0}
+    for _ in range(args.reps):
+        for what in ("forward", "forward_backward"):
+            q.grad = k.grad = v.grad = None
+            if not args.single:
+                dist.barrier()
+            attention.TRAFFIC.reset()
+            start = time.perf_counter()
+            out = run()
+            if what == "forward_backward":
+                out.backward(grad)
+            if not args.single:
+                dist.barrier()
+            times[what].append(time.perf_counter() - start)
+            traffic[what] = attention.TRAFFIC.reset()
+    result.update({f"{what}_s": statistics.median(t) for what, t in times.items()})
+    result["bytes_forward"] = traffic["forward"]
+    result["bytes_backward"] = traffic["forward_backward"] - traffic["forward"]
+    everyone = [result]
+    if not args.single:
+        everyone = [None] * world
+        dist.all_gather_object(everyone, result)
+    if rank == 0:
+        args.out.write_text(json.dumps(everyone))
+    sys.stdout.flush()
+    os._exit(0)  # torch 2.13's gloo teardown can abort at exit; the results are written
+
+
+def check(q, k, v, grad, out, args, rank, world) -> dict:  # noqa: ANN001
+    """Max abs error of this rank's output and gradients against float64 single-device attention."""
+    local = args.length // world
+    *full, full_grad = (t.double() for t in inputs(local, args.kv_heads, range(world)))
+    full = [t.requires_grad_(True) for t in full]
+    want = attention.reference(*full, causal=args.causal)
+    want.backward(full_grad)
+    part = slice(rank * local, (rank + 1) * local)
+    pairs = {"out": (out, want), "dq": (q.grad, full[0].grad), "dk": (k.grad, full[1].grad),
+             "dv": (v.grad, full[2].grad)}
+    return {name: float((a.double() - b[:, :, part]).abs().max()) for name, (a, b) in pairs.items()}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Sequence-parallel attention, 4 gloo ranks: query broadcast against all-gather K/V, ring pass-K/V
+and Ulysses, and single-device attention as the peer.
+
+    python benchmarks/sequence.py [--quick] [--lengths 2048,8192,16384] [--reps N]
+
+d = 512 as 8 heads of 64, with 8 and with 2 K/V heads (8 only at the longest length), batch 1,
+float32, query broadcast with 2 micro-sequences, no mask (the
+analytic byte counts are for that case). Each configuration runs in fresh processes so its
+peak memory (resident size reached during one forward and backward, over what it held before)
+is its own. Bytes are what each rank handed to torch.distributed, mean over ranks, against the
+analytic counts: query broadcast 2 L d (n-1)/n, ring about 2 L d_kv, Ulysses about 4 L d / n
+(d_kv = K/V heads x 64). Exactness (max abs error against float64 single-device attention,
+causal and not) is checked at the shortest length. Configurations that can't fit in memory
+(single-device and Ulysses materialise L^2 scores) are skipped above a limit and reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from convoy.agent.client import free_port  # noqa: E402
+
+WORKER = REPO / "benchmarks" / "scripts" / "sequence_worker.py"
+WORLD, D_MODEL, HEADS, HEAD_DIM = 4, 512, 8, 64
+SCHEMES = ("query_broadcast", "allgather_kv", "ring", "ulysses")
+SCORES_LIMIT = 2.5e9
+"""Most bytes one process may spend on a single L x L score tensor (per head, float32)."""
+ERROR_GOAL, MEMORY_SLACK = 1e-5, 1.10
+
+
+def run(scheme: str, length: int, kv_heads: int, causal: bool, reps: int, check: bool, out: Path) -> list[dict]:
+    single = scheme == "single"
+    world = 1 if single else WORLD
+    port, procs = str(free_port()), []
+    cmd = [sys.executable, str(WORKER), "--scheme", scheme, "--length", str(length), "--kv-heads", str(kv_heads),
+           "--reps", str(reps), "--out", str(out)] + (["--causal"] if causal else []) + \
+        (["--check"] if check else []) + (["--single"] if single else [])
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": port, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    failed = []
+    for rank, proc in enumerate(procs):
+        output, _ = proc.communicate(timeout=3600)
+        if proc.returncode != 0:
+            failed.append(f"{scheme} L={length} rank {rank} exited {proc.returncode}: {output[-1500:]}")
+    if failed:
+        raise RuntimeError("\n".join(failed))
+    return json.loads(out.read_text())
+
+
+def fits(scheme: str, length: int) -> bool:
+    """Whether the L x L scores of the schemes that materialise them stay under the limit."""
+    if scheme == "single":
+        return length * length * HEADS * 4 <= SCORES_LIMIT * 2
+    if scheme == "ulysses":
+        return length * length * (HEADS // WORLD) * 4 <= SCORES_LIMIT / 2
+    return True
+
+
+def analytic(scheme: str, length: int, kv_heads: int) -> float:
+    d_kv = kv_heads * HEAD_DIM
+    elements = {"query_broadcast": 2 * length * D_MODEL * (WORLD - 1) / WORLD, "ring": 2 * length * d_kv,
+                "ulysses": 4 * length * D_MODEL / WORLD, "allgather_kv": 2 * length * d_kv * (WORLD - 1) / WORLD}
+    return elements[scheme] * 4
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="2048 positions only, 1 rep")
+    parser.add_argument("--lengths", default=None, help="comma-separated sequence lengths (default 2048,8192,16384)")
+    parser.add_argument("--reps", type=int, default=None, help="timed reps (default 2)")
+    args = parser.parse_args()
+    lengths = [int(x) for x in (args.lengths or ("2048" if args.quick else "2048,8192,16384")).split(",")]
+    reps = args.reps or (1 if args.quick else 2)
+    errors: dict[str, float] = {}
+    memory: list[tuple[str, float]] = []
+    speed: list[tuple[str, float]] = []
+    with tempfile.TemporaryDirectory(prefix="convoy-bench-sequence-") as tmp:
+        for causal in (False, True):  # exactness, shortest length
+            for scheme in SCHEMES:
+                for kv in (HEADS, 2):
+                    rows = run(scheme, lengths[0], kv, causal, 1, True, Path(tmp) / "check.json")
+                    worst = max(max(r["errors"].values()) for r in rows)
+                    errors[f"{scheme} kv={kv} {'causal' if causal else 'full'}"] = worst
+        print(f"exactness at L={lengths[0]}, float32 against float64 single-device attention (max abs error, "
+              f"output and q/k/v gradients, every rank):")
+        for name, worst in errors.items():
+            print(f"  {name:<36} {worst:.2e}")
+        for length in lengths:
+            longest = length == max(lengths) and len(lengths) > 2
+            for kv in (HEADS,) if longest else (HEADS, 2):  # the longest: one K/V width, one rep (minutes each)
+                print(f"\nL={length}, d={D_MODEL}, {HEADS} heads, {kv} K/V heads, {WORLD} ranks, not causal "
+                      f"(times: median of {reps})")
+                print(f"{'scheme':<18}{'fwd s':>8}{'fwd+bwd s':>11}{'fwd MB/rank':>13}{'analytic':>10}"
+                      f"{'bwd MB/rank':>13}{'peak MB/rank':>14}{'vs single':>11}")
+                single = None
+                for scheme in ("single", *SCHEMES):
+                    if not fits(scheme, length):
+                        print(f"{scheme:<18}{'does not fit (L^2 scores)':>40}")
+                        continue
+                    rows = run(scheme, length, kv, False, 1 if longest else reps, False, Path(tmp) / "run.json")
+                    peak = max(r["peak_bytes"] for r in rows)
+                    fwd, both = statistics.median(r["forward_s"] for r in rows), \
+                        statistics.median(r["forward_backward_s"] for r in rows)
+                    if scheme == "single":
+                        single = {"peak": peak, "fwd": fwd, "both": both}
+                        print(f"{scheme:<18}{fwd:>8.2f}{both:>11.2f}{'-':>13}{'-':>10}{'-':>13}{peak / 2**20:>14.0f}")
+                        continue
+                    sent_f = statistics.mean(r["bytes_forward"] for r in rows)
+                    sent_b = statistics.mean(r["bytes_backward"] for r in rows)
+                    ratio = peak / single["peak"] if single else float("nan")
+                    if single:
+                        memory.append((f"{scheme} L={length} kv={kv}", ratio))
+                    if scheme == "query_broadcast":
+                        qb_time = both
+                    if scheme == "allgather_kv" and kv * 2 * HEAD_DIM > D_MODEL:  # K/V bytes exceed Q bytes
+                        speed.append((f"L={length} kv={kv}", both / qb_time))
+                    print(f"{scheme:<18}{fwd:>8.2f}{both:>11.2f}{sent_f / 2**20:>13.2f}"
+                          f"{analytic(scheme, length, kv) / 2**20:>10.2f}{sent_b / 2**20:>13.2f}"
+                          f"{peak / 2**20:>14.0f}{ratio:>11.3f}")
+    print()
+    worst = max(errors.values())
+    print(f"target exact_fp32: worst max abs error {worst:.2e} over {len(errors)} runs (goal < {ERROR_GOAL:.0e}) "
+          f"{'met' if worst < ERROR_GOAL else 'missed'}")
+    goal = MEMORY_SLACK / WORLD
+    qb_memory = [(name, ratio) for name, ratio in memory if name.startswith("query_broadcast")]
+    if qb_memory:
+        name, ratio = max(qb_memory, key=lambda item: item[1])
+        print(f"target memory_per_device: query broadcast peak / single-device peak, worst {ratio:.3f} ({name}) "
+              f"(goal <= {goal:.3f}) {'met' if ratio <= goal else 'missed'}")
+    if speed:
+        name, ratio = min(speed, key=lambda item: item[1])
+        print(f"target faster_than_allgather: all-gather K/V time / query broadcast time, worst {ratio:.2f} ({name}) "
+              f"(goal > 1.00) {'met' if ratio > 1.0 else 'missed'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
