@@ -18,16 +18,17 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks" / "scripts"))
 from convoy.agent.client import free_port  # noqa: E402
 from convoy.parallel.topology import Topology, cross_bytes, min_cross_bytes  # noqa: E402
 from convoy.testing.netns import HostNetwork, netns_problem  # noqa: E402
+from ranks import rank_env, run_ranks  # noqa: E402
 
 WORKER = REPO / "benchmarks" / "scripts" / "allreduce_worker.py"
 HIERARCHICAL = ("leader", "reduce_scatter")
@@ -38,26 +39,18 @@ MB = 1 << 20
 def run_job(world: int, sizes: str, reps: int, out: Path, net: HostNetwork | None) -> dict:
     """Start ``world`` ranks (two hosts), wait for them, return rank 0's results."""
     port, per_host = str(free_port()), world // 2
-    procs = []
+    commands = []
     for rank in range(world):
         host = rank // per_host
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank % per_host), "WORLD_SIZE": str(world),
-               "LOCAL_WORLD_SIZE": str(per_host), "MASTER_PORT": port, "OMP_NUM_THREADS": "1",
-               "MASTER_ADDR": net.host_address(0) if net else "127.0.0.1",
-               "CONVOY_BENCH_LINK": net.host_link(host) if net else ""}
+        env = rank_env(rank, world, port, LOCAL_RANK=str(rank % per_host), LOCAL_WORLD_SIZE=str(per_host),
+                       MASTER_ADDR=net.host_address(0) if net else "127.0.0.1",
+                       CONVOY_BENCH_LINK=net.host_link(host) if net else "")
         if net:
             env["GLOO_SOCKET_IFNAME"] = net.host_link(host)
         prefix = net.exec_prefix(host) if net else []
-        procs.append(subprocess.Popen([*prefix, sys.executable, str(WORKER), "--sizes-mb", sizes, "--reps", str(reps),
-                                       "--out", str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
-    failed = []
-    for rank, proc in enumerate(procs):
-        output, _ = proc.communicate(timeout=1800)
-        if proc.returncode != 0:
-            failed.append(f"rank {rank} exited {proc.returncode}: {output[-1500:]}")
-    if failed:
-        raise RuntimeError("\n".join(failed))
+        commands.append(([*prefix, sys.executable, str(WORKER), "--sizes-mb", sizes, "--reps", str(reps),
+                          "--out", str(out)], env))
+    run_ranks(commands, f"allreduce world {world}", timeout=1800)
     return json.loads(out.read_text())
 
 

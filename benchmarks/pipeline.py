@@ -20,18 +20,19 @@ import dataclasses
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks" / "scripts"))
 from convoy.agent.client import free_port  # noqa: E402
 from convoy.parallel.pipeline import schedule as plans  # noqa: E402
 from convoy.parallel.pipeline.fill import plan_fills  # noqa: E402
 from convoy.parallel.pipeline.schedule import Action, Kind  # noqa: E402
 from convoy.parallel.pipeline.simulate import Costs, Span, simulate  # noqa: E402
+from ranks import rank_env, run_ranks  # noqa: E402
 
 WORKER = REPO / "benchmarks" / "scripts" / "pipeline_worker.py"
 WORLD, BLOCKS = 4, 8
@@ -39,21 +40,10 @@ BUBBLE_TOLERANCE, FILL_FROM_BUBBLE = 0.10, 0.20
 
 
 def run_job(mode: str, microbatches: int, reps: int, out: Path) -> dict:
-    port, procs = str(free_port()), []
-    for rank in range(WORLD):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD),
-               "LOCAL_WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-               "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), "--mode", mode, "--microbatches",
-                                       str(microbatches), "--reps", str(reps), "--out", str(out)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    failed = []
-    for rank, proc in enumerate(procs):
-        output, _ = proc.communicate(timeout=1800)
-        if proc.returncode != 0:
-            failed.append(f"rank {rank} exited {proc.returncode}: {output[-2000:]}")
-    if failed:
-        raise RuntimeError("\n".join(failed))
+    port = str(free_port())
+    argv = [sys.executable, str(WORKER), "--mode", mode, "--microbatches", str(microbatches), "--reps", str(reps),
+            "--out", str(out)]
+    run_ranks([(argv, rank_env(rank, WORLD, port)) for rank in range(WORLD)], f"{mode} m={microbatches}")
     return json.loads(out.read_text())
 
 

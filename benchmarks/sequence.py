@@ -4,7 +4,7 @@ and Ulysses, and single-device attention as the peer.
     python benchmarks/sequence.py [--quick] [--lengths 2048,8192,16384] [--reps N]
 
 d = 512 as 8 heads of 64, with 8 and with 2 K/V heads (8 only at the longest length), batch 1,
-float32, query broadcast with 2 micro-sequences, no mask (the
+float32, query broadcast with 4 micro-sequences, no mask (the
 analytic byte counts are for that case). Each configuration runs in fresh processes so its
 peak memory (resident size reached during one forward and backward, over what it held before)
 is its own. Bytes are what each rank handed to torch.distributed, mean over ranks, against the
@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks" / "scripts"))
 from convoy.agent.client import free_port  # noqa: E402
+from ranks import rank_env, run_ranks  # noqa: E402
 
 WORKER = REPO / "benchmarks" / "scripts" / "sequence_worker.py"
 WORLD, D_MODEL, HEADS, HEAD_DIM = 4, 512, 8, 64
@@ -39,22 +39,12 @@ ERROR_GOAL, MEMORY_SLACK = 1e-5, 1.10
 
 def run(scheme: str, length: int, kv_heads: int, causal: bool, reps: int, check: bool, out: Path) -> list[dict]:
     single = scheme == "single"
-    world = 1 if single else WORLD
-    port, procs = str(free_port()), []
-    cmd = [sys.executable, str(WORKER), "--scheme", scheme, "--length", str(length), "--kv-heads", str(kv_heads),
-           "--reps", str(reps), "--out", str(out)] + (["--causal"] if causal else []) + \
+    port = str(free_port())
+    argv = [sys.executable, str(WORKER), "--scheme", scheme, "--length", str(length), "--kv-heads", str(kv_heads),
+            "--reps", str(reps), "--out", str(out)] + (["--causal"] if causal else []) + \
         (["--check"] if check else []) + (["--single"] if single else [])
-    for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": port, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    failed = []
-    for rank, proc in enumerate(procs):
-        output, _ = proc.communicate(timeout=3600)
-        if proc.returncode != 0:
-            failed.append(f"{scheme} L={length} rank {rank} exited {proc.returncode}: {output[-1500:]}")
-    if failed:
-        raise RuntimeError("\n".join(failed))
+    world = 1 if single else WORLD
+    run_ranks([(argv, rank_env(rank, world, port)) for rank in range(world)], f"{scheme} L={length}")
     return json.loads(out.read_text())
 
 

@@ -3,8 +3,9 @@
     python sequence_worker.py --scheme S --length L --kv-heads K [--causal] --reps N --out FILE
     (RANK, WORLD_SIZE, MASTER_ADDR/PORT in env; with --single: one process, no env)
 
-A fresh process per configuration, so its peak memory is its own: the resident size before
-the first forward and backward, against the most it ever reached (``ru_maxrss``). Then the
+A fresh process per configuration, so its peak memory is its own: after a tiny warm-up call
+(libraries, communication buffers), the resident size before the first full forward and
+backward, against the most it ever reached (``ru_maxrss``). Then the
 timed reps: forward alone, and forward plus backward, and the bytes this rank sent in each.
 With ``--check`` the outputs and gradients are compared with single-device attention on the
 whole sequence, computed in float64 on every rank.
@@ -47,7 +48,7 @@ def main() -> int:
     parser.add_argument("--length", type=int, required=True)
     parser.add_argument("--kv-heads", type=int, default=HEADS)
     parser.add_argument("--causal", action="store_true")
-    parser.add_argument("--micro", type=int, default=2)
+    parser.add_argument("--micro", type=int, default=4)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--single", action="store_true", help="single-device attention, one process")
     parser.add_argument("--check", action="store_true")
@@ -69,6 +70,13 @@ def main() -> int:
             return attention.reference(q, k, v, causal=args.causal)
         return sequence_attention(q, k, v, args.scheme, causal=args.causal, micro=args.micro, check=False)
 
+    warm = inputs(8, args.kv_heads, range(1))  # libraries and buffers first, so the peak is attention's
+    warm = [t.requires_grad_(True) for t in warm[:3]]
+    if args.single:
+        attention.reference(*warm, causal=args.causal).sum().backward()
+    else:
+        warm_out = sequence_attention(*warm, args.scheme, causal=args.causal, micro=min(args.micro, 8), check=False)
+        warm_out.sum().backward()
     before = psutil.Process().memory_info().rss
     out = run()
     out.backward(grad)

@@ -173,12 +173,16 @@ class _QueryBroadcast(torch.autograd.Function):
         outs, lses, kept = [], [], []
         for j, got in _rounds(q_parts, to, froms, group, _TAG, width):
             lo, hi = bounds[j]
-            kept.append(got)  # the backward needs these queries again: keep them rather than resend
             reply = _Exchange(group, _TAG + 2 * j + 1)
-            for source, theirs in got.items():
-                q_pos = torch.arange(source * local + lo, source * local + hi)
+            # every source's queries against the local keys in one block (large products run faster)
+            theirs = torch.cat(list(got.values()), dim=2) if got else None
+            q_pos = torch.cat([torch.arange(s * local + lo, s * local + hi) for s in got]) if got else None
+            kept.append((theirs, q_pos))  # the backward needs these queries again: keep them rather than resend
+            if got:
                 out, lse = partial(theirs, k, v, q_pos, k_pos, causal, key_mask, scale)
-                reply.send(torch.cat([out, lse[..., None]], dim=-1), source)
+                answers = torch.cat([out, lse[..., None]], dim=-1).split(hi - lo, dim=2)
+                for source, answer in zip(got, answers, strict=True):
+                    reply.send(answer.contiguous(), source)
             back = {peer: reply.recv((*q_parts[j].shape[:-1], width + 1), q.dtype, peer) for peer in to}
             reply.start()
             own = partial(q_parts[j], k, v, k_pos[lo:hi], k_pos, causal, key_mask, scale)
@@ -210,13 +214,15 @@ class _QueryBroadcast(torch.autograd.Function):
         for j, got in _rounds(packs, to, froms, group, _TAG + 4 * micro, width + 2):
             lo, hi = bounds[j]
             reply = _Exchange(group, _TAG + 4 * micro + 2 * j + 1)
-            for source, theirs in got.items():
-                q_pos = torch.arange(source * local + lo, source * local + hi)
-                dq_s, dk_s, dv_s = partial_backward(kept[j][source], k, v, theirs[..., :width], theirs[..., -2],
-                                                    theirs[..., -1], q_pos, k_pos, causal, key_mask, scale)
+            if got:
+                queries, q_pos = kept[j]
+                grads = torch.cat(list(got.values()), dim=2)
+                dq_s, dk_s, dv_s = partial_backward(queries, k, v, grads[..., :width], grads[..., -2], grads[..., -1],
+                                                    q_pos, k_pos, causal, key_mask, scale)
                 dk += dk_s
                 dv += dv_s
-                reply.send(dq_s, source)
+                for source, part in zip(got, dq_s.split(hi - lo, dim=2), strict=True):
+                    reply.send(part.contiguous(), source)
             back = [reply.recv(tuple(packs[j].shape[:-1]) + (width,), q.dtype, peer) for peer in to]
             reply.start()
             dq_own, dk_own, dv_own = partial_backward(q[:, :, lo:hi], k, v, dout[:, :, lo:hi], lse[:, :, lo:hi],
