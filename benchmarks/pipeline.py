@@ -120,10 +120,10 @@ def target(name: str, measured: str, goal: str, met: bool) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 reps, emulated m=8 only (under a minute)")
-    parser.add_argument("--reps", type=int, default=None, help="timed steps per configuration (default 15)")
+    parser.add_argument("--reps", type=int, default=None, help="timed steps per configuration (default 25)")
     parser.add_argument("--png-dir", type=Path, default=None, help="write measured timelines here")
     args = parser.parse_args()
-    reps = args.reps or (3 if args.quick else 15)
+    reps = args.reps or (3 if args.quick else 25)
     jobs = [("emulated", 8)] if args.quick else [("emulated", 8), ("emulated", 4), ("real", 8), ("overhead", 8)]
     if args.png_dir:
         args.png_dir.mkdir(parents=True, exist_ok=True)

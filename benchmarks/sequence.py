@@ -90,7 +90,7 @@ def main() -> int:
             longest = length == max(lengths) and len(lengths) > 2
             for kv in (HEADS,) if longest else (HEADS, 2):  # the longest: one K/V width, one rep (minutes each)
                 print(f"\nL={length}, d={D_MODEL}, {HEADS} heads, {kv} K/V heads, {WORLD} ranks, not causal "
-                      f"(times: median of {reps})")
+                      f"(times: median of {1 if longest else reps})")
                 print(f"{'scheme':<18}{'fwd s':>8}{'fwd+bwd s':>11}{'fwd MB/rank':>13}{'analytic':>10}"
                       f"{'bwd MB/rank':>13}{'peak MB/rank':>14}{'vs single':>11}")
                 single = None

@@ -158,8 +158,9 @@ def split_costs(mode: str, rows: int, stage_forward: float, reps: int = 9) -> di
     if rank == 0:
         split = statistics.median(later)
         theirs = stage_forward * FILL_SHARE / rounds
+        per_step = [a - statistics.median(later[2 * i:2 * i + 2]) for i, a in enumerate(first)]  # same step
         found = [{"fill_comm": max(0.0, (split / rounds - theirs) / 2), "split_forward": split,
-                  "first_extra": statistics.median(first) - split}]
+                  "first_extra": statistics.median(per_step)}]
     dist.broadcast_object_list(found, src=0)
     width, hidden = MODES[mode][:2]
     shard = rounds * (hidden - hidden // 2) * (2 * width + 1)
