@@ -81,7 +81,9 @@ def slow_link(length: int, rate: str, reps: int, tmp: Path) -> list[tuple[str, f
             for scheme in ("query_broadcast", "allgather_kv"):
                 before = [net.sent_bytes(h) for h in range(WORLD)]
                 rows = run(scheme, length, HEADS, causal, reps, False, tmp / "slow.json", net)
-                wire = statistics.mean(net.sent_bytes(h) - b for h, b in enumerate(before)) / (2 * reps + 2)
+                # one measured forward+backward, then reps x (forward, forward+backward); both schemes send
+                # as much in a backward as in a forward, so that is 1 + 1.5 reps forward+backward passes
+                wire = statistics.mean(net.sent_bytes(h) - b for h, b in enumerate(before)) / (1 + 1.5 * reps)
                 times[scheme] = statistics.median(r["forward_backward_s"] for r in rows)
                 print(f"{'causal' if causal else 'none':<8}{scheme:<18}"
                       f"{statistics.median(r['forward_s'] for r in rows):>8.2f}{times[scheme]:>11.2f}"
