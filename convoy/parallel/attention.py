@@ -18,7 +18,37 @@ import math
 
 import torch
 
+from convoy.errors import ConfigError
+
 NEG_INF = float("-inf")
+
+
+def default_scale(q: torch.Tensor, scale: float | None) -> float:
+    """``scale``, or 1 / sqrt(head_dim) when it is None."""
+    return scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None) -> None:
+    """``ConfigError`` for shards no scheme can attend (every rank with the same shapes fails alike)."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ConfigError(f"q, k, v must be 4-d (B, H, l, D) shards; got shapes {tuple(q.shape)}, "
+                          f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ConfigError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in (B, Hkv, l)")
+    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ConfigError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must have the same batch size and "
+                          "local sequence length")
+    if q.shape[3] != k.shape[3]:
+        raise ConfigError(f"q's head dim {q.shape[3]} differs from k's {k.shape[3]}; project both to one head dim")
+    if q.shape[1] % k.shape[1]:
+        raise ConfigError(f"{q.shape[1]} query heads can't share {k.shape[1]} K/V heads: the query head count must "
+                          "be a multiple of the K/V head count; use a number of K/V heads that divides the number "
+                          "of query heads")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise ConfigError(f"q, k, v have dtypes {q.dtype}, {k.dtype}, {v.dtype}; cast them to one dtype")
+    if key_mask is not None and (key_mask.shape != (q.shape[0], q.shape[2]) or key_mask.dtype != torch.bool):
+        raise ConfigError(f"key_mask must be a bool tensor of shape (B, l) = {(q.shape[0], q.shape[2])} for "
+                          f"this shard; got {key_mask.dtype} {tuple(key_mask.shape)}")
 
 
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -54,7 +84,7 @@ def partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tens
             causal: bool = False, key_mask: torch.Tensor | None = None, scale: float | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of query block ``q`` to key block ``k, v``: (output ``(B, H, lq, D)``, lse ``(B, H, lq)``)."""
-    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scale = default_scale(q, scale)
     b, h, lq, d = q.shape
     s = _scores(q, k, q_pos, k_pos, causal, key_mask, scale)
     lse = torch.logsumexp(s, dim=-1)
@@ -78,7 +108,7 @@ def partial_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: to
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients from one (query block, key block) pair: (dq, dk, dv). ``lse`` is the query
     block's merged log-sum-exp over all keys, ``delta = (dout * out).sum(-1)`` with the merged output."""
-    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scale = default_scale(q, scale)
     kv_heads = k.shape[1]
     s = _scores(q, k, q_pos, k_pos, causal, key_mask, scale)
     lse_g = _grouped(lse[..., None], kv_heads)
@@ -95,7 +125,7 @@ def partial_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: to
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
               key_mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """Single-device attention with plain autograd (the ground truth for tests and benchmarks)."""
-    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scale = default_scale(q, scale)
     pos_q = torch.arange(q.shape[2])
     pos_k = torch.arange(k.shape[2])
     s = _scores(q, k, pos_q, pos_k, causal, key_mask, scale)

@@ -19,14 +19,12 @@ pass-K/V, Ulysses all-to-all); ``attention.py`` has the block math all of them s
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from convoy.errors import ConfigError
-from convoy.parallel.attention import TRAFFIC, merge, partial, partial_backward
+from convoy.parallel.attention import TRAFFIC, check_inputs, default_scale, merge, partial, partial_backward
 
 SCHEMES = ("query_broadcast", "allgather_kv", "ring", "ulysses")
 _TAG = 7000
@@ -71,22 +69,6 @@ def shard_sequence(x: torch.Tensor, dim: int, rank: int, world: int) -> torch.Te
         raise ConfigError(f"sequence length {x.shape[dim]} is not a multiple of the {world} ranks; pad the batch "
                           f"to a multiple of {world} and mark the padding with key_mask")
     return x.narrow(dim, rank * (x.shape[dim] // world), x.shape[dim] // world)
-
-
-def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None) -> None:
-    """Local shape checks shared by every scheme."""
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ConfigError("q, k and v must be (batch, heads, positions, head_dim)")
-    if k.shape != v.shape:
-        raise ConfigError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
-    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[3] != k.shape[3]:
-        raise ConfigError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch, positions or head_dim")
-    if q.shape[1] % k.shape[1]:
-        raise ConfigError(f"{q.shape[1]} query heads can't share {k.shape[1]} K/V heads; the query head count "
-                          f"must be a multiple of the K/V head count")
-    if key_mask is not None and (key_mask.dtype != torch.bool or key_mask.shape != (q.shape[0], q.shape[2])):
-        raise ConfigError(f"key_mask must be bool of shape (batch, positions) = {(q.shape[0], q.shape[2])}, "
-                          f"got {key_mask.dtype} {tuple(key_mask.shape)}")
 
 
 def check_across_ranks(group: dist.ProcessGroup | None, **settings: object) -> None:
@@ -242,8 +224,11 @@ def query_broadcast_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Exact attention of this rank's queries over the whole sequence, by query broadcast.
     ``q`` is ``(B, H, l, D)``, ``k``/``v`` ``(B, Hkv, l, D)``, ``key_mask`` ``(B, l)``: this rank's part."""
     check_inputs(q, k, v, key_mask)
+    if v.shape[3] != q.shape[3]:
+        raise ConfigError(f"query broadcast returns outputs in the queries' messages, so v's head dim {v.shape[3]} "
+                          f"must equal q's {q.shape[3]}")
     chunk_bounds(q.shape[2], micro)
-    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scale = default_scale(q, scale)
     return _QueryBroadcast.apply(q, k, v, key_mask, group, causal, micro, scale)
 
 

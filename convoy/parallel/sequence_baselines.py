@@ -43,41 +43,17 @@ import torch
 import torch.distributed as dist
 
 from convoy.errors import ConfigError
-from convoy.parallel.attention import TRAFFIC, fully_masked, merge, partial, partial_backward, reference
+from convoy.parallel.attention import (
+    TRAFFIC, check_inputs, default_scale, fully_masked, merge, partial, partial_backward, reference,
+)
 
 Group = dist.ProcessGroup | None
 _TAG_FORWARD, _TAG_BACKWARD = 0x5E10000, 0x5E20000
 """Ring tags: base + 4 * step + (0 K/V, 1 key mask, 2 dK/dV accumulator)."""
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None) -> None:
-    """Refuse bad shapes before any data moves (every rank with the same shapes fails alike)."""
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ConfigError(f"q, k, v must be 4-d (B, H, l, D) shards; got shapes {tuple(q.shape)}, "
-                          f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if k.shape[:3] != v.shape[:3]:
-        raise ConfigError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in (B, Hkv, l)")
-    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
-        raise ConfigError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must have the same batch size and "
-                          "local sequence length")
-    if q.shape[3] != k.shape[3]:
-        raise ConfigError(f"q's head dim {q.shape[3]} differs from k's {k.shape[3]}; project both to one head dim")
-    if q.shape[1] % k.shape[1]:
-        raise ConfigError(f"{q.shape[1]} query heads can't share {k.shape[1]} K/V heads; use a number of K/V "
-                          "heads that divides the number of query heads")
-    if q.dtype != k.dtype or q.dtype != v.dtype:
-        raise ConfigError(f"q, k, v have dtypes {q.dtype}, {k.dtype}, {v.dtype}; cast them to one dtype")
-    if key_mask is not None and (key_mask.shape != (q.shape[0], q.shape[2]) or key_mask.dtype != torch.bool):
-        raise ConfigError(f"key_mask must be a bool tensor of shape (B, l) = {(q.shape[0], q.shape[2])} for "
-                          f"this shard; got {key_mask.dtype} {tuple(key_mask.shape)}")
-
-
 def _positions(rank: int, length: int) -> torch.Tensor:
     return torch.arange(rank * length, (rank + 1) * length)
-
-
-def _scale(q: torch.Tensor, scale: float | None) -> float:
-    return scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
 
 def _pack(*tensors: torch.Tensor) -> torch.Tensor:
@@ -146,8 +122,8 @@ def allgather_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gr
                            causal: bool = False, key_mask: torch.Tensor | None = None,
                            scale: float | None = None) -> torch.Tensor:
     """Sequence-parallel attention that all-gathers K/V (see the module docstring)."""
-    _check(q, k, v, key_mask)
-    return _AllGatherKV.apply(q, k, v, group, causal, key_mask, _scale(q, scale))
+    check_inputs(q, k, v, key_mask)
+    return _AllGatherKV.apply(q, k, v, group, causal, key_mask, default_scale(q, scale))
 
 
 # -- ring ------------------------------------------------------------------------------------------
@@ -246,8 +222,8 @@ class _Ring(torch.autograd.Function):
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group = None, causal: bool = False,
                    key_mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """Ring attention: K/V blocks travel around the ring (see the module docstring)."""
-    _check(q, k, v, key_mask)
-    return _Ring.apply(q, k, v, group, causal, key_mask, _scale(q, scale))
+    check_inputs(q, k, v, key_mask)
+    return _Ring.apply(q, k, v, group, causal, key_mask, default_scale(q, scale))
 
 
 # -- Ulysses ---------------------------------------------------------------------------------------
@@ -303,7 +279,7 @@ def ulysses_kv_heads(heads: int, kv_heads: int, n: int) -> int:
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group = None, causal: bool = False,
                       key_mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """DeepSpeed-Ulysses attention: all-to-all from sequence to head shards and back (see the module docstring)."""
-    _check(q, k, v, key_mask)
+    check_inputs(q, k, v, key_mask)
     n = dist.get_world_size(group)
     heads, kv_heads = q.shape[1], k.shape[1]
     if heads % n:
@@ -319,5 +295,5 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
         TRAFFIC.add(key_mask, n - 1)
         full_mask = torch.cat(masks, dim=1)
     out = reference(_seq_to_heads(q, n, group), _seq_to_heads(k, n, group), _seq_to_heads(v, n, group), causal,
-                    full_mask, _scale(q, scale))
+                    full_mask, default_scale(q, scale))
     return _heads_to_seq(out, n, group)

@@ -9,6 +9,7 @@ on loopback). Removing the namespaces removes every link with them.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import uuid
 from types import TracebackType
@@ -23,6 +24,8 @@ def ip(*args: str) -> str:
 
 def netns_problem() -> str | None:
     """Why network namespaces cannot be made here, or None if they can."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
     probe = f"cvprobe{uuid.uuid4().hex[:6]}"
     try:
         made = subprocess.run(["ip", "netns", "add", probe], check=False, capture_output=True, timeout=10)
