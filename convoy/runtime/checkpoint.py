@@ -14,6 +14,7 @@ import os
 import random
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable
 
@@ -80,12 +81,18 @@ class Checkpointer:
     exact and no finished step is redone. A node that just joined takes them the same way and
     starts its data position and RNG fresh. Without ``replicated`` all ranks resume from the
     newest step whose copy landed on every rank, which is exact but may redo the last step.
+    ``replicated`` may also list sets of ranks (a partition of the world) whose states are
+    interchangeable, e.g. the ranks that hold the same shard in group-wise local SGD: a rank
+    without the chosen step takes model and optimizer state from a rank of its own set.
+    ``model_state`` holds objects that belong with the model and optimizer (an outer optimizer,
+    an LR scheduler): a rank that takes a peer's model takes these from the same peer.
     """
 
     def __init__(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
         state: dict[str, Any] | None = None, every: int = 1, persist_every: int = 0, keep: int = 2,
-        directory: str | Path | None = None, async_snapshot: bool = True, replicated: bool | None = None,
+        directory: str | Path | None = None, async_snapshot: bool = True,
+        replicated: bool | Sequence[Sequence[int]] | None = None, model_state: dict[str, Any] | None = None,
         log: Callable[[str], None] | None = None,
     ) -> None:
         if every < 1 or persist_every < 0 or keep < 1:
@@ -94,9 +101,16 @@ class Checkpointer:
         if not dist.is_initialized():
             raise CheckpointError("call convoy.init() (or init_process_group) before creating a Checkpointer")
         self.model, self.optimizer, self.extra = model, optimizer, dict(state or {})
+        self.shared = dict(model_state or {})
+        clash = sorted(set(self.extra) & set(self.shared))
+        if clash:
+            raise CheckpointError(f"{clash} named in both state and model_state; give each object once")
         self.every, self.persist_every, self.async_snapshot = every, persist_every, async_snapshot
-        self.replicated = isinstance(model, DistributedDataParallel) if replicated is None else replicated
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        if replicated is None:
+            replicated = isinstance(model, DistributedDataParallel)
+        self.peer_sets = _peer_sets(replicated, self.world_size)
+        self.replicated = any(len(peers) > 1 for peers in self.peer_sets)
         self.log = log or (persist.stderr_log if self.rank == 0 else (lambda message: None))
         job_id = os.environ.get("CONVOY_JOB_ID")
         # keyed by node and local rank, not global rank: ranks shift when nodes come and go, and
@@ -107,6 +121,13 @@ class Checkpointer:
         self._copy_thread: threading.Thread | None = None
         self._copy_error: BaseException | None = None
         self._group = dist.new_group(backend="gloo")  # saves and restores never share the training's group
+        self._peers = next(peers for peers in self.peer_sets if self.rank in peers)
+        self._peer_group = self._group
+        if self.replicated and len(self.peer_sets) > 1:  # every rank makes every group, in one order
+            for peers in self.peer_sets:
+                group = dist.new_group(list(peers), backend="gloo")
+                if self.rank in peers:
+                    self._peer_group = group
         root = Path(directory) if directory else Path(os.environ.get("CONVOY_RUN_DIR", ".")) / "checkpoints"
         round_id = int(os.environ.get("CONVOY_ROUND", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
         self._saver = persist.PersistentSaver(root, self._group, self.rank, keep, round_id, self.log)
@@ -123,6 +144,7 @@ class Checkpointer:
             "model": self.model.state_dict(),
             "optim": self.optimizer.state_dict() if self.optimizer is not None else {},
             "extra": {name: _extra_state(obj) for name, obj in self.extra.items()},
+            "shared": {name: _extra_state(obj) for name, obj in self.shared.items()},
             "rng": _rng_state(),
         }
 
@@ -130,13 +152,19 @@ class Checkpointer:
         self.model.load_state_dict(state["model"])
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state["optim"])
+        self._load_shared(state)
         for name, obj in self.extra.items():
             _load_extra(obj, state["extra"][name])
         _set_rng_state(state["rng"])
 
+    def _load_shared(self, state: dict[str, Any]) -> None:
+        for name, obj in self.shared.items():
+            _load_extra(obj, state["shared"][name])
+
     def _dcp_state(self, step: int) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer or [])
-        per_rank = {"extra": {n: _extra_state(o) for n, o in self.extra.items()}, "rng": _rng_state()}
+        per_rank = {"extra": {n: _extra_state(o) for n, o in self.extra.items()},
+                    "shared": {n: _extra_state(o) for n, o in self.shared.items()}, "rng": _rng_state()}
         return {"step": step, "model": model_sd, "optim": optim_sd, f"rank{self.rank}": per_rank}
 
     # --- saving ---
@@ -232,25 +260,25 @@ class Checkpointer:
         """Pick the step to resume from what every rank holds in shared memory, and load it.
 
         A snapshot is *whole* once its background copy landed, *partial* before (only the rank's
-        own data position and RNG are certain). Replicated state resumes from the newest step that
-        every rank holds at least partially and one rank holds whole: a worker killed while its
-        copy was in flight loses no finished step. Otherwise the newest step all hold whole."""
+        own data position and RNG are certain). A step is *covered* when every set of peers has a
+        rank holding it whole. State resumes from the newest covered step that every rank holds at
+        least partially: a worker killed while its copy was in flight loses no finished step.
+        Failing that (a node just joined, or peers drifted apart), from the newest covered step,
+        ranks without it taking a peer's. Without peers, covered means every rank holds it whole."""
         snap = self._snapshot
         held = (snap.steps(), snap.steps(partial=True)) if snap is not None else ([], [])
         every: list[tuple[list[int], list[int]]] = [([], []) for _ in range(self.world_size)]
         dist.all_gather_object(every, held, group=self._group)
         whole, some = [set(w) for w, _ in every], [set(p) for _, p in every]
-        anywhere = set().union(*whole)
-        candidates = set.intersection(*some) & anywhere if self.replicated else set.intersection(*whole)
-        if candidates:
-            step = max(candidates)
-            if all(step in w for w in whole):
-                return self._restore_own(step)
-            return self._restore_from_peer(step, [step in w for w in whole])
-        if self.replicated and anywhere:  # e.g. a node just joined: its ranks hold no step the others have
-            newest = max(anywhere)
-            return self._restore_from_peer(newest, [newest in w for w in whole])
-        return None
+        covered = {step for step in set().union(*whole)
+                   if all(any(step in whole[rank] for rank in peers) for peers in self.peer_sets)}
+        candidates = set.intersection(*some) & covered or covered
+        if not candidates:
+            return None
+        step = max(candidates)
+        if all(step in w for w in whole):
+            return self._restore_own(step)
+        return self._restore_from_peer(step, [step in w for w in whole])
 
     def _restore_own(self, step: int) -> int | None:
         assert self._snapshot is not None
@@ -267,7 +295,7 @@ class Checkpointer:
         the model's tensors into its parameters and buffers; extras and RNG are small and cloned; the
         optimizer adopts empty tensors that a background thread fills while the first step computes
         (the optimizer's pre-step hook waits for it, as it does for a snapshot's copy)."""
-        small = {key: map_leaves(views[key], torch.Tensor, torch.Tensor.clone) for key in ("extra", "rng")}
+        small = {key: map_leaves(views[key], torch.Tensor, torch.Tensor.clone) for key in ("extra", "shared", "rng")}
         if self.optimizer is None:
             self._apply_local({**views, **small})
             return
@@ -298,15 +326,19 @@ class Checkpointer:
         return False
 
     def _restore_from_peer(self, step: int, holders: list[bool]) -> int | None:
-        """Replicated state: the lowest rank holding ``step`` whole sends model and optimizer state to
-        the ranks without it. Those keep their own data position and RNG of ``step`` where their
-        partial snapshot has them (exact), else start them fresh (a node that just joined)."""
-        snap, owner = self._snapshot, holders.index(True)
+        """In each set of peers the lowest rank holding ``step`` whole sends model and optimizer state
+        (and ``model_state``) to the ranks without it. Those keep their own data position and RNG of
+        ``step`` where their partial snapshot has them (exact), else start them fresh (a node that
+        just joined)."""
+        snap, owner = self._snapshot, next(rank for rank in self._peers if holders[rank])
         mine = snap.read(step) if holders[self.rank] and snap is not None else None
         part = snap.read(step, partial=True) if mine is None and snap is not None \
             and step in snap.steps(partial=True) else None
-        shared = [{"model": mine["model"], "optim": mine["optim"]} if self.rank == owner and mine else None]
-        dist.broadcast_object_list(shared, src=owner, group=self._group)
+        sent = {"model": mine["model"], "optim": mine["optim"], "shared": mine["shared"]} \
+            if self.rank == owner and mine else None
+        shared = [sent]
+        if not all(holders[rank] for rank in self._peers):
+            dist.broadcast_object_list(shared, src=owner, group=self._peer_group)
         state = mine or {**shared[0], "extra": None, "rng": None}
         if not self._fits(state, step):
             return None
@@ -316,14 +348,15 @@ class Checkpointer:
             self.model.load_state_dict(state["model"])
             if self.optimizer is not None:
                 self.optimizer.load_state_dict(state["optim"])
+            self._load_shared(state)
             if part is not None:
                 for name, obj in self.extra.items():
                     _load_extra(obj, part["extra"][name])
                 _set_rng_state(part["rng"])
         source = "own" if mine is not None else f"rank {owner}'s" + (" with its own data position" if part else "")
         self.restored_from = f"in-memory snapshot of step {step} ({source})"
-        self.log(f"resumed from the in-memory snapshot of step {step}, model and optimizer sent by rank {owner} "
-                 "to ranks without it")
+        self.log(f"resumed from the in-memory snapshot of step {step}, model and optimizer sent by a peer holding "
+                 f"it to ranks without it (rank {owner} to rank {self.rank}'s peers)")
         return step
 
     def _optim_mismatch(self, state: dict[str, Any]) -> str | None:
@@ -365,6 +398,7 @@ class Checkpointer:
                            optim_state_dict=state["optim"])
             mine = state.get(f"rank{self.rank}")
             if mine is not None:
+                self._load_shared(mine)
                 for name, obj in self.extra.items():
                     _load_extra(obj, mine["extra"][name])
                 _set_rng_state(mine["rng"])
@@ -375,6 +409,19 @@ class Checkpointer:
             raise CheckpointError(f"no checkpoint under {self.root} fits this model ({'; '.join(mismatches)}); "
                                   "use a new run dir or restore the model definition")
         return None
+
+
+def _peer_sets(replicated: bool | Sequence[Sequence[int]], world_size: int) -> list[tuple[int, ...]]:
+    """``True``: one set of all ranks; ``False``: each rank alone; else the sets given, checked to
+    be a partition of ``0..world_size-1``."""
+    if isinstance(replicated, bool):
+        return [tuple(range(world_size))] if replicated else [(rank,) for rank in range(world_size)]
+    sets = [tuple(int(rank) for rank in peers) for peers in replicated]
+    listed = sorted(rank for peers in sets for rank in peers)
+    if listed != list(range(world_size)) or not all(sets):
+        raise CheckpointError(f"replicated={sets} must put every rank 0..{world_size - 1} in exactly one "
+                              "non-empty set of peers")
+    return sets
 
 
 def _shape_mismatch(live: Any, saved: Any, where: str) -> str | None:

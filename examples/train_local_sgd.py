@@ -1,0 +1,313 @@
+"""Group-wise local SGD on a character-level language model: n model groups x m pipeline stages.
+
+    convoy run --nnodes 2 --nproc-per-node 2 examples/train_local_sgd.py --shards 2 --every 8
+
+Text: the Python standard library's own ``.py`` files (every Python ships them), read in sorted
+order, one byte per token; every 20th block of 8 KB is held out. Model: a small causal transformer cut into
+``--shards`` pipeline stages, run with 1F1B over micro-batches inside each model group. Each
+group reads its own stream of windows. ``--sync``:
+
+- ``local``: convoy's ``LocalSGD``: each shard syncs over its shard group every ``--every``
+  steps, by plain averaging or Nesterov momentum on the averaged delta (``--outer``), at
+  staggered times with ``--stagger``;
+- ``ddp``: synchronous data parallelism: every step each shard's gradients are averaged over its
+  shard group in one allreduce (what DDP does with one bucket; DDP's own hooks would fire once
+  per micro-batch of the pipeline);
+- ``torch-averager``: torch's ``PeriodicModelAverager`` on each shard group every ``--every`` steps.
+
+Every ``--log-every`` steps the last stage of group 0 prints the loss and the bytes this rank sent
+to other groups. Rank 0 ends with the held-out loss of the final model and, with ``--out``, writes
+the per-step curve (each group's losses), bytes and wall time as JSON. Under convoy with
+``--nproc-per-node`` equal to ``--shards`` (a node is a group), every step is snapshotted in
+memory: a node that fails leaves the next sync to the others, one that joins copies its shards
+from a peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import signal
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import convoy
+from convoy.errors import ConvoyError
+from convoy.parallel.local_sgd import (OUTERS, Groups, LocalSGD, Layout, make_groups, outer_from_name,
+                                       shard_model)
+from convoy.parallel.pipeline import schedule as plans
+from convoy.parallel.pipeline.runtime import PipelineRuntime
+
+VOCAB = 256
+
+
+def corpus(limit: int) -> torch.Tensor:
+    """The first ``limit`` bytes of the standard library's sources, in sorted path order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks, size = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts or "test" in path.parts or "tests" in path.parts:
+            continue
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        chunks.append(data)
+        size += len(data)
+        if size >= limit:
+            break
+    text = b"".join(chunks)[:limit]
+    if len(text) < limit // 2:
+        raise SystemExit(f"found only {len(text)} bytes of Python sources under {root}; need about {limit}")
+    return torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+
+
+def split_corpus(data: torch.Tensor, block: int = 8192, every: int = 20) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every ``every``-th block of ``block`` bytes is held out, so both parts cover every file kind."""
+    blocks = list(data.split(block))
+    held = [b for i, b in enumerate(blocks) if i % every == every - 1]
+    return torch.cat([b for i, b in enumerate(blocks) if i % every != every - 1]), torch.cat(held)
+
+
+class Embed(nn.Module):
+    def __init__(self, width: int, context: int) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, width)
+        self.positions = nn.Parameter(torch.randn(context, width) * 0.02)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.tokens(ids) + self.positions[: ids.shape[1]]
+
+
+class Block(nn.Module):
+    """Pre-norm causal self-attention and MLP."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.norm2(x))
+
+
+class Head(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm, self.out = nn.LayerNorm(width), nn.Linear(width, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(x))
+
+
+def build_model(width: int, layers: int, heads: int, context: int, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)  # every replica starts from the same weights
+    return nn.Sequential(Embed(width, context), *[Block(width, heads) for _ in range(layers)], Head(width))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def windows(data: torch.Tensor, count: int, context: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    starts = torch.randint(0, len(data) - context - 1, (count,), generator=gen)
+    rows = torch.stack([data[s: s + context + 1] for s in starts.tolist()])
+    return rows[:, :-1], rows[:, 1:]
+
+
+@torch.no_grad()
+def held_out_loss(model: nn.Sequential, data: torch.Tensor, context: int, batches: int) -> float:
+    gen = torch.Generator().manual_seed(12345)
+    losses = [lm_loss(model(x), y).item() for x, y in (windows(data, 32, context, gen) for _ in range(batches))]
+    return sum(losses) / len(losses)
+
+
+def lr_factor(step: int, args: argparse.Namespace) -> float:
+    """Linear warm-up over ``--warmup`` steps, then cosine decay to ``--final-lr`` at the last step."""
+    if step < args.warmup:
+        return (step + 1) / args.warmup
+    progress = min(1.0, (step - args.warmup) / max(1, args.steps - 1 - args.warmup))
+    return args.final_lr + (1 - args.final_lr) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def average_gradients(params: list[nn.Parameter], group: dist.ProcessGroup, n: int) -> None:
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat.div_(n)
+    torch.nn.utils.vector_to_parameters(flat, grads)
+
+
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shards", type=int, default=2, help="ranks per model group (pipeline stages)")
+    parser.add_argument("--every", type=int, default=8, help="inner steps between syncs (H)")
+    parser.add_argument("--sync", choices=["local", "ddp", "torch-averager"], default="local")
+    parser.add_argument("--outer", choices=OUTERS, default="nesterov")
+    parser.add_argument("--outer-lr", type=float, default=0.7)
+    parser.add_argument("--outer-momentum", type=float, default=0.9)
+    parser.add_argument("--stagger", action="store_true", help="shards sync at staggered steps")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--batch", type=int, default=16, help="windows per group per step")
+    parser.add_argument("--micro", type=int, default=4, help="micro-batches per step in the pipeline")
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=3e-3, help="inner AdamW learning rate")
+    parser.add_argument("--warmup", type=int, default=20, help="steps of linear LR warm-up, then cosine decay")
+    parser.add_argument("--final-lr", type=float, default=0.1, help="the LR at the last step, as a fraction of --lr")
+    parser.add_argument("--seed", type=int, default=0, help="initial weights and data streams")
+    parser.add_argument("--corpus-bytes", type=int, default=4_000_000)
+    parser.add_argument("--eval-batches", type=int, default=50)
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (to slow it down)")
+    parser.add_argument("--kill-group", type=int, default=-1, help="ranks of this group SIGKILL themselves ...")
+    parser.add_argument("--kill-at-step", type=int, default=-1, help="... in this step of the first attempt")
+    parser.add_argument("--out", default="", help="rank 0 writes the curve, bytes and wall time here (JSON)")
+    args = parser.parse_args()
+    if args.steps < 1 or args.batch < 1 or args.micro < 1 or args.batch % args.micro:
+        parser.error("--steps and --micro must be >= 1 and --batch a multiple of --micro")
+    return args
+
+
+def main() -> int:
+    args = parse()
+    torch.set_num_threads(int(os.environ.get("CONVOY_THREADS", "1")))
+    ctx = convoy.init()
+    layout = Layout.from_world(ctx.world_size, args.shards)
+    groups = make_groups(layout)
+    group, shard = groups.group_index, groups.shard_index
+    stage = shard_model(build_model(args.width, args.layers, args.heads, args.context, args.seed), layout, shard)
+    params = list(stage.parameters())
+    inner = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(inner, lambda step: lr_factor(step, args))
+    runtime = PipelineRuntime(plans.one_f_one_b(args.shards, args.micro), {shard: stage}, lm_loss, group=groups.model)
+    train, held = split_corpus(corpus(args.corpus_bytes))
+    # one stream per group; its position is checkpointed
+    stream = torch.Generator().manual_seed(1000 * (args.seed + 1) + group)
+    lsgd = LocalSGD(params, groups, args.every, outer_from_name(args.outer, args.outer_lr, args.outer_momentum),
+                    stagger=args.stagger) if args.sync == "local" else None
+    averager = None
+    if args.sync == "torch-averager":
+        from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+        averager = PeriodicModelAverager(period=args.every, warmup_steps=0, process_group=groups.shard)
+    sent = [0.0]  # bytes this rank sent to other groups, for the ddp and torch-averager modes
+
+    class Counter:
+        def state_dict(self) -> dict:
+            return {"sent": sent[0]}
+
+        def load_state_dict(self, state: dict) -> None:
+            sent[0] = state["sent"]
+
+    shared = {"local_sgd": lsgd} if lsgd is not None else {"sent": Counter()}
+    shared["lr"] = schedule
+    ckpt = convoy.Checkpointer(stage, inner, state={"data": stream}, model_state=shared,
+                               replicated=layout.shard_groups())
+    start = ckpt.restore()
+    last = shard == args.shards - 1
+    if ctx.rank == 0:
+        print(f"{layout.n_groups} groups x {layout.n_shards} shards, sync {args.sync}"
+              + (f" ({args.outer}, every {args.every}{', staggered' if args.stagger else ''})"
+                 if args.sync == "local" else "")
+              + f"; starting at step {start} (round {ctx.round_id}, {ckpt.restored_from})", flush=True)
+    losses: list[tuple[int, float]] = []
+    dist.barrier()
+    began = time.perf_counter()
+    for step in range(start, args.steps):
+        x, y = windows(train, args.batch, args.context, stream)
+        inner.zero_grad()
+        mb_losses = runtime.step(x if shard == 0 else None, y if last else None)
+        if args.sync == "ddp":
+            average_gradients(params, groups.shard, layout.n_groups)
+            sent[0] += layout.cross_bytes(sum(p.numel() * p.element_size() for p in params))
+        if ctx.restart_count == 0 and group == args.kill_group and step == args.kill_at_step:
+            print(f"group {group} (rank {ctx.rank}) kills itself with SIGKILL in step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        inner.step()
+        schedule.step()
+        if lsgd is not None:
+            synced = lsgd.step(step)
+            if synced and ctx.rank == 0:
+                print(f"step {step}: shard {shard} synced over {layout.n_groups} group(s)", flush=True)
+        elif averager is not None:
+            if (averager.step - averager.warmup_steps) % averager.period == 0:
+                sent[0] += layout.cross_bytes(sum(p.numel() * p.element_size() for p in params))
+            averager.average_parameters(params)
+        ckpt.step(step)
+        if args.step_time:
+            time.sleep(args.step_time)
+        if mb_losses is not None:
+            loss = sum(mb_losses) / len(mb_losses)
+            losses.append((step, loss))
+            if group == 0 and (step % args.log_every == 0 or step == args.steps - 1):
+                done = lsgd.bytes_sent if lsgd is not None else sent[0]
+                print(f"step {step} loss {loss:.4f}, sent to other groups {done / (step + 1) / 1e3:.1f} kB/step",
+                      flush=True)
+    if lsgd is not None:
+        lsgd.finish()  # every shard synced once more: the replicas end identical
+    wall = time.perf_counter() - began
+    ckpt.close()
+    identical = replicas_identical(params, groups)
+    curves: list = [None] * ctx.world_size
+    dist.all_gather_object(curves, losses)
+    pieces: list = [None] * layout.n_shards
+    dist.all_gather_object(pieces, stage.state_dict() if group == 0 else None, group=groups.model)
+    if ctx.rank == 0:
+        model = build_model(args.width, args.layers, args.heads, args.context, args.seed)
+        for index, piece in enumerate(pieces):
+            shard_model(model, layout, index).load_state_dict(piece)
+        held_loss = held_out_loss(model, held, args.context, args.eval_batches)
+        sent_bytes = lsgd.bytes_sent if lsgd is not None else sent[0]
+        print(f"replicas identical after the last step: {'yes' if identical else 'NO'}", flush=True)
+        print(f"held-out loss {held_loss:.4f} ({held_loss / math.log(2):.3f} bits/byte); sent to other groups "
+              f"{sent_bytes / 1e6:.2f} MB by rank 0 ({sent_bytes / args.steps / 1e3:.1f} kB/step); "
+              f"{wall:.1f} s for steps {start}..{args.steps - 1}", flush=True)
+        if args.out:
+            by_group = {g: curves[layout.rank(g, args.shards - 1)] for g in range(layout.n_groups)}
+            Path(args.out).write_text(json.dumps({
+                "sync": args.sync, "outer": args.outer, "seed": args.seed, "every": args.every, "stagger": args.stagger,
+                "groups": layout.n_groups, "shards": layout.n_shards, "steps": args.steps,
+                "params": sum(p.numel() for p in model.parameters()), "held_out_loss": held_loss,
+                "cross_bytes_rank0": sent_bytes, "wall_s": wall, "identical": identical, "curves": by_group}))
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)  # gloo teardown in torch 2.13 can abort at exit
+
+
+@torch.no_grad()
+def replicas_identical(params: list[nn.Parameter], groups: Groups) -> bool:
+    """Whether every rank of each shard group holds the same shard, bit for bit (by digest, so
+    the check itself adds almost nothing to the traffic between groups)."""
+    digest = hashlib.sha256(torch.cat([p.detach().reshape(-1) for p in params]).numpy().tobytes()).hexdigest()
+    digests: list = [None] * groups.layout.n_groups
+    dist.all_gather_object(digests, digest, group=groups.shard)
+    verdict = torch.tensor([int(len(set(digests)) == 1)])
+    dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
+    return bool(verdict.item())
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except ConvoyError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
