@@ -27,6 +27,7 @@ bench: setup
 	$(PY) benchmarks/faults.py
 	$(PY) benchmarks/allreduce.py
 	$(PY) benchmarks/pipeline.py
+	$(PY) benchmarks/local_sgd.py
 
 clean:
 	rm -rf $(VENV) convoy-runs .pytest_cache

@@ -30,7 +30,6 @@ import hashlib
 import json
 import math
 import os
-import signal
 import sys
 import sysconfig
 import time
@@ -159,27 +158,27 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--shards", type=int, default=2, help="ranks per model group (pipeline stages)")
     parser.add_argument("--every", type=int, default=8, help="inner steps between syncs (H)")
     parser.add_argument("--sync", choices=["local", "ddp", "torch-averager"], default="local")
-    parser.add_argument("--outer", choices=OUTERS, default="nesterov")
+    parser.add_argument("--outer", choices=OUTERS, default="average",
+                        help="average (best at small H) or nesterov (DiLoCo's, for H in the hundreds)")
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--stagger", action="store_true", help="shards sync at staggered steps")
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--batch", type=int, default=16, help="windows per group per step")
+    parser.add_argument("--batch", type=int, default=64, help="windows per group per step")
     parser.add_argument("--micro", type=int, default=4, help="micro-batches per step in the pipeline")
     parser.add_argument("--context", type=int, default=64)
-    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=3e-3, help="inner AdamW learning rate")
+    parser.add_argument("--lr", type=float, default=1.2e-2, help="inner AdamW learning rate")
     parser.add_argument("--warmup", type=int, default=20, help="steps of linear LR warm-up, then cosine decay")
-    parser.add_argument("--final-lr", type=float, default=0.1, help="the LR at the last step, as a fraction of --lr")
+    parser.add_argument("--final-lr", type=float, default=1.0,
+                        help="the LR at the last step, as a fraction of --lr (1: constant after warm-up)")
     parser.add_argument("--seed", type=int, default=0, help="initial weights and data streams")
     parser.add_argument("--corpus-bytes", type=int, default=4_000_000)
     parser.add_argument("--eval-batches", type=int, default=50)
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (to slow it down)")
-    parser.add_argument("--kill-group", type=int, default=-1, help="ranks of this group SIGKILL themselves ...")
-    parser.add_argument("--kill-at-step", type=int, default=-1, help="... in this step of the first attempt")
     parser.add_argument("--out", default="", help="rank 0 writes the curve, bytes and wall time here (JSON)")
     args = parser.parse_args()
     if args.steps < 1 or args.batch < 1 or args.micro < 1 or args.batch % args.micro:
@@ -239,9 +238,6 @@ def main() -> int:
         if args.sync == "ddp":
             average_gradients(params, groups.shard, layout.n_groups)
             sent[0] += layout.cross_bytes(sum(p.numel() * p.element_size() for p in params))
-        if ctx.restart_count == 0 and group == args.kill_group and step == args.kill_at_step:
-            print(f"group {group} (rank {ctx.rank}) kills itself with SIGKILL in step {step}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
         inner.step()
         schedule.step()
         if lsgd is not None:

@@ -36,7 +36,7 @@ def test_example_trains_and_counts_bytes_between_groups(procs: ProcessScope, run
     result = job.wait()
     assert result.returncode == 0, result.explain()
     out = result.stdout
-    assert "2 groups x 2 shards, sync local (nesterov, every 4)" in out, out
+    assert "2 groups x 2 shards, sync local (average, every 4)" in out, out
     assert len(re.findall(r"\[rank0\]: step \d+: shard 0 synced over 2 group\(s\)", out)) == 6, out
     assert "replicas identical after the last step: yes" in out, out
     losses = [float(v) for v in re.findall(r"\[rank1\]: step \d+ loss ([\d.]+)", out)]

@@ -1,0 +1,187 @@
+"""Group-wise local SGD against fully synchronous data parallelism (and torch's PeriodicModelAverager).
+
+    python benchmarks/local_sgd.py [--quick] [--steps 400] [--every 8] [--seeds 3] [--rate 100mbit]
+
+4 ranks as 2 model groups x 2 pipeline stages train the character-level language model of
+examples/train_local_sgd.py (text: the Python standard library's sources) for the same number
+of steps in each configuration:
+
+- ``ddp``: each step every shard's gradients are averaged over its shard group (the peer);
+- ``torch-averager``: torch's ``PeriodicModelAverager`` every H steps (the peer for averaging);
+- convoy ``LocalSGD`` every H steps: plain averaging, Nesterov (DiLoCo's outer optimizer), and
+  Nesterov with staggered shards.
+
+(a) loopback: held-out loss of the final model, the training-loss curve, and the bytes each
+rank sent to other groups (counted per allreduce, ring model). ``ddp`` and averaging run with
+``--seeds`` seeds (median reported), the others with one. (b) slow link: each group is a network namespace whose
+traffic to the other group goes through ``tc netem`` (default 100 Mbit/s, 1 ms), its two stages
+talking over their namespace's loopback; wall time of ``ddp`` and averaging, and the bytes the
+links carried. Needs root for (b). Writes the loss curves to ``--png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks" / "scripts"))
+from convoy.agent.client import free_port  # noqa: E402
+from convoy.testing.netns import HostNetwork, netns_problem  # noqa: E402
+from ranks import rank_env, run_ranks  # noqa: E402
+
+EXAMPLE = REPO / "examples" / "train_local_sgd.py"
+WORLD, SHARDS = 4, 2
+BYTES_GOAL, LOSS_GOAL, WALL_GOAL = 1 / 8, 0.03, 0.8
+CONFIGS = {
+    "ddp": ["--sync", "ddp"],
+    "torch-averager": ["--sync", "torch-averager"],
+    "average": ["--sync", "local", "--outer", "average"],
+    "nesterov": ["--sync", "local", "--outer", "nesterov"],
+    "nesterov-staggered": ["--sync", "local", "--outer", "nesterov", "--stagger"],
+}
+MAIN = "average"  # the best at H=8; DiLoCo's Nesterov (0.7, 0.9) is tuned for H in the hundreds
+
+
+def run(name: str, args: argparse.Namespace, seed: int, out: Path, net: HostNetwork | None = None) -> dict:
+    """One training job of 4 ranks; with ``net``, group g's ranks run in host g's namespace."""
+    port, argv = str(free_port()), [sys.executable, str(EXAMPLE), *CONFIGS[name], "--every", str(args.every),
+                                    "--steps", str(args.steps), "--seed", str(seed), "--out", str(out),
+                                    "--log-every", str(10 ** 6), *args.model]
+    commands = []
+    for rank in range(WORLD):
+        host = rank // SHARDS
+        env = rank_env(rank, WORLD, port)
+        if net is not None:
+            env.update(MASTER_ADDR=net.host_address(0), GLOO_SOCKET_IFNAME=net.host_link(host))
+        commands.append(([*(net.exec_prefix(host) if net else []), *argv], env))
+    before = [net.sent_bytes(h) for h in range(2)] if net else []
+    run_ranks(commands, f"local SGD {name} seed {seed}", timeout=3600)
+    result = json.loads(out.read_text())
+    if net:
+        result["link_bytes"] = sum(net.sent_bytes(h) - b for h, b in enumerate(before))
+    curves = [dict(curve) for curve in result["curves"].values()]
+    result["curve"] = [statistics.mean(curve[step] for curve in curves) for step in range(args.steps)]
+    tail = max(1, args.steps // 10)
+    result["train_loss"] = statistics.mean(result["curve"][-tail:])
+    return result
+
+
+def smooth(values: list[float], width: int) -> list[float]:
+    out, total = [], 0.0
+    for index, value in enumerate(values):
+        total += value - (values[index - width] if index >= width else 0.0)
+        out.append(total / min(index + 1, width))
+    return out
+
+
+def plot(rows: dict[str, list[dict]], path: Path, every: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, results in rows.items():
+        curve = smooth(results[0]["curve"], 20)
+        label = name if name == "ddp" else f"{name} (H={every})"
+        by_step.plot(range(len(curve)), curve, label=label)
+        per_step = results[0]["cross_bytes_rank0"] / len(curve) / 2 ** 20
+        by_bytes.plot([per_step * (s + 1) for s in range(len(curve))], curve, label=label)
+    by_step.set(xlabel="step", ylabel="training loss (nats/byte, mean of 20 steps)", title="loss per step")
+    by_bytes.set(xlabel="MB sent to the other group by one rank", ylabel="training loss", xscale="log",
+                 title="loss per byte between groups")
+    for axis in (by_step, by_bytes):
+        axis.grid(alpha=0.3)
+        axis.legend()
+    fig.suptitle("char-level LM, 2 groups x 2 pipeline stages (4 gloo ranks)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, 48 steps, one seed (about a minute)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 400)")
+    parser.add_argument("--every", type=int, default=8, help="H: inner steps between syncs")
+    parser.add_argument("--seeds", type=int, default=None, help=f"seeds for ddp and {MAIN} (default 3)")
+    parser.add_argument("--slow-steps", type=int, default=None, help="steps per slow-link run (default 120)")
+    parser.add_argument("--rate", default="100mbit", help="the slow link's rate (tc syntax)")
+    parser.add_argument("--delay", default="1ms", help="the slow link's one-way delay (tc syntax)")
+    parser.add_argument("--png", default=str(REPO / "benchmarks" / "results" / "local_sgd.png"),
+                        help="where the loss-curve plot goes")
+    args = parser.parse_args()
+    args.steps = args.steps or (48 if args.quick else 400)
+    args.seeds = args.seeds or (1 if args.quick else 3)
+    args.slow_steps = args.slow_steps or (24 if args.quick else 120)
+    args.model = ["--width", "32", "--layers", "2", "--heads", "2", "--batch", "16", "--corpus-bytes", "500000"
+                  ] if args.quick else []
+    if args.steps < args.every or args.every < 1 or args.seeds < 1:
+        parser.error("need --every >= 1, --steps >= --every and --seeds >= 1")
+    rows: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory(prefix="convoy-bench-local-sgd-") as tmp:
+        for name in CONFIGS:
+            seeds = range(args.seeds if name in ("ddp", MAIN) else 1)
+            rows[name] = [run(name, args, seed, Path(tmp) / f"{name}-{seed}.json") for seed in seeds]
+            print(f"  ran {name} ({len(rows[name])} seed(s))", flush=True)
+        problem = netns_problem()
+        slow: dict[str, dict] = {}
+        if not problem:
+            slow_args = argparse.Namespace(**{**vars(args), "steps": args.slow_steps})
+            for name in ("ddp", MAIN):
+                with HostNetwork(2, prefix="cvl", second_octet=81) as net:
+                    shaped = {net.shape(host, args.rate, args.delay) for host in range(2)}
+                    slow[name] = run(name, slow_args, 0, Path(tmp) / f"slow-{name}.json", net)
+                print(f"  ran {name} on the slow link", flush=True)
+
+    ddp = rows["ddp"]
+    ddp_loss = statistics.median(r["held_out_loss"] for r in ddp)
+    ddp_bytes = ddp[0]["cross_bytes_rank0"]
+    print(f"\n(a) loopback: {WORLD} ranks as 2 groups x {SHARDS} stages, {args.steps} steps, H={args.every}, "
+          f"{ddp[0]['params'] / 1e6:.2f} M parameters")
+    print(f"{'config':>20}{'seeds':>6}{'held-out loss':>15}{'vs ddp':>9}{'train loss':>12}"
+          f"{'MB to other group':>19}{'vs ddp':>9}{'wall s':>9}{'identical':>10}")
+    for name, results in rows.items():
+        loss = statistics.median(r["held_out_loss"] for r in results)
+        sent = results[0]["cross_bytes_rank0"]
+        print(f"{name:>20}{len(results):>6}{loss:>15.4f}{loss / ddp_loss:>9.3f}"
+              f"{statistics.median(r['train_loss'] for r in results):>12.4f}{sent / 1e6:>19.2f}"
+              f"{sent / ddp_bytes:>9.4f}{statistics.median(r['wall_s'] for r in results):>9.1f}"
+              f"{'yes' if all(r['identical'] for r in results) else 'NO':>10}")
+    for name in ("ddp", MAIN):
+        print(f"  {name} held-out loss per seed: {[round(r['held_out_loss'], 4) for r in rows[name]]}")
+    plot(rows, Path(args.png), args.every)
+    print(f"loss curves: {args.png}")
+    if slow:
+        print(f"\n(b) slow link between the groups ({', '.join(shaped)}), {args.slow_steps} steps")
+        print(f"{'config':>20}{'wall s':>9}{'s/step':>9}{'MB on the links':>17}{'MB counted':>12}")
+        for name, result in slow.items():
+            counted = result["cross_bytes_rank0"] * WORLD
+            print(f"{name:>20}{result['wall_s']:>9.1f}{result['wall_s'] / args.slow_steps:>9.3f}"
+                  f"{result['link_bytes'] / 1e6:>17.2f}{counted / 1e6:>12.2f}")
+    else:
+        print(f"\n(b) slow link skipped: {problem}")
+
+    print()
+    ratio = rows[MAIN][0]["cross_bytes_rank0"] / ddp_bytes
+    print(f"target cross_group_bytes: {MAIN} H={args.every} / ddp {ratio:.4f} (goal <= {BYTES_GOAL:.4f}) "
+          f"{'met' if ratio <= BYTES_GOAL + 1e-12 else 'missed'}")
+    gap = statistics.median(r["held_out_loss"] for r in rows[MAIN]) / ddp_loss - 1
+    print(f"target final_loss: {MAIN} held-out loss {gap * 100:+.2f}% vs ddp, median of {args.seeds} seed(s) "
+          f"(goal within {LOSS_GOAL * 100:.0f}%) {'met' if gap <= LOSS_GOAL else 'missed'}")
+    if slow:
+        wall = slow[MAIN]["wall_s"] / slow["ddp"]["wall_s"]
+        print(f"target slow_link_wall: {MAIN} / ddp wall time {wall:.3f} (goal <= {WALL_GOAL}) "
+              f"{'met' if wall <= WALL_GOAL else 'missed'}")
+    else:
+        print(f"target slow_link_wall: not measured ({problem}) (goal <= {WALL_GOAL}) missed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
