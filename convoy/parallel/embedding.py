@@ -1,0 +1,470 @@
+"""Row-sharded embedding bags beside allreduced dense layers, in plain PyTorch (any backend).
+
+Each table's rows are split over the ranks (row-wise: contiguous ranges; table-wise: the whole
+table on one rank, for small tables). Every rank feeds its own batch. A forward sends each id
+to the rank that owns its row (one all-to-all of counts, one of ids), the owner sums the rows
+of each bag it holds a part of, and the partial sums come back (one all-to-all) to be added up.
+The backward sends each bag's output gradient to the owners that contributed to it; each owner
+keeps gradients only for the rows that appeared, and a sparse optimizer (``SparseSGD``,
+``SparseRowWiseAdagrad``) updates only those. Dense layers stay under DDP.
+
+Row gradients are averaged over ranks like DDP's dense ones (``grad_scale = 1 / world``), so a
+model of sharded tables and a DDP dense part trains like one process on the ranks' batches put
+together, with the loss averaged over the whole batch. Per-sample weights are constants (they
+get no gradient). An empty bag pools to zeros, as ``nn.EmbeddingBag`` does.
+
+``plan_tables`` (placement) and ``row_bounds`` are pure; ``save_sharded``/``load_sharded``
+write one file per rank and read back whatever the current placement needs, from any world
+size that saved them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from convoy.errors import CheckpointError, ConfigError
+
+POOLINGS = ("sum", "mean")
+SHARDINGS = ("auto", "row", "table")
+TABLE_WISE_BELOW = 1 << 16
+"""``auto`` places a table whole on one rank when it has fewer rows x dim than this."""
+INIT_BLOCK = 1 << 16
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    name: str
+    num_rows: int
+    dim: int
+    pooling: str = "sum"
+    sharding: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ConfigError("an embedding table needs a name")
+        if self.num_rows < 1 or self.dim < 1:
+            raise ConfigError(f"table {self.name!r} needs num_rows >= 1 and dim >= 1 "
+                              f"(got {self.num_rows} x {self.dim})")
+        if self.pooling not in POOLINGS:
+            raise ConfigError(f"table {self.name!r}: unknown pooling {self.pooling!r}; choose from {POOLINGS}")
+        if self.sharding not in SHARDINGS:
+            raise ConfigError(f"table {self.name!r}: unknown sharding {self.sharding!r}; choose from {SHARDINGS}")
+
+
+class Placement(NamedTuple):
+    """Rows ``[starts[r], ends[r])`` of the table live on rank ``r``."""
+
+    kind: str
+    starts: tuple[int, ...]
+    ends: tuple[int, ...]
+
+    def rows_on(self, rank: int) -> int:
+        return self.ends[rank] - self.starts[rank]
+
+
+def row_bounds(num_rows: int, world: int) -> list[tuple[int, int]]:
+    """Contiguous ranges, the first ``num_rows % world`` one row longer."""
+    base, extra = divmod(num_rows, world)
+    bounds, at = [], 0
+    for rank in range(world):
+        size = base + (rank < extra)
+        bounds.append((at, at + size))
+        at += size
+    return bounds
+
+
+def plan_tables(specs: Sequence[TableSpec], world: int) -> dict[str, Placement]:
+    """Row-wise tables span all ranks; table-wise ones go, largest first, to the rank holding the
+    fewest table-wise rows x dim so far."""
+    if world < 1:
+        raise ConfigError(f"world size must be >= 1 (got {world})")
+    names = [spec.name for spec in specs]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"embedding table names must be unique (got {names})")
+    plan: dict[str, Placement] = {}
+    load = [0] * world
+    table_wise = []
+    for spec in specs:
+        kind = spec.sharding
+        if kind == "auto":
+            kind = "table" if spec.num_rows * spec.dim < TABLE_WISE_BELOW or spec.num_rows < world else "row"
+        if kind == "row":
+            if spec.num_rows < world:
+                raise ConfigError(f"table {spec.name!r} has {spec.num_rows} rows but there are {world} ranks: "
+                                  "row-wise sharding needs a row per rank; use sharding='table' or 'auto'")
+            bounds = row_bounds(spec.num_rows, world)
+            plan[spec.name] = Placement("row", tuple(s for s, _ in bounds), tuple(e for _, e in bounds))
+        else:
+            table_wise.append(spec)
+    for spec in sorted(table_wise, key=lambda s: -s.num_rows * s.dim):
+        owner = min(range(world), key=lambda r: (load[r], r))
+        load[owner] += spec.num_rows * spec.dim
+        starts = tuple(0 if r == owner else spec.num_rows for r in range(world))
+        ends = tuple(spec.num_rows for _ in range(world))
+        plan[spec.name] = Placement("table", starts, ends)
+    return {name: plan[name] for name in names}
+
+
+def init_rows(spec: TableSpec, seed: int, start: int, end: int) -> torch.Tensor:
+    """Rows ``[start, end)`` of the table's initial weights: uniform in +-1/sqrt(num_rows) (as
+    DLRM), generated in fixed blocks so any placement gets the same values."""
+    bound = 1.0 / math.sqrt(spec.num_rows)
+    out = torch.empty(end - start, spec.dim)
+    block = start // INIT_BLOCK
+    while block * INIT_BLOCK < end:
+        lo, hi = block * INIT_BLOCK, min((block + 1) * INIT_BLOCK, spec.num_rows)
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{spec.name}/{block}".encode()))
+        values = torch.rand(hi - lo, spec.dim, generator=gen).mul_(2 * bound).sub_(bound)
+        a, b = max(lo, start), min(hi, end)
+        out[a - start: b - start] = values[a - lo: b - lo]
+        block += 1
+    return out
+
+
+class Bags(NamedTuple):
+    """One feature's batch: ``ids`` of all bags in a row, ``offsets[i]`` where bag ``i`` starts
+    (``nn.EmbeddingBag``'s layout), optional ``weights`` per id."""
+
+    ids: torch.Tensor
+    offsets: torch.Tensor
+    weights: torch.Tensor | None = None
+
+
+def check_bags(spec: TableSpec, bags: Bags) -> None:
+    ids, offsets, weights = bags
+    if ids.dtype != torch.int64 or offsets.dtype != torch.int64 or ids.dim() != 1 or offsets.dim() != 1:
+        raise ConfigError(f"feature {spec.name!r}: ids and offsets must be 1-D int64 tensors "
+                          f"(got {ids.dtype} {tuple(ids.shape)} and {offsets.dtype} {tuple(offsets.shape)})")
+    if len(ids):
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= spec.num_rows:
+            bad = low if low < 0 else high
+            where = int(((ids < 0) | (ids >= spec.num_rows)).nonzero()[0])
+            raise ConfigError(f"feature {spec.name!r}: id {bad} (position {where}) is outside the table's "
+                              f"{spec.num_rows} rows; ids must be in 0..{spec.num_rows - 1}")
+    if len(offsets) and (int(offsets[0]) != 0 or bool((offsets[1:] < offsets[:-1]).any())
+                         or int(offsets[-1]) > len(ids)):
+        raise ConfigError(f"feature {spec.name!r}: offsets must start at 0, never decrease, and stay <= the "
+                          f"number of ids ({len(ids)}); got {offsets[:8].tolist()}...")
+    if weights is not None and (weights.shape != ids.shape or not weights.is_floating_point()):
+        raise ConfigError(f"feature {spec.name!r}: per-sample weights must be floats shaped like ids "
+                          f"({tuple(ids.shape)}), got {weights.dtype} {tuple(weights.shape)}")
+
+
+class _Route:
+    """Where this step's entries went and came from; kept between forward and backward."""
+
+    def __init__(self) -> None:
+        self.sent_keys: list[torch.Tensor] = []  # per destination: unique (table, bag) keys sent there
+        self.recv_inverse: list[torch.Tensor] = []  # per source: entry -> position in its unique keys
+        self.recv_unique: list[int] = []
+        self.recv_table: torch.Tensor = torch.empty(0, dtype=torch.int64)
+        self.recv_row: torch.Tensor = torch.empty(0, dtype=torch.int64)
+        self.recv_weight: torch.Tensor = torch.empty(0)
+        self.recv_counts: list[int] = []
+
+
+class _Lookup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, module: ShardedEmbeddingBagCollection,
+                features: dict[str, Bags]) -> torch.Tensor:
+        out, route = module._forward(features)
+        ctx.module, ctx.route = module, route
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        ctx.module._backward(ctx.route, grad.contiguous())
+        return torch.zeros(()), None, None
+
+
+class ShardedEmbeddingBagCollection(nn.Module):
+    """Tables of one width, sharded over ``group``; ``forward({name: Bags})`` returns
+    ``{name: (batch, dim)}`` pooled vectors for this rank's batch (every feature must have the
+    same number of bags)."""
+
+    def __init__(self, specs: Sequence[TableSpec], group: dist.ProcessGroup | None = None, seed: int = 0,
+                 grad_scale: float | None = None) -> None:
+        super().__init__()
+        if not specs:
+            raise ConfigError("give at least one embedding table")
+        dims = {spec.dim for spec in specs}
+        if len(dims) != 1:
+            raise ConfigError(f"tables of one collection share one dim (got {sorted(dims)}); "
+                              "make one collection per width")
+        self.specs = {spec.name: spec for spec in specs}
+        self.names = [spec.name for spec in specs]
+        self.dim = dims.pop()
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.plan = plan_tables(specs, self.world)
+        self.grad_scale = 1.0 / self.world if grad_scale is None else grad_scale
+        self.weights: dict[str, torch.Tensor] = {}
+        for name in self.names:
+            place = self.plan[name]
+            start, end = place.starts[self.rank], place.ends[self.rank]
+            self.weights[name] = init_rows(self.specs[name], seed, start, end)
+        self._ends = [torch.tensor(self.plan[name].ends) for name in self.names]
+        self._starts = [torch.tensor(self.plan[name].starts) for name in self.names]
+        self._anchor = torch.zeros((), requires_grad=True)  # lets autograd reach the backward
+        self.pending: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {name: [] for name in self.names}
+        self.sent_bytes = 0
+
+    def local_rows(self, name: str) -> tuple[int, int]:
+        place = self.plan[name]
+        return place.starts[self.rank], place.ends[self.rank]
+
+    def memory_bytes(self) -> int:
+        """Bytes of the table rows this rank holds."""
+        return sum(w.numel() * w.element_size() for w in self.weights.values())
+
+    def forward(self, features: Mapping[str, Bags]) -> dict[str, torch.Tensor]:
+        missing = [name for name in self.names if name not in features]
+        extra = sorted(set(features) - set(self.names))
+        if missing or extra:
+            raise ConfigError(f"features {missing} missing and {extra} unknown; give exactly {self.names}")
+        sizes = {name: len(features[name].offsets) for name in self.names}
+        if len(set(sizes.values())) != 1:
+            raise ConfigError(f"every feature needs the same number of bags (got {sizes})")
+        for name in self.names:
+            check_bags(self.specs[name], Bags(*features[name]))
+        out = _Lookup.apply(self._anchor, self, {name: Bags(*features[name]) for name in self.names})
+        batch = sizes[self.names[0]]
+        return {name: out[index * batch:(index + 1) * batch] for index, name in enumerate(self.names)}
+
+    def _all_to_all(self, tensor: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        out = tensor.new_empty((sum(recv), *tensor.shape[1:]))
+        dist.all_to_all_single(out, tensor.contiguous(), recv, send, group=self.group)
+        self.sent_bytes += (sum(send) - send[self.rank]) * tensor[0:1].numel() * tensor.element_size() \
+            if len(tensor) else 0
+        return out
+
+    @torch.no_grad()
+    def _forward(self, features: dict[str, Bags]) -> tuple[torch.Tensor, _Route]:
+        batch = len(features[self.names[0]].offsets)
+        keys, tables, rows, weights, owners = [], [], [], [], []
+        for index, name in enumerate(self.names):
+            ids, offsets, given = features[name]
+            lengths = torch.diff(offsets, append=torch.tensor([len(ids)]))
+            bag = torch.repeat_interleave(torch.arange(batch), lengths)
+            weight = given.float() if given is not None else torch.ones(len(ids))
+            if self.specs[name].pooling == "mean":
+                weight = weight / lengths.clamp(min=1)[bag]
+            owner = torch.searchsorted(self._ends[index], ids, right=True)
+            keys.append(index * batch + bag)
+            tables.append(torch.full_like(ids, index))
+            rows.append(ids - self._starts[index][owner])
+            weights.append(weight)
+            owners.append(owner)
+        owner = torch.cat(owners)
+        order = torch.argsort(owner, stable=True)
+        key, table, row, weight = (torch.cat(t)[order] for t in (keys, tables, rows, weights))
+        send = torch.bincount(owner, minlength=self.world)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        send_counts, recv_counts = send.tolist(), recv.tolist()
+        ints = self._all_to_all(torch.stack([key, table, row], 1), send_counts, recv_counts)
+        route = _Route()
+        route.recv_weight = self._all_to_all(weight, send_counts, recv_counts)
+        route.recv_table, route.recv_row, route.recv_counts = ints[:, 1], ints[:, 2], recv_counts
+        route.sent_keys = [torch.unique(part) for part in key.split(send_counts)]
+        vectors = torch.empty(len(ints), self.dim)
+        for index, name in enumerate(self.names):
+            mask = route.recv_table == index
+            if bool(mask.any()):
+                vectors[mask] = self.weights[name][route.recv_row[mask]]
+        vectors.mul_(route.recv_weight.unsqueeze(1))
+        partials = []
+        for part_keys, part_vectors in zip(ints[:, 0].split(recv_counts), vectors.split(recv_counts), strict=True):
+            unique, inverse = torch.unique(part_keys, return_inverse=True)
+            route.recv_inverse.append(inverse)
+            route.recv_unique.append(len(unique))
+            partials.append(torch.zeros(len(unique), self.dim).index_add_(0, inverse, part_vectors))
+        back = self._all_to_all(torch.cat(partials) if partials else torch.empty(0, self.dim),
+                                route.recv_unique, [len(k) for k in route.sent_keys])
+        out = torch.zeros(len(self.names) * batch, self.dim)
+        out.index_add_(0, torch.cat(route.sent_keys), back)
+        return out, route
+
+    @torch.no_grad()
+    def _backward(self, route: _Route, grad: torch.Tensor) -> None:
+        sent = [len(k) for k in route.sent_keys]
+        outgoing = grad[torch.cat(route.sent_keys)] if sent else torch.empty(0, self.dim)
+        incoming = self._all_to_all(outgoing, sent, route.recv_unique)
+        entry_grads = []
+        at = 0
+        for inverse, count in zip(route.recv_inverse, route.recv_unique, strict=True):
+            entry_grads.append(incoming[at:at + count][inverse])
+            at += count
+        grads = torch.cat(entry_grads) if entry_grads else torch.empty(0, self.dim)
+        grads.mul_((route.recv_weight * self.grad_scale).unsqueeze(1))
+        for index, name in enumerate(self.names):
+            mask = route.recv_table == index
+            if bool(mask.any()):
+                self.pending[name].append((route.recv_row[mask], grads[mask]))
+
+    def take_grads(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This rank's (unique local rows, summed gradient rows) of ``name`` since the last call."""
+        parts = self.pending[name]
+        self.pending[name] = []
+        if not parts:
+            return None
+        rows = torch.cat([r for r, _ in parts])
+        grads = torch.cat([g for _, g in parts])
+        unique, inverse = torch.unique(rows, return_inverse=True)
+        return unique, torch.zeros(len(unique), self.dim).index_add_(0, inverse, grads)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self.pending = {name: [] for name in self.names}
+
+    def full_table(self, name: str) -> torch.Tensor:
+        """The whole table, gathered on every rank (for tests and small tables)."""
+        pieces: list[Any] = [None] * self.world
+        dist.all_gather_object(pieces, (self.local_rows(name), self.weights[name]), group=self.group)
+        table = torch.empty(self.specs[name].num_rows, self.dim)
+        for (start, end), rows in pieces:
+            table[start:end] = rows
+        return table
+
+
+class SparseSGD:
+    """``row -= lr * grad`` for the rows that appeared since the last step."""
+
+    def __init__(self, tables: ShardedEmbeddingBagCollection, lr: float) -> None:
+        if not lr > 0:
+            raise ConfigError(f"sparse SGD needs lr > 0 (got {lr})")
+        self.tables, self.lr = tables, lr
+        self.rows_updated = 0
+
+    def zero_grad(self) -> None:
+        self.tables.zero_grad()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for name in self.tables.names:
+            got = self.tables.take_grads(name)
+            if got is not None:
+                rows, grads = got
+                self.tables.weights[name].index_add_(0, rows, grads, alpha=-self.lr)
+                self.rows_updated += len(rows)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"lr": self.lr}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.lr = state["lr"]
+
+    def row_state(self, name: str) -> torch.Tensor | None:
+        return None
+
+    def set_row_state(self, name: str, state: torch.Tensor | None) -> None:
+        return None
+
+
+class SparseRowWiseAdagrad(SparseSGD):
+    """Row-wise Adagrad (one accumulator per row, as FBGEMM's): ``acc += mean(grad^2)``,
+    ``row -= lr * grad / (sqrt(acc) + eps)``, only for the rows that appeared."""
+
+    def __init__(self, tables: ShardedEmbeddingBagCollection, lr: float, eps: float = 1e-8,
+                 initial_accumulator: float = 0.0) -> None:
+        super().__init__(tables, lr)
+        self.eps = eps
+        self.acc = {name: torch.full((len(tables.weights[name]),), initial_accumulator) for name in tables.names}
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for name in self.tables.names:
+            got = self.tables.take_grads(name)
+            if got is None:
+                continue
+            rows, grads = got
+            acc = self.acc[name]
+            acc.index_add_(0, rows, grads.pow(2).mean(1))
+            scale = self.lr / (acc[rows].sqrt() + self.eps)
+            self.tables.weights[name].index_add_(0, rows, grads * scale.unsqueeze(1), alpha=-1.0)
+            self.rows_updated += len(rows)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"lr": self.lr, "eps": self.eps}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.lr, self.eps = state["lr"], state["eps"]
+
+    def row_state(self, name: str) -> torch.Tensor | None:
+        return self.acc[name]
+
+    def set_row_state(self, name: str, state: torch.Tensor | None) -> None:
+        if state is not None:
+            self.acc[name].copy_(state)
+
+
+def _shard_file(directory: Path, rank: int, world: int) -> Path:
+    return directory / f"embedding-rank{rank}-of-{world}.pt"
+
+
+def save_sharded(tables: ShardedEmbeddingBagCollection, directory: str | Path,
+                 optimizer: SparseSGD | None = None) -> None:
+    """Every rank writes its rows (and per-row optimizer state); rank 0 writes the manifest last."""
+    directory = Path(directory)
+    if tables.rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+    dist.barrier(group=tables.group)
+    shard = {name: {"start": tables.local_rows(name)[0], "weight": tables.weights[name],
+                    "row_state": optimizer.row_state(name) if optimizer is not None else None}
+             for name in tables.names}
+    path = _shard_file(directory, tables.rank, tables.world)
+    torch.save(shard, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").rename(path)
+    dist.barrier(group=tables.group)
+    if tables.rank == 0:
+        manifest = {"world": tables.world, "tables": {name: [tables.specs[name].num_rows, tables.dim]
+                                                      for name in tables.names},
+                    "optimizer": optimizer.state_dict() if optimizer is not None else None}
+        (directory / "embedding-manifest.json").write_text(json.dumps(manifest))
+    dist.barrier(group=tables.group)
+
+
+def load_sharded(tables: ShardedEmbeddingBagCollection, directory: str | Path,
+                 optimizer: SparseSGD | None = None) -> None:
+    """Load the rows this rank owns now from shards saved at any world size (resharding)."""
+    directory = Path(directory)
+    manifest_path = directory / "embedding-manifest.json"
+    if not manifest_path.is_file():
+        raise CheckpointError(f"no embedding checkpoint in {directory} (embedding-manifest.json missing); "
+                              "save one with save_sharded first")
+    manifest = json.loads(manifest_path.read_text())
+    for name in tables.names:
+        saved = manifest["tables"].get(name)
+        if saved != [tables.specs[name].num_rows, tables.dim]:
+            raise CheckpointError(f"table {name!r} is {tables.specs[name].num_rows} x {tables.dim} here but "
+                                  f"{saved} in {directory}; load into the same tables")
+    mine = {name: tables.local_rows(name) for name in tables.names}
+    states = {name: optimizer.row_state(name) if optimizer is not None else None for name in tables.names}
+    for rank in range(manifest["world"]):
+        path = _shard_file(directory, rank, manifest["world"])
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing; the checkpoint in {directory} is incomplete")
+        shard = torch.load(path, mmap=True, weights_only=True)
+        for name, (start, end) in mine.items():
+            part = shard[name]
+            lo, hi = part["start"], part["start"] + len(part["weight"])
+            a, b = max(start, lo), min(end, hi)
+            if a >= b:
+                continue
+            tables.weights[name][a - start:b - start] = part["weight"][a - lo:b - lo]
+            if states[name] is not None and part["row_state"] is not None:
+                states[name][a - start:b - start] = part["row_state"][a - lo:b - lo]
+    if optimizer is not None and manifest["optimizer"] is not None:
+        optimizer.load_state_dict(manifest["optimizer"])
+    dist.barrier(group=tables.group)

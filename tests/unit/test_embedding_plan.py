@@ -1,0 +1,60 @@
+"""Sharded embeddings, the pure parts: row ranges, table placement, initial rows that do not
+depend on the placement, and the errors for bad tables."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from convoy.errors import ConfigError
+from convoy.parallel.embedding import TableSpec, init_rows, plan_tables, row_bounds
+
+
+def test_row_bounds_cover_the_table_in_near_equal_ranges() -> None:
+    assert row_bounds(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert row_bounds(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    for rows, world in ((1_000_003, 7), (5, 1)):
+        bounds = row_bounds(rows, world)
+        assert bounds[0][0] == 0 and bounds[-1][1] == rows
+        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
+        assert max(e - s for s, e in bounds) - min(e - s for s, e in bounds) <= 1
+
+
+def test_placement_row_wise_for_large_tables_table_wise_for_small_ones() -> None:
+    specs = [TableSpec("big", 1_000_000, 64), TableSpec("a", 100, 64), TableSpec("b", 300, 64),
+             TableSpec("c", 200, 64), TableSpec("forced", 8, 4, sharding="row")]
+    plan = plan_tables(specs, 4)
+    assert list(plan) == ["big", "a", "b", "c", "forced"]
+    assert plan["big"].kind == "row" and [plan["big"].rows_on(r) for r in range(4)] == [250_000] * 4
+    assert plan["forced"].kind == "row" and [plan["forced"].rows_on(r) for r in range(4)] == [2] * 4
+    owners = {name: [r for r in range(4) if plan[name].rows_on(r)] for name in ("a", "b", "c")}
+    assert owners == {"b": [0], "c": [1], "a": [2]}  # largest first, each to the least-loaded rank
+    assert all(plan[name].rows_on(owners[name][0]) == spec.num_rows
+               for name, spec in (("a", specs[1]), ("b", specs[2]), ("c", specs[3])))
+
+
+def test_a_table_smaller_than_the_world() -> None:
+    tiny = TableSpec("tiny", 3, 16, sharding="row")
+    with pytest.raises(ConfigError, match="table 'tiny' has 3 rows but there are 4 ranks.*sharding='table'"):
+        plan_tables([tiny], 4)
+    assert plan_tables([TableSpec("tiny", 3, 16)], 4)["tiny"].kind == "table"  # auto places it whole
+
+
+def test_bad_tables() -> None:
+    with pytest.raises(ConfigError, match="num_rows >= 1 and dim >= 1"):
+        TableSpec("t", 0, 8)
+    with pytest.raises(ConfigError, match="unknown pooling 'max'"):
+        TableSpec("t", 10, 8, pooling="max")
+    with pytest.raises(ConfigError, match="unknown sharding 'column'"):
+        TableSpec("t", 10, 8, sharding="column")
+    with pytest.raises(ConfigError, match="names must be unique"):
+        plan_tables([TableSpec("t", 10, 8), TableSpec("t", 20, 8)], 2)
+
+
+def test_initial_rows_do_not_depend_on_the_placement() -> None:
+    spec = TableSpec("t", 200_000, 4)
+    whole = init_rows(spec, 3, 0, spec.num_rows)
+    for start, end in ((0, 1), (65_535, 65_537), (123_456, 200_000)):
+        assert torch.equal(init_rows(spec, 3, start, end), whole[start:end])
+    assert whole.abs().max() <= 1 / spec.num_rows ** 0.5
+    assert not torch.equal(init_rows(spec, 4, 0, 10), whole[:10])
