@@ -28,6 +28,7 @@ bench: setup
 	$(PY) benchmarks/allreduce.py
 	$(PY) benchmarks/pipeline.py
 	$(PY) benchmarks/local_sgd.py
+	$(PY) benchmarks/embedding.py
 
 clean:
 	rm -rf $(VENV) convoy-runs .pytest_cache
