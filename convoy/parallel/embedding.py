@@ -1,4 +1,4 @@
-"""Row-sharded embedding bags beside allreduced dense layers, in plain PyTorch (any backend).
+"""Row-sharded embedding bags beside allreduced dense layers, in plain PyTorch (CPU tensors, gloo).
 
 Each table's rows are split over the ranks (row-wise: contiguous ranges; table-wise: the whole
 table on one rank, for small tables). Every rank feeds its own batch. A forward sends each id
@@ -109,8 +109,10 @@ def plan_tables(specs: Sequence[TableSpec], world: int) -> dict[str, Placement]:
     for spec in sorted(table_wise, key=lambda s: -s.num_rows * s.dim):
         owner = min(range(world), key=lambda r: (load[r], r))
         load[owner] += spec.num_rows * spec.dim
-        starts = tuple(0 if r == owner else spec.num_rows for r in range(world))
-        ends = tuple(spec.num_rows for _ in range(world))
+        # ranks before the owner hold [0, 0), the owner [0, n), ranks after it [n, n): an id's owner is
+        # the first rank whose range ends past it, as for row-wise tables
+        starts = tuple(0 if r <= owner else spec.num_rows for r in range(world))
+        ends = tuple(0 if r < owner else spec.num_rows for r in range(world))
         plan[spec.name] = Placement("table", starts, ends)
     return {name: plan[name] for name in names}
 
@@ -119,7 +121,9 @@ def init_rows(spec: TableSpec, seed: int, start: int, end: int) -> torch.Tensor:
     """Rows ``[start, end)`` of the table's initial weights: uniform in +-1/sqrt(num_rows) (as
     DLRM), generated in fixed blocks so any placement gets the same values."""
     bound = 1.0 / math.sqrt(spec.num_rows)
-    out = torch.empty(end - start, spec.dim)
+    out = torch.empty(max(0, end - start), spec.dim)
+    if end <= start:
+        return out
     block = start // INIT_BLOCK
     while block * INIT_BLOCK < end:
         lo, hi = block * INIT_BLOCK, min((block + 1) * INIT_BLOCK, spec.num_rows)
@@ -233,12 +237,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
         extra = sorted(set(features) - set(self.names))
         if missing or extra:
             raise ConfigError(f"features {missing} missing and {extra} unknown; give exactly {self.names}")
+        features = {name: Bags(*features[name]) for name in self.names}
         sizes = {name: len(features[name].offsets) for name in self.names}
         if len(set(sizes.values())) != 1:
             raise ConfigError(f"every feature needs the same number of bags (got {sizes})")
         for name in self.names:
-            check_bags(self.specs[name], Bags(*features[name]))
-        out = _Lookup.apply(self._anchor, self, {name: Bags(*features[name]) for name in self.names})
+            check_bags(self.specs[name], features[name])
+        out = _Lookup.apply(self._anchor, self, features)
         batch = sizes[self.names[0]]
         return {name: out[index * batch:(index + 1) * batch] for index, name in enumerate(self.names)}
 

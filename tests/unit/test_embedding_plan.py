@@ -28,6 +28,9 @@ def test_placement_row_wise_for_large_tables_table_wise_for_small_ones() -> None
     assert plan["big"].kind == "row" and [plan["big"].rows_on(r) for r in range(4)] == [250_000] * 4
     assert plan["forced"].kind == "row" and [plan["forced"].rows_on(r) for r in range(4)] == [2] * 4
     owners = {name: [r for r in range(4) if plan[name].rows_on(r)] for name in ("a", "b", "c")}
+    for name in ("a", "b", "c"):  # an id's owner is the first rank whose range ends past it
+        ends = plan[name].ends
+        assert [next(r for r in range(4) if ends[r] > row) for row in (0, 99)] == owners[name] * 2
     assert owners == {"b": [0], "c": [1], "a": [2]}  # largest first, each to the least-loaded rank
     assert all(plan[name].rows_on(owners[name][0]) == spec.num_rows
                for name, spec in (("a", specs[1]), ("b", specs[2]), ("c", specs[3])))
