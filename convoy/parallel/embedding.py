@@ -343,6 +343,20 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return table
 
 
+class ShardedEmbeddingBag(ShardedEmbeddingBagCollection):
+    """One table: ``forward(ids, offsets, per_sample_weights=None)`` returns ``(batch, dim)``, like
+    ``nn.EmbeddingBag`` (``include_last_offset=False``), with the rows sharded over ``group``."""
+
+    def __init__(self, num_rows: int, dim: int, pooling: str = "sum", sharding: str = "row",
+                 group: dist.ProcessGroup | None = None, seed: int = 0, name: str = "table") -> None:
+        super().__init__([TableSpec(name, num_rows, dim, pooling, sharding)], group, seed)
+
+    def forward(self, ids: torch.Tensor, offsets: torch.Tensor,  # type: ignore[override]
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        name = self.names[0]
+        return super().forward({name: Bags(ids, offsets, per_sample_weights)})[name]
+
+
 class SparseSGD:
     """``row -= lr * grad`` for the rows that appeared since the last step."""
 
