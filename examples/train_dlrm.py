@@ -24,7 +24,10 @@ split by rows).
 Rank 0 prints the training loss (averaged over the ranks and the steps since the last line)
 every ``--log-every`` steps, then the held-out AUC and log loss, each rank's table memory next to
 the size of the tables replicated, and the time per step; ``--out FILE`` writes them as JSON.
-Runs under torchrun, or as a plain one-process job, too.
+Every step is snapshotted in memory (``convoy.Checkpointer``: each rank's rows and Adagrad
+state, the MLPs, Adam); under convoy a failed worker resumes at the step after the last finished
+one (``--kill-rank R --kill-at-step K`` shows it). Runs under torchrun, or as a plain one-process
+job, too.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import time
 import zlib
@@ -222,6 +226,8 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="the data's teacher, the initial weights, the batches")
     parser.add_argument("--log-every", type=int, default=25)
     parser.add_argument("--out", default="", help="rank 0 writes the results here (JSON)")
+    parser.add_argument("--kill-rank", type=int, default=-1, help="this rank SIGKILLs itself in the first attempt ...")
+    parser.add_argument("--kill-at-step", type=int, default=-1, help="... in the middle of this step")
     args = parser.parse_args()
     for name in ("steps", "batch", "dim", "rows", "eval_size", "log_every"):
         if getattr(args, name) < 1:
@@ -260,18 +266,28 @@ def main() -> int:
               f"{kinds.count('row')} split by rows, {kinds.count('table')} whole on one rank), {DENSE} dense "
               f"features; batch {args.batch} per rank ({args.batch * world} in all), {args.steps} steps",
               flush=True)
+    # every step in memory: this rank's rows and Adagrad state, the MLPs and Adam (batches are seeded by step)
+    ckpt = convoy.Checkpointer(nn.ModuleDict({"tables": tables, "dense": model}), optimizer,
+                               state={"sparse": sparse}, replicated=False)
+    start = ckpt.restore()
+    if rank == 0 and start:
+        print(f"starting at step {start} (round {ctx.round_id}, {ckpt.restored_from})", flush=True)
     losses: list[tuple[int, float]] = []
     window = torch.zeros(2, dtype=torch.float64)  # loss sum and steps since the last line
     dist.barrier()
     began = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         batch = data.draw(seeded("train", args.seed, rank, step), args.batch)
         loss = F.binary_cross_entropy_with_logits(logits_of(batch, model), batch.labels)
         sparse.zero_grad()
         optimizer.zero_grad()
         loss.backward()
+        if ctx.restart_count == 0 and rank == args.kill_rank and step == args.kill_at_step:
+            print(f"killing myself (rank {rank}) with SIGKILL in the middle of step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         sparse.step()
         optimizer.step()
+        ckpt.step(step)
         window += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
         if step % args.log_every == 0 or step == args.steps - 1:
             dist.all_reduce(window)
@@ -281,6 +297,7 @@ def main() -> int:
             if rank == 0:
                 print(f"step {step} train loss {mean:.4f}", flush=True)
     wall = time.perf_counter() - began
+    ckpt.close()
 
     held = data.draw(seeded("held-out", args.seed), args.eval_size)
     bounds = [int(b) for b in torch.linspace(0, args.eval_size, world + 1).round().long()]
@@ -301,7 +318,8 @@ def main() -> int:
         print("embedding memory per rank: " + ", ".join(f"{m / 1e6:.2f}" for m in memory)
               + f" MB; replicated: {replicated / 1e6:.2f} MB on every rank (largest rank "
               f"{100 * max(memory) / replicated:.1f}%)", flush=True)
-        print(f"step time {1000 * wall / args.steps:.1f} ms ({args.steps} steps in {wall:.1f} s); "
+        print(f"step time {1000 * wall / max(1, args.steps - start):.1f} ms ({args.steps - start} steps in "
+              f"{wall:.1f} s); "
               f"all-to-all sent by rank 0: {sent / 1e6:.2f} MB", flush=True)
         if args.out:
             Path(args.out).write_text(json.dumps({
@@ -309,7 +327,7 @@ def main() -> int:
                 "sharding": args.sharding, "placement": {name: tables.plan[name].kind for name in names},
                 "auc": held_auc, "teacher_auc": teacher_auc, "log_loss": log_loss, "constant_log_loss": constant,
                 "click_rate": rate, "train_losses": losses, "memory_bytes": memory, "replicated_bytes": replicated,
-                "step_s": wall / args.steps, "wall_s": wall, "sent_bytes_rank0": sent}))
+                "step_s": wall / max(1, args.steps - start), "wall_s": wall, "sent_bytes_rank0": sent}))
     dist.barrier()
     sys.stdout.flush()
     os._exit(0)  # gloo teardown in torch 2.13 can abort at exit

@@ -15,7 +15,9 @@ get no gradient). An empty bag pools to zeros, as ``nn.EmbeddingBag`` does.
 
 ``plan_tables`` (placement) and ``row_bounds`` are pure; ``save_sharded``/``load_sharded``
 write one file per rank and read back whatever the current placement needs, from any world
-size that saved them.
+size that saved them. A rank's rows are buffers of the module (``state_dict``) and the Adagrad
+accumulators are in the optimizer's ``state_dict``, so ``convoy.Checkpointer(tables, state=
+{"sparse": optimizer})`` snapshots them in memory and resumes them at the same world size.
 """
 
 from __future__ import annotations
@@ -213,11 +215,16 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.plan = plan_tables(specs, self.world)
         self.grad_scale = 1.0 / self.world if grad_scale is None else grad_scale
+        bad = [name for name in self.names if "." in name]
+        if bad:
+            raise ConfigError(f"table names {bad} contain '.'; name tables without dots")
         self.weights: dict[str, torch.Tensor] = {}
+        self.rows = nn.Module()  # this rank's rows as buffers: in state_dict, so convoy.Checkpointer keeps them
         for name in self.names:
             place = self.plan[name]
             start, end = place.starts[self.rank], place.ends[self.rank]
             self.weights[name] = init_rows(self.specs[name], seed, start, end)
+            self.rows.register_buffer(name, self.weights[name])
         self._ends = [torch.tensor(self.plan[name].ends) for name in self.names]
         self._starts = [torch.tensor(self.plan[name].starts) for name in self.names]
         self._anchor = torch.zeros((), requires_grad=True)  # lets autograd reach the backward
@@ -415,10 +422,15 @@ class SparseRowWiseAdagrad(SparseSGD):
             self.rows_updated += len(rows)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"lr": self.lr, "eps": self.eps}
+        return {"lr": self.lr, "eps": self.eps, "acc": dict(self.acc)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.lr, self.eps = state["lr"], state["eps"]
+        for name, acc in state.get("acc", {}).items():
+            if self.acc[name].shape != acc.shape:
+                raise CheckpointError(f"saved Adagrad state of {name!r} has {len(acc)} rows, this rank holds "
+                                      f"{len(self.acc[name])}; use load_sharded to change the world size")
+            self.acc[name].copy_(acc)
 
     def row_state(self, name: str) -> torch.Tensor | None:
         return self.acc[name]
@@ -447,9 +459,9 @@ def save_sharded(tables: ShardedEmbeddingBagCollection, directory: str | Path,
     path.with_suffix(".tmp").rename(path)
     dist.barrier(group=tables.group)
     if tables.rank == 0:
+        settings = {k: v for k, v in optimizer.state_dict().items() if k != "acc"} if optimizer is not None else None
         manifest = {"world": tables.world, "tables": {name: [tables.specs[name].num_rows, tables.dim]
-                                                      for name in tables.names},
-                    "optimizer": optimizer.state_dict() if optimizer is not None else None}
+                                                      for name in tables.names}, "optimizer": settings}
         (directory / "embedding-manifest.json").write_text(json.dumps(manifest))
     dist.barrier(group=tables.group)
 
@@ -485,5 +497,5 @@ def load_sharded(tables: ShardedEmbeddingBagCollection, directory: str | Path,
             if states[name] is not None and part["row_state"] is not None:
                 states[name][a - start:b - start] = part["row_state"][a - lo:b - lo]
     if optimizer is not None and manifest["optimizer"] is not None:
-        optimizer.load_state_dict(manifest["optimizer"])
+        optimizer.load_state_dict({k: v for k, v in manifest["optimizer"].items() if k != "acc"})
     dist.barrier(group=tables.group)

@@ -54,6 +54,15 @@ def test_learns_the_teacher_with_a_quarter_of_the_rows_per_rank(procs: ProcessSc
     assert result.returncode == 0, result.explain()
     # the small tables go whole to one rank each, so ranks hold a quarter of the rows within 5%
     check_training(result.stdout, json.loads(saved.read_text()), table_wise=r"1\d", spread=0.05)
+    # a worker killed mid-step: the job resumes from the in-memory snapshots and ends where it would have
+    again = tmp_path / "dlrm-killed.json"
+    result = procs.start(["run", "--nnodes", 1, "--nproc-per-node", 4, "--max-restarts", 1, "--run-dir",
+                          tmp_path / "killed", EXAMPLE, *SMALL, "--out", again, "--kill-rank", 2,
+                          "--kill-at-step", 40]).wait()
+    assert result.returncode == 0, result.explain()
+    assert re.search(r"\[rank0\]: starting at step 40 \(round 2, in-memory snapshot of step 39\)",
+                     result.stdout), result.stdout
+    assert json.loads(again.read_text())["auc"] == pytest.approx(json.loads(saved.read_text())["auc"], abs=1e-3)
     assert procs.wait_no_leftovers() == []
 
 
