@@ -6,14 +6,14 @@ to the rank that owns its row (one all-to-all of counts, one of ids), the owner 
 of each bag it holds a part of, and the partial sums come back (one all-to-all) to be added up.
 The backward sends each bag's output gradient to the owners that contributed to it; each owner
 keeps gradients only for the rows that appeared, and a sparse optimizer (``SparseSGD``,
-``SparseRowWiseAdagrad``) updates only those. Dense layers stay under DDP.
+``SparseRowWiseAdagrad`` in ``sparse_optim.py``) updates only those. Dense layers stay under DDP.
 
 Row gradients are averaged over ranks like DDP's dense ones (``grad_scale = 1 / world``), so a
 model of sharded tables and a DDP dense part trains like one process on the ranks' batches put
 together, with the loss averaged over the whole batch. Per-sample weights are constants (they
 get no gradient). An empty bag pools to zeros, as ``nn.EmbeddingBag`` does.
 
-``plan_tables`` (placement) and ``row_bounds`` are pure; ``save_sharded``/``load_sharded``
+``plan_tables`` (placement) is pure; ``embedding_store.py``'s ``save_sharded``/``load_sharded``
 write one file per rank and read back whatever the current placement needs, from any world
 size that saved them. A rank's rows are buffers of the module (``state_dict``) and the Adagrad
 accumulators are in the optimizer's ``state_dict``, so ``convoy.Checkpointer(tables, state=
@@ -22,19 +22,18 @@ accumulators are in the optimizer's ``state_dict``, so ``convoy.Checkpointer(tab
 
 from __future__ import annotations
 
-import json
 import math
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from convoy.errors import CheckpointError, ConfigError
+from convoy.errors import ConfigError
+from convoy.parallel import even_bounds
 
 POOLINGS = ("sum", "mean")
 SHARDINGS = ("auto", "row", "table")
@@ -74,17 +73,6 @@ class Placement(NamedTuple):
         return self.ends[rank] - self.starts[rank]
 
 
-def row_bounds(num_rows: int, world: int) -> list[tuple[int, int]]:
-    """Contiguous ranges, the first ``num_rows % world`` one row longer."""
-    base, extra = divmod(num_rows, world)
-    bounds, at = [], 0
-    for rank in range(world):
-        size = base + (rank < extra)
-        bounds.append((at, at + size))
-        at += size
-    return bounds
-
-
 def plan_tables(specs: Sequence[TableSpec], world: int) -> dict[str, Placement]:
     """Row-wise tables span all ranks; table-wise ones go, largest first, to the rank holding the
     fewest table-wise rows x dim so far."""
@@ -104,7 +92,7 @@ def plan_tables(specs: Sequence[TableSpec], world: int) -> dict[str, Placement]:
             if spec.num_rows < world:
                 raise ConfigError(f"table {spec.name!r} has {spec.num_rows} rows but there are {world} ranks: "
                                   "row-wise sharding needs a row per rank; use sharding='table' or 'auto'")
-            bounds = row_bounds(spec.num_rows, world)
+            bounds = even_bounds(spec.num_rows, world)
             plan[spec.name] = Placement("row", tuple(s for s, _ in bounds), tuple(e for _, e in bounds))
         else:
             table_wise.append(spec)
@@ -177,7 +165,6 @@ class _Route:
         self.recv_table: torch.Tensor = torch.empty(0, dtype=torch.int64)
         self.recv_row: torch.Tensor = torch.empty(0, dtype=torch.int64)
         self.recv_weight: torch.Tensor = torch.empty(0)
-        self.recv_counts: list[int] = []
 
 
 class _Lookup(torch.autograd.Function):
@@ -288,7 +275,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         ints = self._all_to_all(torch.stack([key, table, row], 1), send_counts, recv_counts)
         route = _Route()
         route.recv_weight = self._all_to_all(weight, send_counts, recv_counts)
-        route.recv_table, route.recv_row, route.recv_counts = ints[:, 1], ints[:, 2], recv_counts
+        route.recv_table, route.recv_row = ints[:, 1], ints[:, 2]
         route.sent_keys = [torch.unique(part) for part in key.split(send_counts)]
         vectors = torch.empty(len(ints), self.dim)
         for index, name in enumerate(self.names):
@@ -311,7 +298,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
     @torch.no_grad()
     def _backward(self, route: _Route, grad: torch.Tensor) -> None:
         sent = [len(k) for k in route.sent_keys]
-        outgoing = grad[torch.cat(route.sent_keys)] if sent else torch.empty(0, self.dim)
+        outgoing = grad[torch.cat(route.sent_keys)]
         incoming = self._all_to_all(outgoing, sent, route.recv_unique)
         entry_grads = []
         at = 0
@@ -362,140 +349,3 @@ class ShardedEmbeddingBag(ShardedEmbeddingBagCollection):
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         name = self.names[0]
         return super().forward({name: Bags(ids, offsets, per_sample_weights)})[name]
-
-
-class SparseSGD:
-    """``row -= lr * grad`` for the rows that appeared since the last step."""
-
-    def __init__(self, tables: ShardedEmbeddingBagCollection, lr: float) -> None:
-        if not lr > 0:
-            raise ConfigError(f"sparse SGD needs lr > 0 (got {lr})")
-        self.tables, self.lr = tables, lr
-        self.rows_updated = 0
-
-    def zero_grad(self) -> None:
-        self.tables.zero_grad()
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for name in self.tables.names:
-            got = self.tables.take_grads(name)
-            if got is not None:
-                rows, grads = got
-                self.tables.weights[name].index_add_(0, rows, grads, alpha=-self.lr)
-                self.rows_updated += len(rows)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"lr": self.lr}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.lr = state["lr"]
-
-    def row_state(self, name: str) -> torch.Tensor | None:
-        return None
-
-    def set_row_state(self, name: str, state: torch.Tensor | None) -> None:
-        return None
-
-
-class SparseRowWiseAdagrad(SparseSGD):
-    """Row-wise Adagrad (one accumulator per row, as FBGEMM's): ``acc += mean(grad^2)``,
-    ``row -= lr * grad / (sqrt(acc) + eps)``, only for the rows that appeared."""
-
-    def __init__(self, tables: ShardedEmbeddingBagCollection, lr: float, eps: float = 1e-8,
-                 initial_accumulator: float = 0.0) -> None:
-        super().__init__(tables, lr)
-        self.eps = eps
-        self.acc = {name: torch.full((len(tables.weights[name]),), initial_accumulator) for name in tables.names}
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for name in self.tables.names:
-            got = self.tables.take_grads(name)
-            if got is None:
-                continue
-            rows, grads = got
-            acc = self.acc[name]
-            acc.index_add_(0, rows, grads.pow(2).mean(1))
-            scale = self.lr / (acc[rows].sqrt() + self.eps)
-            self.tables.weights[name].index_add_(0, rows, grads * scale.unsqueeze(1), alpha=-1.0)
-            self.rows_updated += len(rows)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"lr": self.lr, "eps": self.eps, "acc": dict(self.acc)}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.lr, self.eps = state["lr"], state["eps"]
-        for name, acc in state.get("acc", {}).items():
-            if self.acc[name].shape != acc.shape:
-                raise CheckpointError(f"saved Adagrad state of {name!r} has {len(acc)} rows, this rank holds "
-                                      f"{len(self.acc[name])}; use load_sharded to change the world size")
-            self.acc[name].copy_(acc)
-
-    def row_state(self, name: str) -> torch.Tensor | None:
-        return self.acc[name]
-
-    def set_row_state(self, name: str, state: torch.Tensor | None) -> None:
-        if state is not None:
-            self.acc[name].copy_(state)
-
-
-def _shard_file(directory: Path, rank: int, world: int) -> Path:
-    return directory / f"embedding-rank{rank}-of-{world}.pt"
-
-
-def save_sharded(tables: ShardedEmbeddingBagCollection, directory: str | Path,
-                 optimizer: SparseSGD | None = None) -> None:
-    """Every rank writes its rows (and per-row optimizer state); rank 0 writes the manifest last."""
-    directory = Path(directory)
-    if tables.rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-    dist.barrier(group=tables.group)
-    shard = {name: {"start": tables.local_rows(name)[0], "weight": tables.weights[name],
-                    "row_state": optimizer.row_state(name) if optimizer is not None else None}
-             for name in tables.names}
-    path = _shard_file(directory, tables.rank, tables.world)
-    torch.save(shard, path.with_suffix(".tmp"))
-    path.with_suffix(".tmp").rename(path)
-    dist.barrier(group=tables.group)
-    if tables.rank == 0:
-        settings = {k: v for k, v in optimizer.state_dict().items() if k != "acc"} if optimizer is not None else None
-        manifest = {"world": tables.world, "tables": {name: [tables.specs[name].num_rows, tables.dim]
-                                                      for name in tables.names}, "optimizer": settings}
-        (directory / "embedding-manifest.json").write_text(json.dumps(manifest))
-    dist.barrier(group=tables.group)
-
-
-def load_sharded(tables: ShardedEmbeddingBagCollection, directory: str | Path,
-                 optimizer: SparseSGD | None = None) -> None:
-    """Load the rows this rank owns now from shards saved at any world size (resharding)."""
-    directory = Path(directory)
-    manifest_path = directory / "embedding-manifest.json"
-    if not manifest_path.is_file():
-        raise CheckpointError(f"no embedding checkpoint in {directory} (embedding-manifest.json missing); "
-                              "save one with save_sharded first")
-    manifest = json.loads(manifest_path.read_text())
-    for name in tables.names:
-        saved = manifest["tables"].get(name)
-        if saved != [tables.specs[name].num_rows, tables.dim]:
-            raise CheckpointError(f"table {name!r} is {tables.specs[name].num_rows} x {tables.dim} here but "
-                                  f"{saved} in {directory}; load into the same tables")
-    mine = {name: tables.local_rows(name) for name in tables.names}
-    states = {name: optimizer.row_state(name) if optimizer is not None else None for name in tables.names}
-    for rank in range(manifest["world"]):
-        path = _shard_file(directory, rank, manifest["world"])
-        if not path.is_file():
-            raise CheckpointError(f"{path} is missing; the checkpoint in {directory} is incomplete")
-        shard = torch.load(path, mmap=True, weights_only=True)
-        for name, (start, end) in mine.items():
-            part = shard[name]
-            lo, hi = part["start"], part["start"] + len(part["weight"])
-            a, b = max(start, lo), min(end, hi)
-            if a >= b:
-                continue
-            tables.weights[name][a - start:b - start] = part["weight"][a - lo:b - lo]
-            if states[name] is not None and part["row_state"] is not None:
-                states[name][a - start:b - start] = part["row_state"][a - lo:b - lo]
-    if optimizer is not None and manifest["optimizer"] is not None:
-        optimizer.load_state_dict({k: v for k, v in manifest["optimizer"].items() if k != "acc"})
-    dist.barrier(group=tables.group)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from convoy.errors import ConfigError
+from convoy.parallel import even_bounds
 from convoy.parallel.attention import TRAFFIC, check_inputs, default_scale, merge, partial, partial_backward
 
 SCHEMES = ("query_broadcast", "allgather_kv", "ring", "ulysses")
@@ -38,13 +39,7 @@ def chunk_bounds(local_len: int, micro: int) -> list[tuple[int, int]]:
     if micro > local_len:
         raise ConfigError(f"micro={micro} micro-sequences but each rank holds only {local_len} positions; "
                           f"use micro <= {local_len}")
-    base, extra = divmod(local_len, micro)
-    bounds, at = [], 0
-    for j in range(micro):
-        size = base + (j < extra)
-        bounds.append((at, at + size))
-        at += size
-    return bounds
+    return even_bounds(local_len, micro)
 
 
 def peers(rank: int, world: int, causal: bool) -> tuple[list[int], list[int]]:

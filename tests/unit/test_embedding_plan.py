@@ -7,14 +7,15 @@ import pytest
 import torch
 
 from convoy.errors import ConfigError
-from convoy.parallel.embedding import TableSpec, init_rows, plan_tables, row_bounds
+from convoy.parallel import even_bounds
+from convoy.parallel.embedding import TableSpec, init_rows, plan_tables
 
 
-def test_row_bounds_cover_the_table_in_near_equal_ranges() -> None:
-    assert row_bounds(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
-    assert row_bounds(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+def test_even_bounds_cover_the_table_in_near_equal_ranges() -> None:
+    assert even_bounds(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert even_bounds(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
     for rows, world in ((1_000_003, 7), (5, 1)):
-        bounds = row_bounds(rows, world)
+        bounds = even_bounds(rows, world)
         assert bounds[0][0] == 0 and bounds[-1][1] == rows
         assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
         assert max(e - s for s, e in bounds) - min(e - s for s, e in bounds) <= 1

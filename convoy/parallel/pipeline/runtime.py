@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from convoy.errors import ScheduleError
+from convoy.parallel import even_bounds
 from convoy.parallel.pipeline.memory import ActivationMeter
 from convoy.parallel.pipeline.schedule import Action, Kind, Schedule, split_microbatches
 from convoy.parallel.pipeline.simulate import Span
@@ -301,10 +302,4 @@ def split_sequential(model: nn.Module, n_stages: int) -> list[nn.Sequential]:
     if n_stages < 1 or n_stages > len(layers):
         raise ScheduleError(f"{n_stages} stages but the model has {len(layers)} layers; "
                             f"use between 1 and {len(layers)} stages")
-    base, extra = divmod(len(layers), n_stages)
-    stages, at = [], 0
-    for index in range(n_stages):
-        size = base + (index < extra)
-        stages.append(nn.Sequential(*layers[at:at + size]))
-        at += size
-    return stages
+    return [nn.Sequential(*layers[start:end]) for start, end in even_bounds(len(layers), n_stages)]
