@@ -1,8 +1,9 @@
-"""``convoy run | master | agent | status | pipeline plan``: parse the command line, then call the library."""
+"""``convoy run | master | agent | status | pipeline plan | decode``: parse the command line, then call."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
 import socket
@@ -21,6 +22,11 @@ EXIT_USAGE = 2
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "two-group")
 """The names in ``convoy.parallel.pipeline.schedule.GENERATORS`` (not imported here, to keep startup light)."""
 _WORKERS, _MASTER, _RDZV = WorkerConfig(), MasterConfig(run_dir=Path(".")), RendezvousConfig()
+WORKLOAD_COMMANDS = {
+    "decode": ("convoy.workloads.lookahead.cli", "lossless lookahead LLM decoding: tokens/s, tokens per pass"),
+}
+"""Each workload's ``cli`` module has ``add_arguments(parser)`` and ``run(args) -> int``; it is imported only when its
+command runs, and then loads only the standard library until ``run``, so every other command starts fast."""
 
 
 def _add_worker_options(parser: argparse.ArgumentParser) -> None:
@@ -49,7 +55,8 @@ def _add_master_options(parser: argparse.ArgumentParser, host: str) -> None:
                         help="seconds before a silent node counts as lost")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; workload commands get their options only when ``command`` names them."""
     parser = argparse.ArgumentParser(prog="convoy", description="Elastic distributed training for PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run a job on this machine: a master and N local agents")
@@ -73,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     status = commands.add_parser("status", help="show a job's nodes, round, restarts and recent events")
     status.add_argument("--run-dir", type=Path, required=True, help="the job's run directory")
     _add_pipeline_commands(commands.add_parser("pipeline", help="plan pipeline-parallel schedules"))
+    for name, (module, help_text) in WORKLOAD_COMMANDS.items():
+        workload = commands.add_parser(name, help=help_text)
+        if name == command:
+            importlib.import_module(module).add_arguments(workload)
     return parser
 
 
@@ -234,9 +245,13 @@ def _console(line: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
     handlers = {"run": _run, "master": _master, "agent": _agent, "status": _status, "pipeline": _pipeline}
     try:
+        if args.command in WORKLOAD_COMMANDS:
+            return importlib.import_module(WORKLOAD_COMMANDS[args.command][0]).run(args)
         return handlers[args.command](args)
     except ConvoyError as exc:
         print(f"convoy: error: {exc}", file=sys.stderr, flush=True)

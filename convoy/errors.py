@@ -37,3 +37,7 @@ class ConflictError(ConvoyError):
 
 class ScheduleError(ConvoyError):
     """A pipeline schedule or stage split is invalid; the message names the first offending action."""
+
+
+class DecodingError(ConvoyError):
+    """A decoding request or model cannot be served as asked (empty prompt, too long, no EOS, no KV cache)."""

@@ -1,0 +1,152 @@
+"""Lookahead decoding vs Hugging Face greedy ``generate`` and HF prompt lookup, SmolLM2-135M-Instruct on the CPU.
+
+Three prompt families (benchmarks/lookahead_prompts.py): retrieval-style QA over a passage, a code edit of a
+snippet, open-ended stories; 128 new tokens each, with 1 and 2 threads. For every prompt the three decoders run
+back to back (order rotated per repeat); a family's speed is its total tokens over its total time, the median over
+repeats. Forward passes are counted with a hook on the model, so tokens per pass is measured the same way for all.
+convoy's memory of earlier outputs starts empty for each family in each repeat (so a repeat never meets its own
+earlier answer).
+
+    python benchmarks/lookahead.py            # full: 4 prompts per family, 1 and 2 threads, 3 repeats (~10 min)
+    python benchmarks/lookahead.py --quick    # 1 prompt per family, 48 tokens, 2 threads (< 1 min)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from lookahead_prompts import FAMILIES  # noqa: E402
+
+from convoy.workloads.lookahead.generator import LookaheadGenerator  # noqa: E402
+from convoy.workloads.lookahead.model import load_model  # noqa: E402
+
+METHODS = ("greedy", "prompt-lookup", "convoy")
+GOAL_RETRIEVAL_VS_GREEDY = 2.5
+GOAL_VS_LOOKUP = 1.1
+GOAL_STORY_VS_GREEDY = 0.95
+
+
+class PassCounter:
+    """Counts forward calls of the model (one per decoding pass, plus the prompt's)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.calls = 0
+        model.register_forward_hook(self._hook)
+
+    def _hook(self, *_: object) -> None:
+        self.calls += 1
+
+
+def run_one(method: str, model, generator: LookaheadGenerator, ids: list[int], new_tokens: int,
+            counter: PassCounter) -> tuple[list[int], float, int]:
+    """(tokens, seconds, passes after the prompt's) for one prompt."""
+    tensor = torch.tensor([ids])
+    counter.calls = 0
+    started = time.perf_counter()
+    if method == "convoy":
+        tokens = generator.generate(tensor, max_new_tokens=new_tokens).tokens[0]
+    else:
+        extra = {"prompt_lookup_num_tokens": 10} if method == "prompt-lookup" else {}
+        with torch.inference_mode():
+            out = model.generate(tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=new_tokens,
+                                 do_sample=False, **extra)
+        tokens = out[0, len(ids):].tolist()
+    return tokens, time.perf_counter() - started, counter.calls - 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="1 prompt per family, 48 tokens, 2 threads, 1 repeat")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    args = parser.parse_args(argv)
+    prompts_per_family, repeats, new_tokens = 4, args.repeats, args.new_tokens
+    threads_list = [int(value) for value in args.threads.split(",")]
+    if args.quick:
+        prompts_per_family, repeats, new_tokens, threads_list = 1, 1, 48, [2]
+    model, tokenizer = load_model()
+    counter = PassCounter(model)
+    encoded = {family: [list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                           add_generation_prompt=True, tokenize=True,
+                                                           return_dict=True)["input_ids"])
+                        for prompt in prompts[:prompts_per_family]]
+               for family, prompts in FAMILIES.items()}
+    lengths = [len(ids) for rows in encoded.values() for ids in rows]
+    print(f"SmolLM2-135M-Instruct fp32, {new_tokens} new tokens, prompts of {min(lengths)}-{max(lengths)} tokens, "
+          f"{prompts_per_family} per family, {repeats} repeat(s), threads {threads_list}", flush=True)
+    # speed[(threads, family, method)] = [family tokens/s per repeat]; passes likewise (tokens per pass)
+    speed: dict[tuple[int, str, str], list[float]] = {}
+    per_pass: dict[tuple[int, str, str], list[float]] = {}
+    mismatches: list[str] = []
+    for threads in threads_list:
+        torch.set_num_threads(threads)
+        run_one("greedy", model, None, encoded["story"][0][:32], 8, counter)  # warm up the kernels
+        for repeat in range(repeats):
+            for family, rows in encoded.items():
+                generator = LookaheadGenerator(model, tokenizer)
+                totals = {method: [0, 0.0, 0] for method in METHODS}
+                for index, ids in enumerate(rows):
+                    shift = (repeat + index) % len(METHODS)
+                    outputs = {}
+                    for method in METHODS[shift:] + METHODS[:shift]:
+                        tokens, seconds, passes = run_one(method, model, generator, ids, new_tokens, counter)
+                        outputs[method] = tokens
+                        total = totals[method]
+                        total[0], total[1], total[2] = total[0] + len(tokens), total[1] + seconds, total[2] + passes
+                    for method in METHODS[1:]:
+                        if outputs[method] != outputs["greedy"]:
+                            mismatches.append(f"{method} {family}[{index}] threads={threads}")
+                for method, (tokens, seconds, passes) in totals.items():
+                    speed.setdefault((threads, family, method), []).append(tokens / seconds)
+                    per_pass.setdefault((threads, family, method), []).append((tokens - len(rows)) / passes)
+            print(f"  threads {threads} repeat {repeat + 1}/{repeats} done", flush=True)
+    return report(speed, per_pass, mismatches, threads_list)
+
+
+def report(speed, per_pass, mismatches: list[str], threads_list: list[int]) -> int:
+    print(f"\n{'threads':>7} {'family':<10} {'method':<14} {'tokens/s':>9} {'tok/pass':>9} {'vs greedy':>10} "
+          f"{'vs lookup':>10}")
+    ratios: dict[tuple[int, str, str], float] = {}
+    for threads in threads_list:
+        for family in FAMILIES:
+            median = {m: statistics.median(speed[(threads, family, m)]) for m in METHODS}
+            for method in METHODS:
+                ratios[(threads, family, f"{method}/greedy")] = median[method] / median["greedy"]
+                ratios[(threads, family, f"{method}/lookup")] = median[method] / median["prompt-lookup"]
+                print(f"{threads:>7} {family:<10} {method:<14} {median[method]:>9.1f} "
+                      f"{statistics.median(per_pass[(threads, family, method)]):>9.2f} "
+                      f"{median[method] / median['greedy']:>9.2f}x {median[method] / median['prompt-lookup']:>9.2f}x")
+    print()
+    for item in mismatches:
+        print(f"MISMATCH: {item} differs from greedy")
+
+    def worst(family: str, ratio: str) -> tuple[float, str]:
+        value, threads = min((ratios[(t, family, ratio)], t) for t in threads_list)
+        return value, f"{value:.2f}x (worst of threads {','.join(map(str, threads_list))}: {threads})"
+
+    print(f"target identical_to_greedy: {len(mismatches)} differing outputs (goal 0) "
+          f"{'met' if not mismatches else 'missed'}")
+    value, text = worst("retrieval", "convoy/greedy")
+    print(f"target retrieval_vs_greedy: {text} (goal >= {GOAL_RETRIEVAL_VS_GREEDY}x) "
+          f"{'met' if value >= GOAL_RETRIEVAL_VS_GREEDY else 'missed'}")
+    for family in ("retrieval", "code"):
+        value, text = worst(family, "convoy/lookup")
+        print(f"target {family}_vs_prompt_lookup: {text} (goal >= {GOAL_VS_LOOKUP}x) "
+              f"{'met' if value >= GOAL_VS_LOOKUP else 'missed'}")
+    value, text = worst("story", "convoy/greedy")
+    print(f"target story_vs_greedy: {text} (goal >= {GOAL_STORY_VS_GREEDY}x) "
+          f"{'met' if value >= GOAL_STORY_VS_GREEDY else 'missed'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

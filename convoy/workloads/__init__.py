@@ -1,0 +1,1 @@
+"""Workloads built on convoy's runtime and data plane: one subpackage each."""

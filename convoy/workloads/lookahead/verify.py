@@ -1,0 +1,130 @@
+"""One verification pass: the root token and its draft tree through the model at once, greedy acceptance, and the
+KV cache cut back to what was accepted.
+
+The batch layout: row ``b`` of the KV cache holds its ``cache_lens[b]`` tokens in slots ``0..cache_lens[b]-1``; the
+slots after that are stale and masked out. A pass appends ``1 + max draft`` slots to every row.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from convoy.errors import DecodingError
+from convoy.workloads.lookahead.draft import DraftTree
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The keyword the model's forward takes its KV cache by (transformers renamed it), or a clear error."""
+    parameters = inspect.signature(model.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in parameters:
+            return name
+    raise DecodingError(f"{type(model).__name__}.forward takes no KV cache (no 'cache' or 'past_key_values' "
+                        "argument); lookahead decoding needs a causal LM with KV cache support")
+
+
+def new_cache(model: torch.nn.Module) -> Any:
+    """An empty dynamic KV cache for ``model``."""
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:
+        return DynamicCache()
+
+
+def cache_tensors(cache: Any) -> list[tuple[Any, str]]:
+    """Every (holder, attribute) pair that holds a [batch, heads, slots, dim] key or value tensor of ``cache``."""
+    if not hasattr(cache, "layers"):
+        raise DecodingError(f"KV cache {type(cache).__name__} has no per-layer tensors; use transformers >= 5")
+    holders = []
+    for layer in cache.layers:
+        if type(layer).__name__ != "DynamicLayer":
+            raise DecodingError(f"KV cache layer {type(layer).__name__} is not a full dynamic cache (sliding-window "
+                                "or quantised caches cannot drop rejected draft entries); use a model with full "
+                                "attention")
+        holders.extend([(layer, "keys"), (layer, "values")])
+    return holders
+
+
+@dataclass
+class PassInputs:
+    """What one verification pass feeds the model."""
+
+    input_ids: torch.Tensor  # [batch, 1 + width]
+    position_ids: torch.Tensor  # [batch, 1 + width]
+    attention_mask: torch.Tensor | None  # [batch, 1, 1 + width, slots + 1 + width], additive; None: plain causal
+
+
+def pass_inputs(roots: Sequence[int], trees: Sequence[DraftTree], cache_lens: Sequence[int], slots: int,
+                dtype: torch.dtype) -> PassInputs:
+    """Inputs for one pass: each row's root, then its draft tree; each token sees the row's cached tokens, the
+    root and its own ancestors, at position ``cache_len + depth``."""
+    width = max(len(tree) for tree in trees)
+    batch = len(roots)
+    ids = torch.zeros(batch, 1 + width, dtype=torch.long)
+    positions = torch.zeros(batch, 1 + width, dtype=torch.long)
+    plain = width == 0 and all(length == slots for length in cache_lens)
+    if plain:  # one token per row over full rows: the model's own causal mask is exact (and the fastest path)
+        ids[:, 0] = torch.tensor(list(roots))
+        positions[:, 0] = torch.tensor(list(cache_lens))
+        return PassInputs(ids, positions, None)
+    allowed = torch.zeros(batch, 1 + width, slots + 1 + width, dtype=torch.bool)
+    for row, (root, tree, length) in enumerate(zip(roots, trees, cache_lens, strict=True)):
+        ids[row, 0] = root
+        positions[row] = length
+        allowed[row, :, :length] = True
+        allowed[row, :, slots] = True  # everything sees the root
+        if len(tree):
+            ids[row, 1:1 + len(tree)] = torch.tensor(tree.tokens)
+            positions[row, 1:1 + len(tree)] += torch.tensor(tree.depths())
+            for node in range(len(tree)):
+                allowed[row, 1 + node, [slots + 1 + a for a in tree.ancestors(node)]] = True
+        for pad in range(1 + len(tree), 1 + width):  # unused tail: sees only itself (its output is ignored)
+            allowed[row, pad, :] = False
+            allowed[row, pad, slots + pad] = True
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return PassInputs(ids, positions, mask.unsqueeze(1))
+
+
+def greedy_walk(predictions: Sequence[int], tree: DraftTree) -> tuple[list[int], int]:
+    """Follow the tree along the model's greedy choices; ``predictions[q]`` is the argmax after input ``q``
+    (0 = root, 1 + i = node i). Returns the accepted node indices and the next (bonus) token."""
+    children = tree.children_by_token()
+    path, query = [], 0
+    while True:
+        choice = predictions[query]
+        node = children[query].get(choice)  # children[0] are the root's, children[1 + i] node i's
+        if node is None:
+            return path, choice
+        path.append(node)
+        query = node + 1
+
+
+def keep_accepted(cache: Any, rows: Sequence[int], cache_lens: Sequence[int], paths: Sequence[Sequence[int]],
+                  slots: int) -> list[int]:
+    """Cut the cache back to the rows in ``rows`` (indices into the current batch), each keeping its old tokens,
+    its root and its accepted draft nodes, in that order. Returns the new ``cache_lens``."""
+    holders = cache_tensors(cache)
+    new_lens = [cache_lens[row] + 1 + len(paths[row]) for row in rows]
+    new_slots = max(new_lens)
+    contiguous = (list(rows) == list(range(len(cache_lens)))
+                  and all(cache_lens[row] == slots and list(paths[row]) == list(range(len(paths[row])))
+                          for row in rows))
+    for holder, name in holders:
+        tensor = getattr(holder, name)
+        if contiguous:  # the common single-sequence case: the accepted entries already follow the old ones
+            setattr(holder, name, tensor[:, :, :new_slots])
+            continue
+        kept = tensor.new_zeros(len(rows), tensor.shape[1], new_slots, tensor.shape[3])  # stale slots: finite
+        for out, row in enumerate(rows):
+            length = cache_lens[row]
+            kept[out, :, :length] = tensor[row, :, :length]
+            source = [slots] + [slots + 1 + node for node in paths[row]]
+            kept[out, :, length:length + len(source)] = tensor[row, :, source]
+        setattr(holder, name, kept)
+    return new_lens
