@@ -1,5 +1,6 @@
-"""The prompt families of benchmarks/lookahead.py, written for it: retrieval-style QA over a given passage, a code
-edit of a given snippet, and open-ended stories."""
+"""The prompt families of benchmarks/lookahead.py, written for it: retrieval-style QA over a given passage (extractive:
+the answer quotes the passage's sentences, as a RAG answer with citations does), a code edit of a given snippet, and
+open-ended stories."""
 
 from __future__ import annotations
 
@@ -36,15 +37,16 @@ within three working days and can be read in the online portal. Prescriptions ca
 a renewal takes two working days.""",
 ]
 
-_QUESTIONS = [
-    "Using the wording of the passage, explain the rules for renewing books, late fees and study rooms.",
-    "Using the wording of the passage, explain how plots are assigned and what every plot holder must do.",
-    "Using the wording of the passage, explain the ticket prices, the day pass and the rules for bicycles.",
-    "Using the wording of the passage, explain what a new patient must bring and the rules for blood tests.",
+_TOPICS = [
+    "renewing books, late fees and study rooms",
+    "how plots are assigned and what every plot holder must do",
+    "the ticket prices, the day pass and the rules for bicycles",
+    "what a new patient must bring and the rules for blood tests",
 ]
 
-RETRIEVAL = [f"Read the passage and answer the question.\n\nPassage:\n{passage}\n\nQuestion: {question}"
-             for passage, question in zip(_PASSAGES, _QUESTIONS, strict=True)]
+RETRIEVAL = [f"Read the passage and answer the question.\n\nPassage:\n{passage}\n\nAnswer by quoting, word for word, "
+             f"the sentences of the passage about {topic}."
+             for passage, topic in zip(_PASSAGES, _TOPICS, strict=True)]
 
 _SNIPPETS = [
     ("rename the function `avg` to `mean` and the parameter `xs` to `values`",

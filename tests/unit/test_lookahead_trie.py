@@ -110,22 +110,26 @@ def test_truncation_keeps_the_best_nodes_as_a_subtree_and_acceptance_follows_the
 
 def test_sizer_drafts_only_when_hindsight_says_it_pays() -> None:
     sizer = DraftSizer(max_size=16)
-    assert sizer.choose() == 0  # nothing timed yet
+    assert sizer.choose([4]) == 0  # nothing timed yet
     sizer.record_time(0, 0.010)
-    tree = DraftTree([1, 2, 3, 4], [-1, 0, 1, 2], [0, 1, 2, 3])
-    for position in range(0, 40, 5):  # drafts that the text never follows: drafting stays off
-        sizer.propose(0, position, tree)
-    sizer.observe(0, [9] * 50)
-    assert sizer.choose() == 0 and not sizer.pending
-    for position in range(50, 90, 5):  # the text now repeats the drafts: drafting switches on
-        sizer.propose(0, position, tree)
-    sizer.observe(0, [9] * 50 + [1, 2, 3, 4, 0] * 8)
-    assert sizer.choose() >= 4
-    chosen = sizer.choose()
+    weak = DraftTree([1, 2, 3, 4], [-1, 0, 1, 2], [0, 1, 2, 3], match_length=1)
+    for position in range(0, 40, 5):  # drafts from 1-token matches that the text never follows
+        sizer.propose(0, position, weak)
+    sizer.observe(0, [9] * 40)
+    assert sizer.choose([1]) == 0 and not sizer.pending
+    strong = DraftTree([1, 2, 3, 4], [-1, 0, 1, 2], [0, 1, 2, 3], match_length=4)
+    sizer.propose(0, 40, strong)
+    sizer.observe(0, [9] * 40 + [1, 2])
+    assert sizer.pending  # all known tokens were drafted so far: wait for the rest
+    sizer.observe(0, [9] * 40 + [1, 2, 3, 4, 0])
+    assert not sizer.pending
+    assert sizer.choose([4]) >= 4 and sizer.choose([1]) == 0  # what a 4-token match drafts is copied text
+    assert sizer.choose([0, 4, 0]) >= 4
+    chosen = sizer.choose([4])
     sizer.record_time(chosen, 0.100)  # a dear size is dropped, and larger untimed ones count as at least as dear
-    assert sizer.choose() < chosen
+    assert sizer.choose([4]) < chosen
     for size in sizer.sizes[1:]:  # drafted passes 10x dearer than plain ones: back to plain decoding
         sizer.record_time(size, 0.100)
-    assert sizer.choose() == 0
+    assert sizer.choose([4]) == 0
     sizer.reset()
-    assert all(gain == 0 for gain in sizer.gain.values())
+    assert not sizer.gain and not sizer.pending

@@ -19,8 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "Hugging Face model directory")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (default 128)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--decoding-length", type=int, default=32, help="most draft tokens per pass (default 32)")
-    parser.add_argument("--branch-length", type=int, default=12, help="deepest draft branch (default 12)")
+    parser.add_argument("--decoding-length", type=int, default=64, help="most draft tokens per pass (default 64)")
+    parser.add_argument("--branch-length", type=int, default=16, help="deepest draft branch (default 16)")
     parser.add_argument("--fixed", action="store_true",
                         help="always draft --decoding-length tokens (default: adapt to measured acceptance)")
     parser.add_argument("--raw", action="store_true", help="feed the text as is, without the model's chat template")

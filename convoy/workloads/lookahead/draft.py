@@ -16,11 +16,13 @@ from convoy.workloads.lookahead.trie import TokenTrie
 
 @dataclass
 class DraftTree:
-    """Candidate tokens as a tree; ``ranks[i]`` is the order in which node ``i`` was chosen (0 = best)."""
+    """Candidate tokens as a tree; ``ranks[i]`` is the order in which node ``i`` was chosen (0 = best);
+    ``match_length`` is how many context tokens the best source matched (0: no match, no draft)."""
 
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     ranks: list[int] = field(default_factory=list)
+    match_length: int = 0
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -47,7 +49,7 @@ class DraftTree:
         keep = [i for i in range(len(self)) if self.ranks[i] < size]
         index = {old: new for new, old in enumerate(keep)}
         return DraftTree([self.tokens[i] for i in keep], [index.get(self.parents[i], -1) for i in keep],
-                         [self.ranks[i] for i in keep])
+                         [self.ranks[i] for i in keep], self.match_length if keep else 0)
 
     def children_by_token(self) -> list[dict[int, int]]:
         """For the root (entry 0) and each node (entry i + 1): child token -> child index."""
@@ -106,7 +108,9 @@ def build_draft(tries: Sequence[TokenTrie], context: Sequence[int], size: int, b
         for child_token, child in trie_node[1].items():
             heapq.heappush(heap, (cls, -child[0] / base, counter, node, child_token, child))
             counter += 1
-    return _depth_first(tokens, parents)
+    tree = _depth_first(tokens, parents)
+    tree.match_length = matches[0][0] if tokens else 0
+    return tree
 
 
 def _depth_first(tokens: list[int], parents: list[int]) -> DraftTree:

@@ -57,7 +57,7 @@ class LookaheadGenerator:
     pass follows measured acceptance and pass time, down to plain decoding when drafting does not pay.
     """
 
-    def __init__(self, model: Any, tokenizer: Any = None, *, decoding_length: int = 32, branch_length: int = 12,
+    def __init__(self, model: Any, tokenizer: Any = None, *, decoding_length: int = 64, branch_length: int = 16,
                  max_match: int = 4, memory_nodes: int = 500_000, decay: float = 0.8, adaptive: bool = True,
                  eos_token_id: int | Sequence[int] | None = None) -> None:
         for name, value, low in (("decoding_length", decoding_length, 0), ("branch_length", branch_length, 1),
@@ -121,12 +121,15 @@ class LookaheadGenerator:
                 live.append(row)
         while live:
             started = time.perf_counter()
-            size = sizer.choose() if self.adaptive else self.decoding_length
-            trees = []
+            fulls = []
             for row in live:
                 full = build_draft((tries[row], self.memory), sequences[row], self.decoding_length,
                                    self.branch_length, self.max_match)
                 sizer.propose(row, len(sequences[row]), full)
+                fulls.append(full)
+            size = sizer.choose([full.match_length for full in fulls]) if self.adaptive else self.decoding_length
+            trees = []
+            for row, full in zip(live, fulls, strict=True):
                 room = max_new_tokens - len(outputs[row]) - 1  # the bonus token always comes on top
                 trees.append(full.truncate(min(size, room)) if room > 0 else DraftTree())
             predictions = self._verify(cache, [sequences[row][-1] for row in live], trees, cache_lens)
