@@ -30,6 +30,9 @@ bench: setup
 	$(PY) benchmarks/pipeline.py
 	$(PY) benchmarks/local_sgd.py
 	$(PY) benchmarks/embedding.py
+	$(PY) benchmarks/lookahead.py
+	$(PY) benchmarks/gbdt.py
+	$(PY) benchmarks/confidential.py
 
 clean:
 	rm -rf $(VENV) convoy-runs .pytest_cache

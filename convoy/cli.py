@@ -1,4 +1,4 @@
-"""``convoy run | master | agent | status | pipeline plan | decode | confidential``: parse, then call."""
+"""``convoy run | master | agent | status | pipeline plan | decode | gbdt | confidential``: parse, then call."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "two-group")
 _WORKERS, _MASTER, _RDZV = WorkerConfig(), MasterConfig(run_dir=Path(".")), RendezvousConfig()
 WORKLOAD_COMMANDS = {
     "decode": ("convoy.workloads.lookahead.cli", "lossless lookahead LLM decoding: tokens/s, tokens per pass"),
+    "gbdt": ("convoy.workloads.gbdt.cli", "gradient-boosted trees that keep learning online: train | update | predict"),
     "confidential": ("convoy.workloads.confidential.cli", "confidential shared learning in a (simulated) enclave"),
 }
 """Each workload's ``cli`` module has ``add_arguments(parser)`` and ``run(args) -> int``; it is imported only when its
