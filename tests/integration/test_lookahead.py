@@ -36,13 +36,16 @@ def test_random_prompts_decode_exactly_as_greedy_and_drafts_get_accepted(model: 
     rng = random.Random(1)
     generator = LookaheadGenerator(model, decoding_length=16, branch_length=6)
     fixed = LookaheadGenerator(model, decoding_length=12, branch_length=4, adaptive=False)
+    whole_logits = LookaheadGenerator(model, decoding_length=12, branch_length=4, adaptive=False)
+    assert fixed._split is not None  # Llama's logits are lm_head(decoder): the head runs on reachable nodes only
+    whole_logits._split = None  # the path for models where they are not: logits for every input
     accepted = 0
     for trial in range(24):
         period = [rng.randrange(4, 48) for _ in range(rng.randrange(2, 9))]
         prompt = (period * 8)[:rng.randrange(1, 50)] if trial % 3 else [rng.randrange(4, 48) for _ in range(20)]
         max_new = rng.randrange(1, 70)
         expected = greedy(model, prompt, max_new)
-        for decoder in (generator, fixed):
+        for decoder in (generator, fixed, whole_logits):
             result = decoder.generate(prompt, max_new_tokens=max_new)
             assert result.tokens == [expected], f"trial {trial}: prompt {prompt}, max_new_tokens {max_new}"
             accepted += result.stats.accepted

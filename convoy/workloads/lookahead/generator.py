@@ -13,8 +13,10 @@ from convoy.errors import DecodingError
 from convoy.workloads.lookahead.adaptive import DraftSizer
 from convoy.workloads.lookahead.draft import DraftTree, build_draft
 from convoy.workloads.lookahead.trie import TokenTrie
-from convoy.workloads.lookahead.verify import cache_argument, cache_tensors, greedy_walk, keep_accepted, new_cache, \
-    pass_inputs
+from convoy.workloads.lookahead.verify import (
+    LazyPredictions, cache_argument, cache_tensors, chain_length, greedy_walk, keep_accepted, new_cache, pass_inputs,
+    split_head,
+)
 
 
 @dataclass
@@ -77,6 +79,8 @@ class LookaheadGenerator:
         self.window = max_match + branch_length
         self.memory = TokenTrie(self.window, max_nodes=memory_nodes, decay=decay)
         self._sizers: dict[int, DraftSizer] = {}
+        self._split = split_head(model)
+        self._decoder_cache_argument = cache_argument(self._split[0]) if self._split else ""
 
     def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] | torch.Tensor,
                  max_new_tokens: int = 128, attention_mask: torch.Tensor | None = None) -> Generation:
@@ -196,11 +200,20 @@ class LookaheadGenerator:
         cache_tensors(cache)  # refuse caches we cannot cut back before any drafting
         return [int(logits[row, len(prompt) - 1].argmax()) for row, prompt in enumerate(prompts)]
 
-    def _verify(self, cache: Any, roots: list[int], trees: list[DraftTree], cache_lens: list[int]) -> list[list[int]]:
+    def _verify(self, cache: Any, roots: list[int], trees: list[DraftTree], cache_lens: list[int]) -> list[Any]:
+        """One pass; per row, the greedy choice after each of its inputs (indexable by input position)."""
         slots = max(cache_lens)
         inputs = pass_inputs(roots, trees, cache_lens, slots, self.model.dtype)
-        logits = self._forward(cache, inputs.input_ids, inputs.position_ids, inputs.attention_mask)
-        return logits.argmax(-1).tolist()
+        if self._split is None:
+            logits = self._forward(cache, inputs.input_ids, inputs.position_ids, inputs.attention_mask)
+            return logits.argmax(-1).tolist()
+        decoder, head = self._split
+        kwargs = {self._decoder_cache_argument: cache, "use_cache": True, "position_ids": inputs.position_ids}
+        if inputs.attention_mask is not None:
+            kwargs["attention_mask"] = inputs.attention_mask
+        hidden = decoder(input_ids=inputs.input_ids, **kwargs).last_hidden_state
+        predictions = LazyPredictions(hidden, head, 1 + max(chain_length(tree) for tree in trees))
+        return [predictions.row(index) for index in range(len(trees))]
 
     def _token_rows(self, prompts: Any, attention_mask: torch.Tensor | None) -> list[list[int]]:
         if isinstance(prompts, torch.Tensor):

@@ -91,6 +91,62 @@ def pass_inputs(roots: Sequence[int], trees: Sequence[DraftTree], cache_lens: Se
     return PassInputs(ids, positions, mask.unsqueeze(1))
 
 
+def split_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """``(decoder, output head)`` when the model's logits are exactly ``head(decoder(x))``, so a pass can run the
+    head (a vocabulary-sized matrix: a large share of a small model's cost per token) only on the draft nodes the
+    greedy walk can reach; None when that does not hold (logit scaling, soft-capping, exotic heads)."""
+    try:
+        decoder, head = model.get_decoder(), model.get_output_embeddings()
+    except (AttributeError, NotImplementedError, ValueError):
+        return None
+    if decoder is model or not isinstance(head, torch.nn.Linear):
+        return None
+    probe = torch.arange(3).view(1, 3) % head.out_features
+    with torch.inference_mode():
+        full = model(input_ids=probe, use_cache=False).logits
+        hidden = decoder(input_ids=probe, use_cache=False).last_hidden_state
+        if not torch.equal(full, head(hidden)):
+            return None
+    return decoder, head
+
+
+def chain_length(tree: DraftTree) -> int:
+    """How many leading nodes form one branch from the root (node i the child of node i - 1): the best branch."""
+    length = 0
+    while length < len(tree) and tree.parents[length] == length - 1:
+        length += 1
+    return length
+
+
+class LazyPredictions:
+    """The greedy choice after each input of a pass, per row: the head runs at once on the first ``ready`` inputs
+    (root + best branch) and on the rest only if some walk leaves the best branch."""
+
+    def __init__(self, hidden: torch.Tensor, head: torch.nn.Module, ready: int) -> None:
+        self.hidden, self.head = hidden, head
+        self.rows = head(hidden[:, :ready]).argmax(-1).tolist()
+        self.complete = ready >= hidden.shape[1]
+
+    def row(self, index: int) -> _Row:
+        return _Row(self, index)
+
+    def fill(self) -> None:
+        if not self.complete:
+            rest = self.head(self.hidden[:, len(self.rows[0]):]).argmax(-1).tolist()
+            self.rows = [done + more for done, more in zip(self.rows, rest, strict=True)]
+            self.complete = True
+
+
+class _Row:
+    def __init__(self, predictions: LazyPredictions, index: int) -> None:
+        self.predictions, self.index = predictions, index
+
+    def __getitem__(self, query: int) -> int:
+        if query >= len(self.predictions.rows[self.index]):
+            self.predictions.fill()
+        return self.predictions.rows[self.index][query]
+
+
 def greedy_walk(predictions: Sequence[int], tree: DraftTree) -> tuple[list[int], int]:
     """Follow the tree along the model's greedy choices; ``predictions[q]`` is the argmax after input ``q``
     (0 = root, 1 + i = node i). Returns the accepted node indices and the next (bonus) token."""
