@@ -11,8 +11,6 @@ and an exact resume from whichever is newest and agreed by every rank.
 from __future__ import annotations
 
 import os
-import random
-import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,43 +24,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from convoy.errors import CheckpointError
 from convoy.runtime import persist
+from convoy.runtime.checkpoint_state import (
+    extra_state, load_extra, peer_sets, rng_state, set_rng_state, shape_mismatch,
+)
 from convoy.runtime.snapshot import SnapshotFile, flatten, layout, map_leaves
 from convoy.shm import segment_path
 
 META_RESERVE = 1 << 20
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if "numpy" in sys.modules:
-        state["numpy"] = sys.modules["numpy"].random.get_state()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "numpy" in state:
-        import numpy
-
-        numpy.random.set_state(state["numpy"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _extra_state(obj: Any) -> Any:
-    if isinstance(obj, torch.Generator):
-        return obj.get_state()
-    return obj.state_dict()
-
-
-def _load_extra(obj: Any, state: Any) -> None:
-    if isinstance(obj, torch.Generator):
-        obj.set_state(state)
-    else:
-        obj.load_state_dict(state)
 
 
 class Checkpointer:
@@ -109,7 +77,7 @@ class Checkpointer:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         if replicated is None:
             replicated = isinstance(model, DistributedDataParallel)
-        self.peer_sets = _peer_sets(replicated, self.world_size)
+        self.peer_sets = peer_sets(replicated, self.world_size)
         self.replicated = any(len(peers) > 1 for peers in self.peer_sets)
         self.log = log or (persist.stderr_log if self.rank == 0 else (lambda message: None))
         job_id = os.environ.get("CONVOY_JOB_ID")
@@ -143,9 +111,9 @@ class Checkpointer:
             "step": step,
             "model": self.model.state_dict(),
             "optim": self.optimizer.state_dict() if self.optimizer is not None else {},
-            "extra": {name: _extra_state(obj) for name, obj in self.extra.items()},
-            "shared": {name: _extra_state(obj) for name, obj in self.shared.items()},
-            "rng": _rng_state(),
+            "extra": {name: extra_state(obj) for name, obj in self.extra.items()},
+            "shared": {name: extra_state(obj) for name, obj in self.shared.items()},
+            "rng": rng_state(),
         }
 
     def _apply_local(self, state: dict[str, Any]) -> None:
@@ -154,17 +122,17 @@ class Checkpointer:
             self.optimizer.load_state_dict(state["optim"])
         self._load_shared(state)
         for name, obj in self.extra.items():
-            _load_extra(obj, state["extra"][name])
-        _set_rng_state(state["rng"])
+            load_extra(obj, state["extra"][name])
+        set_rng_state(state["rng"])
 
     def _load_shared(self, state: dict[str, Any]) -> None:
         for name, obj in self.shared.items():
-            _load_extra(obj, state["shared"][name])
+            load_extra(obj, state["shared"][name])
 
     def _dcp_state(self, step: int) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer or [])
-        per_rank = {"extra": {n: _extra_state(o) for n, o in self.extra.items()},
-                    "shared": {n: _extra_state(o) for n, o in self.shared.items()}, "rng": _rng_state()}
+        per_rank = {"extra": {n: extra_state(o) for n, o in self.extra.items()},
+                    "shared": {n: extra_state(o) for n, o in self.shared.items()}, "rng": rng_state()}
         return {"step": step, "model": model_sd, "optim": optim_sd, f"rank{self.rank}": per_rank}
 
     # --- saving ---
@@ -318,7 +286,7 @@ class Checkpointer:
 
     def _fits(self, state: dict[str, Any], step: int) -> bool:
         """Every rank checks its snapshot against its model; all agree, or none uses theirs."""
-        problem = _shape_mismatch(self.model.state_dict(), state["model"], "model") or self._optim_mismatch(state)
+        problem = shape_mismatch(self.model.state_dict(), state["model"], "model") or self._optim_mismatch(state)
         if self._agree(problem is None):
             return True
         self.log(f"in-memory snapshot of step {step} does not fit this model ({problem or 'on another rank'}); "
@@ -351,8 +319,8 @@ class Checkpointer:
             self._load_shared(state)
             if part is not None:
                 for name, obj in self.extra.items():
-                    _load_extra(obj, part["extra"][name])
-                _set_rng_state(part["rng"])
+                    load_extra(obj, part["extra"][name])
+                set_rng_state(part["rng"])
         source = "own" if mine is not None else f"rank {owner}'s" + (" with its own data position" if part else "")
         self.restored_from = f"in-memory snapshot of step {step} ({source})"
         self.log(f"resumed from the in-memory snapshot of step {step}, model and optimizer sent by a peer holding "
@@ -400,8 +368,8 @@ class Checkpointer:
             if mine is not None:
                 self._load_shared(mine)
                 for name, obj in self.extra.items():
-                    _load_extra(obj, mine["extra"][name])
-                _set_rng_state(mine["rng"])
+                    load_extra(obj, mine["extra"][name])
+                set_rng_state(mine["rng"])
             self.restored_from = f"persistent checkpoint {path}"
             self.log(f"resumed from persistent checkpoint {path} (step {step})")
             return step
@@ -409,33 +377,3 @@ class Checkpointer:
             raise CheckpointError(f"no checkpoint under {self.root} fits this model ({'; '.join(mismatches)}); "
                                   "use a new run dir or restore the model definition")
         return None
-
-
-def _peer_sets(replicated: bool | Sequence[Sequence[int]], world_size: int) -> list[tuple[int, ...]]:
-    """``True``: one set of all ranks; ``False``: each rank alone; else the sets given, checked to
-    be a partition of ``0..world_size-1``."""
-    if isinstance(replicated, bool):
-        return [tuple(range(world_size))] if replicated else [(rank,) for rank in range(world_size)]
-    sets = [tuple(int(rank) for rank in peers) for peers in replicated]
-    listed = sorted(rank for peers in sets for rank in peers)
-    if listed != list(range(world_size)) or not all(sets):
-        raise CheckpointError(f"replicated={sets} must put every rank 0..{world_size - 1} in exactly one "
-                              "non-empty set of peers")
-    return sets
-
-
-def _shape_mismatch(live: Any, saved: Any, where: str) -> str | None:
-    """Where the saved state's structure or tensor shapes differ from the live one, or None."""
-    if isinstance(live, torch.Tensor):
-        if not isinstance(saved, torch.Tensor) or saved.shape != live.shape or saved.dtype != live.dtype:
-            got = tuple(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
-            return f"{where}: saved {got}, model {tuple(live.shape)}"
-        return None
-    if isinstance(live, dict):
-        if not isinstance(saved, dict) or set(live) != set(saved):
-            return f"{where}: saved keys {sorted(map(str, set(saved) ^ set(live)))[:3]} differ"
-        for key in live:
-            problem = _shape_mismatch(live[key], saved[key], f"{where}.{key}")
-            if problem:
-                return problem
-    return None

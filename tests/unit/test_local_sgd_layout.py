@@ -9,7 +9,7 @@ from torch import nn
 
 from convoy.errors import CheckpointError, ConfigError
 from convoy.parallel.local_sgd import Layout, Nesterov, check_every, outer_from_name, outer_step, shard_model
-from convoy.runtime.checkpoint import _peer_sets
+from convoy.runtime.checkpoint_state import peer_sets
 
 
 def test_groups_of_a_2x3_layout() -> None:
@@ -107,8 +107,8 @@ def test_layer_wise_sharding_and_a_model_too_small_to_split() -> None:
 
 
 def test_checkpointer_peer_sets() -> None:
-    assert _peer_sets(True, 3) == [(0, 1, 2)]
-    assert _peer_sets(False, 2) == [(0,), (1,)]
-    assert _peer_sets(Layout(2, 2).shard_groups(), 4) == [(0, 2), (1, 3)]
+    assert peer_sets(True, 3) == [(0, 1, 2)]
+    assert peer_sets(False, 2) == [(0,), (1,)]
+    assert peer_sets(Layout(2, 2).shard_groups(), 4) == [(0, 2), (1, 3)]
     with pytest.raises(CheckpointError, match="every rank 0..3 in exactly one"):
-        _peer_sets([(0, 1), (1, 2)], 4)
+        peer_sets([(0, 1), (1, 2)], 4)
