@@ -19,7 +19,6 @@ import asyncio
 import hashlib
 import importlib
 import importlib.util
-import json
 import os
 import secrets
 from abc import ABC, abstractmethod
@@ -32,6 +31,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption,
 
 from convoy.workloads.confidential.config import EnclaveConfig
 from convoy.workloads.confidential.errors import AttestationError, HardwareUnavailableError
+from convoy.workloads.confidential.wire import canonical_json
 
 CONVOY_DIR = Path(__file__).resolve().parents[2]
 ENCLAVE_CODE = ("__init__.py", "errors.py", "workloads/__init__.py") + tuple(
@@ -83,7 +83,7 @@ class Report:
         """Everything but the evidence, canonically: what the evidence vouches for."""
         fields = asdict(self)
         del fields["evidence"]
-        return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+        return canonical_json(fields)
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -12,7 +12,6 @@ refused even where it would decrypt.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass
 
@@ -25,7 +24,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from convoy.workloads.confidential.errors import MessageError
-from convoy.workloads.confidential.wire import b64, field, unb64, unhex
+from convoy.workloads.confidential.wire import b64, canonical_json, field, unb64, unhex
 
 VERSION = 1
 SESSION_INFO = b"convoy-confidential/v1 session key"
@@ -61,7 +60,7 @@ class Header:
     direction: str
 
     def associated_data(self) -> bytes:
-        return json.dumps({"v": VERSION, **asdict(self)}, sort_keys=True, separators=(",", ":")).encode()
+        return canonical_json({"v": VERSION, **asdict(self)})
 
 
 @dataclass(frozen=True)
@@ -140,7 +139,7 @@ class SessionOffer:
     def body(self) -> bytes:
         fields = asdict(self)
         del fields["signature"]
-        return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+        return canonical_json(fields)
 
     def to_json(self) -> dict:
         return asdict(self)

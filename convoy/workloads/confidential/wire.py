@@ -83,6 +83,11 @@ def recv_frame_sized(sock: socket.socket) -> tuple[dict[str, Any] | None, int]:
     return message, HEADER.size + size
 
 
+def canonical_json(fields: dict[str, Any]) -> bytes:
+    """One byte string per value (sorted keys, no spaces): what signatures and associated data cover."""
+    return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+
+
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
