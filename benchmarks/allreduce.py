@@ -1,12 +1,13 @@
 """Flat gloo all_reduce against convoy's hierarchical allreduce, on loopback and on a two-tier network.
 
-    python benchmarks/allreduce.py [--quick] [--worlds 4,8] [--sizes-mb 1,4,16,64] [--reps 5]
+    python benchmarks/allreduce.py [--quick] [--worlds 4,8] [--sizes-mb 1,4,16,64] [--reps 9]
 
 Ranks form two "hosts" of world/2 ranks each. (a) loopback: every rank on 127.0.0.1, all links
 equally fast. (b) two-tier: each host is a network namespace on a bridge; what a host sends to
 the other goes through ``tc netem`` (default 1 Gbit/s, 0.5 ms; ``tbf`` at that rate and no delay
-where the kernel lacks netem), while ranks of one host talk
-over their namespace's loopback. Gloo is pointed at each host's link as a convoy agent would.
+where the kernel lacks netem), while ranks of one host talk over their namespace's loopback
+and convoy's in-group phases go through shared memory (``convoy/parallel/host_memory.py``),
+as on one machine. Gloo is pointed at each host's link as a convoy agent would.
 The peer is ``torch.distributed.all_reduce`` in the same job. Bytes across the slow link are
 read from the hosts' link counters (TCP/IP headers included) and set against the analytic
 minimum 2 (G - 1) S for G groups. Needs root for (b); without it (b) is skipped and reported.
@@ -103,13 +104,14 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="4 ranks, 1 and 16 MB, 3 reps (under a minute)")
     parser.add_argument("--worlds", default=None, help="comma-separated world sizes, even (default 4,8)")
     parser.add_argument("--sizes-mb", default=None, help="message sizes in MB (default 1,4,16,64)")
-    parser.add_argument("--reps", type=int, default=None, help="timed reps per algorithm and size (default 5)")
+    parser.add_argument("--reps", type=int, default=None,
+                        help="timed reps per algorithm and size (default 9; x3 at <= 4 MB and on loopback)")
     parser.add_argument("--rate", default="1gbit", help="the slow link's rate (tc syntax)")
     parser.add_argument("--delay", default="0.5ms", help="the slow link's one-way delay (tc syntax)")
     args = parser.parse_args()
     worlds = [int(w) for w in (args.worlds or ("4" if args.quick else "4,8")).split(",")]
     sizes = args.sizes_mb or ("1,16" if args.quick else "1,4,16,64")
-    reps = args.reps or (3 if args.quick else 5)
+    reps = args.reps or (3 if args.quick else 9)
     if any(w < 2 or w % 2 for w in worlds) or reps < 1:
         parser.error("world sizes must be even and >= 2, reps >= 1")
     problem = netns_problem()

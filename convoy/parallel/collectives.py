@@ -6,7 +6,8 @@
 
 Who sends what, and the cost model, live in ``topology.py``; this file makes the calls. Both
 hierarchical algorithms cut the tensor into chunks and pipeline them, so the fast in-group
-phases of one chunk overlap the slow cross-group phase of another.
+phases of one chunk overlap the slow cross-group phase of another. Where a group's ranks share
+a machine, those in-group phases run through shared memory (``host_memory.py``), else on gloo.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from convoy.errors import ConfigError
+from convoy.parallel.host_memory import HostSegment, host_allreduce, open_segment
 from convoy.parallel.topology import ALGORITHMS, CostModel, Link, Topology, check_algorithm
 
 OPS = ("sum", "avg")
@@ -43,10 +45,14 @@ class HierarchicalAllreduce:
     ``cost``: what each algorithm costs; by default measured on first use of ``auto`` (the links
     inside a group and among the leaders, then every algorithm end to end, at 1 and 16 MB) and
     cached per job in ``cache_dir`` (default ``$CONVOY_RUN_DIR/collectives``), so a restarted
-    round of the same job does not measure again."""
+    round of the same job does not measure again.
+
+    ``host_memory``: where every group's ranks can map one shared-memory file (ranks of one
+    machine), the in-group phases run through it instead of gloo (``host_memory.py``); give the
+    same value on every rank (``CONVOY_ALLREDUCE_SHM=0`` turns it off job-wide)."""
 
     def __init__(self, topology: Topology | None = None, *, cost: CostModel | None = None,
-                 cache_dir: str | Path | None = None, chunk_bytes: int = CHUNK_BYTES) -> None:
+                 cache_dir: str | Path | None = None, chunk_bytes: int = CHUNK_BYTES, host_memory: bool = True) -> None:
         if not dist.is_initialized():
             raise ConfigError("call convoy.init() (or init_process_group) before creating a HierarchicalAllreduce")
         if chunk_bytes < 1:
@@ -71,6 +77,10 @@ class HierarchicalAllreduce:
         if self.topology.is_uniform:
             shards = [dist.new_group(list(ring)) for ring in self.topology.shard_groups()]
             self._shard = shards[self.topology.local_index(self.rank)]
+        self._segment: HostSegment | None = None
+        if host_memory:
+            self._segment = open_segment(self._intra, self.members[0], self.members, self.rank,
+                                         max(chunk_bytes, 16))
         self._hook_queue: Queue[Callable[[], None] | None] | None = None
 
     # --- the public calls ---
@@ -163,8 +173,22 @@ class HierarchicalAllreduce:
         per_chunk = max(self.chunk_bytes // flat.element_size() // multiple, 1) * multiple
         return list(flat.split(per_chunk))
 
+    @property
+    def host_memory(self) -> bool:
+        """Whether this rank's group runs its in-group phases through shared memory."""
+        return self._segment is not None
+
+    def _through_host(self, flat: torch.Tensor, crossing: str) -> None:
+        assert self._segment is not None
+        across = self._leaders if crossing == "leader" else self._shard
+        per_chunk = max(self.chunk_bytes // flat.element_size(), 1)
+        host_allreduce(flat, self._segment, across if len(self.topology.groups) > 1 else None, crossing, per_chunk)
+
     def _leader(self, flat: torch.Tensor) -> None:
         """Reduce to the leader, allreduce among leaders, broadcast; chunk by chunk, pipelined."""
+        if self._segment is not None:
+            self._through_host(flat, "leader")
+            return
         leader, local = self.members[0], len(self.members) > 1
         chunks = self._chunks(flat)
         reduces = [dist.reduce(c, dst=leader, group=self._intra, async_op=True) for c in chunks] if local else []
@@ -188,6 +212,9 @@ class HierarchicalAllreduce:
     def _reduce_scatter(self, flat: torch.Tensor) -> None:
         """Reduce-scatter in the group, allreduce each shard across groups, all-gather; pipelined."""
         assert self._shard is not None, "_validate refuses reduce_scatter on groups of unequal size"
+        if self._segment is not None:
+            self._through_host(flat, "reduce_scatter")
+            return
         size = len(self.members)
         padded = -(-flat.numel() // size) * size
         work = flat if padded == flat.numel() else torch.zeros(padded, dtype=flat.dtype)
