@@ -2,7 +2,9 @@
 
 Three prompt families (benchmarks/lookahead_prompts.py): retrieval-style QA over a passage, a code edit of a
 snippet, open-ended stories; 128 new tokens each, with 1 and 2 threads. For every prompt the three decoders run
-back to back (order rotated per repeat); a family's speed is its total tokens over its total time, the median over
+back to back (order rotated per repeat), after one warm-up run each (convoy packs its weights for oneDNN then,
+see ``convoy/workloads/lookahead/packed.py``; the cost of a pass of n tokens, stock and packed, is printed per
+thread count); a family's speed is its total tokens over its total time, the median over
 repeats. Forward passes are counted with a hook on the model's decoder stack, so tokens per pass is measured the
 same way for all. convoy's memory of earlier outputs starts empty for each family in each repeat (so a repeat never
 meets its own earlier answer).
@@ -14,6 +16,7 @@ meets its own earlier answer).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -27,8 +30,12 @@ from lookahead_prompts import FAMILIES  # noqa: E402
 
 from convoy.workloads.lookahead.generator import LookaheadGenerator  # noqa: E402
 from convoy.workloads.lookahead.model import load_model  # noqa: E402
+from convoy.workloads.lookahead.packed import PackedLinears  # noqa: E402
+from convoy.workloads.lookahead.verify import cache_argument, new_cache  # noqa: E402
 
-METHODS = ("greedy", "prompt-lookup", "convoy")
+METHODS = ("greedy", "prompt-lookup", "convoy", "greedy-packed")
+"""``greedy-packed`` is HF greedy ``generate`` on convoy's packed weights: a reference row, not a peer, that
+splits convoy's gain into what the kernels give and what drafting gives (convoy / greedy-packed)."""
 GOAL_RETRIEVAL_VS_GREEDY = 2.5
 GOAL_VS_LOOKUP = 1.1
 GOAL_STORY_VS_GREEDY = 0.95
@@ -56,11 +63,36 @@ def run_one(method: str, model, generator: LookaheadGenerator, ids: list[int], n
         tokens = generator.generate(tensor, max_new_tokens=new_tokens).tokens[0]
     else:
         extra = {"prompt_lookup_num_tokens": 10} if method == "prompt-lookup" else {}
-        with torch.inference_mode():
+        packed = PackedLinears.of(model) if method == "greedy-packed" else contextlib.nullcontext()
+        with torch.inference_mode(), packed:
             out = model.generate(tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=new_tokens,
                                  do_sample=False, **extra)
         tokens = out[0, len(ids):].tolist()
     return tokens, time.perf_counter() - started, counter.calls - 1
+
+
+def pass_costs(model, ids: list[int], sizes: tuple[int, ...] = (1, 2, 9, 17, 33), reps: int = 7) -> str:
+    """Median time of one pass of n tokens after the prompt ``ids``, stock weights and packed (``packed.py``):
+    what a draft of n - 1 tokens costs against a one-token step, the number the adaptive draft size trades on."""
+    cache = new_cache(model)
+    argument = {cache_argument(model): cache, "use_cache": True}
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([ids]), **argument)
+        times = {}
+        for label, context in (("stock", None), ("packed", PackedLinears.of(model))):
+            with context or torch.inference_mode():
+                for n in sizes:
+                    step = torch.tensor([ids[:n]])
+                    samples = []
+                    for _ in range(reps):
+                        began = time.perf_counter()
+                        model(input_ids=step, **argument)
+                        samples.append(time.perf_counter() - began)
+                        cache.crop(-n)
+                    times[label, n] = statistics.median(samples) * 1e3
+    one = times["stock", 1]
+    return "; ".join(f"{n} token(s) {times['stock', n]:.0f} / {times['packed', n]:.0f} ms "
+                     f"({times['stock', n] / one:.2f}x / {times['packed', n] / one:.2f}x)" for n in sizes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,7 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     mismatches: list[str] = []
     for threads in threads_list:
         torch.set_num_threads(threads)
-        run_one("greedy", model, None, encoded["story"][0][:32], 8, counter)  # warm up the kernels
+        warm = encoded["story"][0][:32]
+        run_one("greedy", model, None, warm, 8, counter)  # warm up the kernels, and pack convoy's weights
+        run_one("convoy", model, LookaheadGenerator(model, tokenizer), warm, 8, counter)
+        print(f"  threads {threads}, one pass after {len(encoded['retrieval'][0])} tokens, stock / packed weights "
+              f"(x a one-token stock pass): {pass_costs(model, encoded['retrieval'][0])}", flush=True)
         for repeat in range(repeats):
             for family, rows in encoded.items():
                 generator = LookaheadGenerator(model, tokenizer)
@@ -103,9 +139,12 @@ def main(argv: list[str] | None = None) -> int:
                         outputs[method] = tokens
                         total = totals[method]
                         total[0], total[1], total[2] = total[0] + len(tokens), total[1] + seconds, total[2] + passes
-                    for method in METHODS[1:]:
+                    for method in ("prompt-lookup", "convoy"):
                         if outputs[method] != outputs["greedy"]:
                             mismatches.append(f"{method} {family}[{index}] threads={threads}")
+                    if outputs["greedy-packed"] != outputs["greedy"]:
+                        print(f"  note: greedy on packed weights differs from greedy in {family}[{index}] "
+                              "(float32 summation order; a reference row only)")
                 for method, (tokens, seconds, passes) in totals.items():
                     speed.setdefault((threads, family, method), []).append(tokens / seconds)
                     per_pass.setdefault((threads, family, method), []).append((tokens - len(rows)) / passes)
@@ -115,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(speed, per_pass, mismatches: list[str], threads_list: list[int]) -> int:
     print(f"\n{'threads':>7} {'family':<10} {'method':<14} {'tokens/s':>9} {'tok/pass':>9} {'vs greedy':>10} "
-          f"{'vs lookup':>10}")
+          f"{'vs lookup':>10} {'vs greedy-packed':>16}")
     ratios: dict[tuple[int, str, str], float] = {}
     for threads in threads_list:
         for family in FAMILIES:
@@ -125,7 +164,8 @@ def report(speed, per_pass, mismatches: list[str], threads_list: list[int]) -> i
                 ratios[(threads, family, f"{method}/lookup")] = median[method] / median["prompt-lookup"]
                 print(f"{threads:>7} {family:<10} {method:<14} {median[method]:>9.1f} "
                       f"{statistics.median(per_pass[(threads, family, method)]):>9.2f} "
-                      f"{median[method] / median['greedy']:>9.2f}x {median[method] / median['prompt-lookup']:>9.2f}x")
+                      f"{median[method] / median['greedy']:>9.2f}x {median[method] / median['prompt-lookup']:>9.2f}x "
+                      f"{median[method] / median['greedy-packed']:>15.2f}x")
     print()
     for item in mismatches:
         print(f"MISMATCH: {item} differs from greedy")

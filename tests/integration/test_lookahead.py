@@ -36,7 +36,8 @@ def test_random_prompts_decode_exactly_as_greedy_and_drafts_get_accepted(model: 
     rng = random.Random(1)
     generator = LookaheadGenerator(model, decoding_length=16, branch_length=6)
     fixed = LookaheadGenerator(model, decoding_length=12, branch_length=4, adaptive=False)
-    whole_logits = LookaheadGenerator(model, decoding_length=12, branch_length=4, adaptive=False)
+    whole_logits = LookaheadGenerator(model, decoding_length=12, branch_length=4, adaptive=False, pack_weights=False)
+    assert generator.packed is not None and whole_logits.packed is None  # packed weights (this CPU build) and stock
     assert fixed._split is not None  # Llama's logits are lm_head(decoder): the head runs on reachable nodes only
     whole_logits._split = None  # the path for models where they are not: logits for every input
     accepted = 0

@@ -3,6 +3,7 @@ in one forward pass, so it emits exactly what greedy decoding would, in fewer pa
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -12,6 +13,7 @@ import torch
 from convoy.errors import DecodingError
 from convoy.workloads.lookahead.adaptive import DraftSizer
 from convoy.workloads.lookahead.draft import DraftTree, build_draft
+from convoy.workloads.lookahead.packed import PackedLinears, packing_available
 from convoy.workloads.lookahead.trie import TokenTrie
 from convoy.workloads.lookahead.verify import (
     LazyPredictions, cache_argument, cache_tensors, chain_length, greedy_walk, keep_accepted, new_cache, pass_inputs,
@@ -57,11 +59,13 @@ class LookaheadGenerator:
     outputs (``memory_nodes`` cap, ``decay`` per request). ``decoding_length`` bounds the draft tokens per pass,
     ``branch_length`` their depth, ``max_match`` the context suffix matched. With ``adaptive`` the draft size per
     pass follows measured acceptance and pass time, down to plain decoding when drafting does not pay.
+    ``pack_weights`` (default: where this torch build can) runs the float32 linear layers on copies of their
+    weights packed for oneDNN while decoding, which makes a pass of a few tokens cheaper on CPU (``packed.py``).
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, *, decoding_length: int = 64, branch_length: int = 16,
                  max_match: int = 4, memory_nodes: int = 500_000, decay: float = 0.8, adaptive: bool = True,
-                 eos_token_id: int | Sequence[int] | None = None) -> None:
+                 eos_token_id: int | Sequence[int] | None = None, pack_weights: bool | None = None) -> None:
         for name, value, low in (("decoding_length", decoding_length, 0), ("branch_length", branch_length, 1),
                                  ("max_match", max_match, 1), ("memory_nodes", memory_nodes, 1)):
             if value < low:
@@ -81,6 +85,12 @@ class LookaheadGenerator:
         self._sizers: dict[int, DraftSizer] = {}
         self._split = split_head(model)
         self._decoder_cache_argument = cache_argument(self._split[0]) if self._split else ""
+        if pack_weights and not packing_available():
+            raise DecodingError("pack_weights=True needs a torch build with oneDNN (torch.backends.mkldnn); "
+                                "leave pack_weights unset to use packed weights only where they are available")
+        if pack_weights is None:
+            pack_weights = packing_available()
+        self.packed = PackedLinears.of(model) if pack_weights else None
 
     def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] | torch.Tensor,
                  max_new_tokens: int = 128, attention_mask: torch.Tensor | None = None) -> Generation:
@@ -97,7 +107,7 @@ class LookaheadGenerator:
                                     f"that exceeds the model's context of {self.context_length} tokens; shorten the "
                                     "prompt or lower max_new_tokens")
         started = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), self.packed or contextlib.nullcontext():
             tokens, stats = self._decode(rows, max_new_tokens)
         stats.seconds = time.perf_counter() - started
         texts = None
