@@ -25,6 +25,7 @@ def job_id() -> Iterator[str]:
     job = f"peers{uuid.uuid4().hex[:8]}"
     yield job
     remove_segments(job)
+    remove_segments(f"{job}ref")  # the reference run's job
 
 
 def _run(procs: ProcessScope, job_id: str, start: int, stop: int, out: Path) -> list[str]:
