@@ -23,6 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--branch-length", type=int, default=16, help="deepest draft branch (default 16)")
     parser.add_argument("--fixed", action="store_true",
                         help="always draft --decoding-length tokens (default: adapt to measured acceptance)")
+    parser.add_argument("--stock-kernels", action="store_true",
+                        help="keep the model's own linear kernels (default: weights packed for oneDNN while decoding)")
     parser.add_argument("--raw", action="store_true", help="feed the text as is, without the model's chat template")
     parser.add_argument("--batch", action="store_true", help="decode all prompts together as one batch")
     parser.add_argument("--check", action="store_true",
@@ -72,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"convoy decode: model {args.model} loaded in {time.perf_counter() - started:.1f} s, "
           f"{torch.get_num_threads()} threads", flush=True)
     generator = LookaheadGenerator(model, tokenizer, decoding_length=args.decoding_length,
-                                   branch_length=args.branch_length, adaptive=not args.fixed)
+                                   branch_length=args.branch_length, adaptive=not args.fixed,
+                                   pack_weights=False if args.stock_kernels else None)
     rows = [_encode(tokenizer, prompt, args.raw) for prompt in prompts]
     groups = [rows] if args.batch else [[row] for row in rows]
     mismatches = 0
