@@ -8,7 +8,10 @@ A fresh process per configuration, so its peak memory is its own: after a tiny w
 backward, against the most it ever reached (``ru_maxrss``). Then the
 timed reps: forward alone, and forward plus backward, and the bytes this rank sent in each.
 With ``--check`` the outputs and gradients are compared with single-device attention on the
-whole sequence, computed in float64 on every rank.
+whole sequence, computed in float64 on every rank. ``--scheme A,B`` times several schemes in the
+same processes, their reps interleaved (A B, B A, A B, ...) so that both see the same machine
+(a shared, noisy one) and a ratio of their medians is fair; the memory and the check are then
+those of the first scheme.
 """
 
 from __future__ import annotations
@@ -44,11 +47,11 @@ def inputs(length: int, kv_heads: int, parts: range) -> tuple[torch.Tensor, ...]
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--scheme", default="query_broadcast")
+    parser.add_argument("--scheme", default="query_broadcast", help="a scheme, or several comma-separated")
     parser.add_argument("--length", type=int, required=True)
     parser.add_argument("--kv-heads", type=int, default=HEADS)
     parser.add_argument("--causal", action="store_true")
-    parser.add_argument("--micro", type=int, default=4)
+    parser.add_argument("--micro", default="auto", help="query micro-sequences per rank, or auto (auto_micro)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--single", action="store_true", help="single-device attention, one process")
     parser.add_argument("--check", action="store_true")
@@ -65,44 +68,48 @@ def main() -> int:
     k.requires_grad_(True)
     v.requires_grad_(True)
 
-    def run() -> torch.Tensor:
+    schemes = args.scheme.split(",")
+
+    def run(scheme: str, *tensors: torch.Tensor) -> torch.Tensor:
         if args.single:
-            return attention.reference(q, k, v, causal=args.causal)
-        return sequence_attention(q, k, v, args.scheme, causal=args.causal, micro=args.micro, check=False)
+            return attention.reference(*tensors, causal=args.causal)
+        micro = None if args.micro == "auto" else min(int(args.micro), tensors[0].shape[2])  # warm-up: 8 positions
+        return sequence_attention(*tensors, scheme, causal=args.causal, micro=micro, check=False)
 
     warm = inputs(8, args.kv_heads, range(1))  # libraries and buffers first, so the peak is attention's
     warm = [t.requires_grad_(True) for t in warm[:3]]
-    if args.single:
-        attention.reference(*warm, causal=args.causal).sum().backward()
-    else:
-        warm_out = sequence_attention(*warm, args.scheme, causal=args.causal, micro=min(args.micro, 8), check=False)
-        warm_out.sum().backward()
+    for scheme in schemes:
+        run(scheme, *warm).sum().backward()
     before = psutil.Process().memory_info().rss
-    out = run()
+    out = run(schemes[0], q, k, v)
     out.backward(grad)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     result = {"peak_bytes": peak}
     if args.check:
         result["errors"] = check(q, k, v, grad, out, args, rank, world)
-    times = {"forward": [], "forward_backward": []}
-    traffic = {"forward": 0, "forward_backward": 0}
-    for _ in range(args.reps):
-        for what in ("forward", "forward_backward"):
-            q.grad = k.grad = v.grad = None
-            if not args.single:
-                dist.barrier()
-            attention.TRAFFIC.reset()
-            start = time.perf_counter()
-            out = run()
-            if what == "forward_backward":
-                out.backward(grad)
-            if not args.single:
-                dist.barrier()
-            times[what].append(time.perf_counter() - start)
-            traffic[what] = attention.TRAFFIC.reset()
-    result.update({f"{what}_s": statistics.median(t) for what, t in times.items()})
-    result["bytes_forward"] = traffic["forward"]
-    result["bytes_backward"] = traffic["forward_backward"] - traffic["forward"]
+    times = {scheme: {"forward": [], "forward_backward": []} for scheme in schemes}
+    traffic = {scheme: {"forward": 0, "forward_backward": 0} for scheme in schemes}
+    for rep in range(args.reps):
+        for scheme in schemes if rep % 2 == 0 else schemes[::-1]:
+            for what in ("forward", "forward_backward"):
+                q.grad = k.grad = v.grad = None
+                if not args.single:
+                    dist.barrier()
+                attention.TRAFFIC.reset()
+                start = time.perf_counter()
+                out = run(scheme, q, k, v)
+                if what == "forward_backward":
+                    out.backward(grad)
+                if not args.single:
+                    dist.barrier()
+                times[scheme][what].append(time.perf_counter() - start)
+                traffic[scheme][what] = attention.TRAFFIC.reset()
+    result["schemes"] = {scheme: {f"{what}_s": statistics.median(t) for what, t in times[scheme].items()}
+                         for scheme in schemes if args.reps}
+    for scheme, row in result["schemes"].items():
+        row["bytes_forward"] = traffic[scheme]["forward"]
+        row["bytes_backward"] = traffic[scheme]["forward_backward"] - traffic[scheme]["forward"]
+    result.update(result["schemes"].get(schemes[0], {}))
     everyone = [result]
     if not args.single:
         everyone = [None] * world

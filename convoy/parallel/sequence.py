@@ -5,10 +5,13 @@ and map them to their own Q, K, V. Each rank cuts its queries into ``micro`` mic
 In round j every rank sends its j-th query micro-sequence to the ranks whose keys it needs
 (all others; with a causal mask only the earlier ranks), each rank attends the queries it got
 to its own K and V (keeping the log-sum-exp), the partial outputs go back to their owner, and
-the owner merges them exactly with its own partial. The next round's queries are in flight
-while this round computes. The backward goes the same way: a rank sends its output gradient
-and log-sum-exp (the holders of keys kept its queries from the forward), each holder adds its
-K and V gradients locally and returns the query gradient. Per rank a forward sends about
+the owner merges them exactly with its own partial. Every round's messages are posted at the
+start, so later rounds' queries are in flight while a round computes, and a round waits only for
+the queries it attends (answers are collected after the last round). A rank attends its own
+queries and every source's of a round in one block, one call of torch's fused CPU flash kernel.
+The backward goes the same way: a rank sends its output gradient, log-sum-exp and
+``rowsum(dout * out)`` (the holders of keys kept its queries from the forward), each holder adds
+its K and V gradients locally and returns the query gradient. Per rank a forward sends about
 ``2 L d (n - 1) / n`` bytes and so does a backward (half that with a causal mask, on average),
 independent of the K/V width, which is why it pays when K and V are larger than Q (long cached
 context, many K/V heads) and never limits the degree by the head count.
@@ -40,6 +43,14 @@ def chunk_bounds(local_len: int, micro: int) -> list[tuple[int, int]]:
         raise ConfigError(f"micro={micro} micro-sequences but each rank holds only {local_len} positions; "
                           f"use micro <= {local_len}")
     return even_bounds(local_len, micro)
+
+
+def auto_micro(local_len: int, world: int, rows: int = 2048, most: int = 4) -> int:
+    """The micro count ``micro=None`` picks: the most micro-sequences, up to ``most``, that keep a
+    round's block (a micro-sequence of every rank, ``world * local_len / micro`` query rows) at least
+    ``rows`` long. Shorter blocks run the fused kernel less efficiently, and on a fast link a round's
+    messages cost more than the overlap gains; long sequences get the overlap for free."""
+    return max(1, min(most, local_len, world * local_len // rows))
 
 
 def peers(rank: int, world: int, causal: bool) -> tuple[list[int], list[int]]:
@@ -78,64 +89,64 @@ def check_across_ranks(group: dist.ProcessGroup | None, **settings: object) -> N
 
 
 # -- query broadcast --------------------------------------------------------------------------
-class _Exchange:
-    """Posts one round's messages (sends to ``to``, receives of given shapes from ``froms``)."""
-
-    def __init__(self, group: dist.ProcessGroup | None, tag: int) -> None:
-        self.group, self.tag, self.sends, self.recvs, self.ops = group, tag, [], [], []
-
-    def send(self, tensor: torch.Tensor, peer: int) -> None:
+def _post(group: dist.ProcessGroup | None, sends: list[tuple[torch.Tensor, int, int]],
+          recvs: list[tuple[torch.Tensor, int, int]]) -> list[dist.Work]:
+    """Start ``sends`` and ``recvs``, each ``(tensor, peer, tag)``, at once; the works to wait for
+    (each exactly once: gloo requires it)."""
+    ops = []
+    for kind, messages in ((dist.isend, sends), (dist.irecv, recvs)):
+        for tensor, peer, tag in messages:
+            ops.append(dist.P2POp(kind, tensor, peer if group is None else dist.get_global_rank(group, peer),
+                                  group, tag))
+    for tensor, _, _ in sends:
         TRAFFIC.add(tensor)
-        self.ops.append(dist.P2POp(dist.isend, tensor, self._global(peer), self.group, self.tag))
-
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, peer: int) -> torch.Tensor:
-        buffer = torch.empty(shape, dtype=dtype)
-        self.ops.append(dist.P2POp(dist.irecv, buffer, self._global(peer), self.group, self.tag))
-        return buffer
-
-    def _global(self, rank: int) -> int:
-        return rank if self.group is None else dist.get_global_rank(self.group, rank)
-
-    def start(self) -> _Exchange:
-        works = dist.batch_isend_irecv(self.ops) if self.ops else []
-        for op, work in zip(self.ops, works, strict=True):
-            (self.recvs if op.op is dist.irecv else self.sends).append((work, op.tensor))
-        self.ops = []
-        return self
-
-    def wait_recvs(self) -> None:
-        for work, _ in self.recvs:  # a gloo receive must be waited for exactly once
-            work.wait()
-        self.recvs = []
-
-    def wait(self) -> None:
-        self.wait_recvs()
-        for work, _ in self.sends:
-            work.wait()
-        self.sends = []
+    return dist.batch_isend_irecv(ops) if ops else []
 
 
-def _rounds(q_parts: list[torch.Tensor], to: list[int], froms: list[int], group, tag: int, width: int):
-    """Yield (j, {source: its j-th message}) with round j+1's messages already in flight."""
-    def post(j: int) -> tuple[_Exchange, dict[int, torch.Tensor]]:
-        ex = _Exchange(group, tag + 2 * j)
-        mine = q_parts[j]
-        for peer in to:
-            ex.send(mine, peer)
-        got = {peer: ex.recv((*mine.shape[:-1], width), mine.dtype, peer) for peer in froms}
-        return ex.start(), got
+def _wait(works: list[dist.Work]) -> None:
+    for work in works:
+        work.wait()
 
-    done: list[_Exchange] = []
-    pending = post(0)
-    for j in range(len(q_parts)):
-        ex, got = pending
-        if j + 1 < len(q_parts):
-            pending = post(j + 1)
-        ex.wait_recvs()
-        done.append(ex)
-        yield j, got
-    for ex in done:
-        ex.wait()
+
+class _Rounds:
+    """Every round's messages, posted at once so that only the data a round computes on is ever
+    waited for: round j's block goes out to ``to``, the sources' j-th blocks come in from ``froms``
+    (``inbox[j]``), and their answers to this rank's block come back (``answers[j]``)."""
+
+    def __init__(self, blocks: list[torch.Tensor], to: list[int], froms: list[int], answer_width: int,
+                 group: dist.ProcessGroup | None, tag: int) -> None:
+        self.group, self.tag, self.inbox, self.answers, self.arrivals, self.pending = group, tag, [], [], [], []
+        for j, block in enumerate(blocks):
+            rows = block.shape[:-1]
+            self.inbox.append({source: block.new_empty(block.shape) for source in froms})
+            self.answers.append({peer: block.new_empty((*rows, answer_width)) for peer in to})
+            self.arrivals.append(_post(group, [], [(b, source, tag + 2 * j) for source, b in self.inbox[j].items()]))
+            self.pending += _post(group, [(block, peer, tag + 2 * j) for peer in to],
+                                  [(b, peer, tag + 2 * j + 1) for peer, b in self.answers[j].items()])
+
+    def arrived(self, j: int) -> dict[int, torch.Tensor]:
+        """Round j's blocks from the sources, once they are here."""
+        _wait(self.arrivals[j])
+        return self.inbox[j]
+
+    def answer(self, j: int, result: torch.Tensor, lse: torch.Tensor | None = None) -> None:
+        """Send source i (in ``inbox[j]`` order) its rows ``[(i + 1) r, (i + 2) r)`` of ``result``, where
+        ``r`` is a block's length (the rows before are this rank's own), with their ``lse`` as one more
+        column when given (one copy either way)."""
+        size = result.shape[2] // (len(self.inbox[j]) + 1)
+        messages = []
+        for i, source in enumerate(self.inbox[j], start=1):
+            rows = slice(i * size, (i + 1) * size)
+            message = result[:, :, rows].contiguous() if lse is None else torch.cat([result[:, :, rows],
+                                                                                   lse[:, :, rows, None]], dim=-1)
+            messages.append((message, source, self.tag + 2 * j + 1))
+        self.pending += _post(self.group, messages, [])
+
+    def finish(self) -> list[list[torch.Tensor]]:
+        """Wait for every send and answer; each round's answers."""
+        _wait(self.pending)
+        self.pending = []
+        return [list(answers.values()) for answers in self.answers]
 
 
 class _QueryBroadcast(torch.autograd.Function):
@@ -146,29 +157,20 @@ class _QueryBroadcast(torch.autograd.Function):
         bounds = chunk_bounds(local, micro)
         to, froms = peers(rank, world, causal)
         k_pos = torch.arange(rank * local, (rank + 1) * local)
-        q_parts = [q[:, :, lo:hi].contiguous() for lo, hi in bounds]
-        outs, lses, kept = [], [], []
-        for j, got in _rounds(q_parts, to, froms, group, _TAG, width):
-            lo, hi = bounds[j]
-            reply = _Exchange(group, _TAG + 2 * j + 1)
-            # every source's queries against the local keys in one block (large products run faster)
-            theirs = torch.cat(list(got.values()), dim=2) if got else None
-            q_pos = torch.cat([torch.arange(s * local + lo, s * local + hi) for s in got]) if got else None
-            kept.append((theirs, q_pos))  # the backward needs these queries again: keep them rather than resend
-            if got:
-                out, lse = partial(theirs, k, v, q_pos, k_pos, causal, key_mask, scale)
-                answers = torch.cat([out, lse[..., None]], dim=-1).split(hi - lo, dim=2)
-                for source, answer in zip(got, answers, strict=True):
-                    reply.send(answer.contiguous(), source)
-            back = {peer: reply.recv((*q_parts[j].shape[:-1], width + 1), q.dtype, peer) for peer in to}
-            reply.start()
-            own = partial(q_parts[j], k, v, k_pos[lo:hi], k_pos, causal, key_mask, scale)
-            reply.wait()
-            parts = [own] + [(b[..., :-1], b[..., -1]) for b in back.values()]
-            out, lse = merge([p[0] for p in parts], [p[1] for p in parts])
-            outs.append(out)
-            lses.append(lse)
-        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        rounds = _Rounds([q[:, :, lo:hi].contiguous() for lo, hi in bounds], to, froms, width + 1, group, _TAG)
+        own, kept = [], []
+        for j, (lo, hi) in enumerate(bounds):
+            got = rounds.arrived(j)
+            # its own queries and every source's against the local keys: one block, one large kernel call
+            queries = torch.cat([q[:, :, lo:hi], *got.values()], dim=2)
+            q_pos = torch.cat([k_pos[lo:hi], *(torch.arange(s * local + lo, s * local + hi) for s in got)])
+            kept.append((queries, q_pos))  # the backward needs these queries again: keep them rather than resend
+            out, lse = partial(queries, k, v, q_pos, k_pos, causal, key_mask, scale)
+            rounds.answer(j, out, lse)
+            own.append((out[:, :, :hi - lo], lse[:, :, :hi - lo]))
+        merged = [merge([out] + [a[..., :-1] for a in answers], [lse] + [a[..., -1] for a in answers])
+                  for (out, lse), answers in zip(own, rounds.finish(), strict=True)]
+        out, lse = torch.cat([o for o, _ in merged], dim=2), torch.cat([s for _, s in merged], dim=2)
         ctx.save_for_backward(q, k, v, out, lse, key_mask)
         ctx.settings, ctx.kept = (group, causal, micro, scale), kept
         return out
@@ -182,46 +184,39 @@ class _QueryBroadcast(torch.autograd.Function):
         bounds = chunk_bounds(local, micro)
         to, froms = peers(rank, world, causal)
         k_pos = torch.arange(rank * local, (rank + 1) * local)
-        dout = dout.contiguous()
         delta = (dout * out).sum(-1)
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         packs = [torch.cat([dout[:, :, lo:hi], lse[:, :, lo:hi, None], delta[:, :, lo:hi, None]], dim=-1)
                  for lo, hi in bounds]
+        rounds = _Rounds(packs, to, froms, width, group, _TAG + 4 * micro)
         kept, ctx.kept = ctx.kept, None
-        for j, got in _rounds(packs, to, froms, group, _TAG + 4 * micro, width + 2):
-            lo, hi = bounds[j]
-            reply = _Exchange(group, _TAG + 4 * micro + 2 * j + 1)
-            if got:
-                queries, q_pos = kept[j]
-                grads = torch.cat(list(got.values()), dim=2)
-                dq_s, dk_s, dv_s = partial_backward(queries, k, v, grads[..., :width], grads[..., -2], grads[..., -1],
-                                                    q_pos, k_pos, causal, key_mask, scale)
-                dk += dk_s
-                dv += dv_s
-                for source, part in zip(got, dq_s.split(hi - lo, dim=2), strict=True):
-                    reply.send(part.contiguous(), source)
-            back = [reply.recv(tuple(packs[j].shape[:-1]) + (width,), q.dtype, peer) for peer in to]
-            reply.start()
-            dq_own, dk_own, dv_own = partial_backward(q[:, :, lo:hi], k, v, dout[:, :, lo:hi], lse[:, :, lo:hi],
-                                                      delta[:, :, lo:hi], k_pos[lo:hi], k_pos, causal, key_mask,
-                                                      scale)
-            dk += dk_own
-            dv += dv_own
-            reply.wait()
-            dq[:, :, lo:hi] = dq_own + sum(back) if back else dq_own
+        dq, dk, dv = torch.empty_like(q), None, None
+        for j, (lo, hi) in enumerate(bounds):
+            queries, q_pos = kept[j]
+            grads = torch.cat([packs[j], *rounds.arrived(j).values()], dim=2)
+            dq_j, dk_j, dv_j = partial_backward(queries, k, v, grads[..., :width], grads[..., -2], grads[..., -1],
+                                                q_pos, k_pos, causal, key_mask, scale)
+            rounds.answer(j, dq_j)
+            dq[:, :, lo:hi] = dq_j[:, :, :hi - lo]
+            dk, dv = (dk_j, dv_j) if dk is None else (dk.add_(dk_j), dv.add_(dv_j))
+        for (lo, hi), answers in zip(bounds, rounds.finish(), strict=True):
+            for answer in answers:
+                dq[:, :, lo:hi] += answer
         return dq, dk, dv, None, None, None, None, None
 
 
 def query_broadcast_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               group: dist.ProcessGroup | None = None, causal: bool = False,
-                              key_mask: torch.Tensor | None = None, micro: int = 1,
+                              key_mask: torch.Tensor | None = None, micro: int | None = 1,
                               scale: float | None = None) -> torch.Tensor:
     """Exact attention of this rank's queries over the whole sequence, by query broadcast.
-    ``q`` is ``(B, H, l, D)``, ``k``/``v`` ``(B, Hkv, l, D)``, ``key_mask`` ``(B, l)``: this rank's part."""
+    ``q`` is ``(B, H, l, D)``, ``k``/``v`` ``(B, Hkv, l, D)``, ``key_mask`` ``(B, l)``: this rank's part.
+    ``micro`` is the number of query micro-sequences (rounds); None picks it (``auto_micro``)."""
     check_inputs(q, k, v, key_mask)
     if v.shape[3] != q.shape[3]:
         raise ConfigError(f"query broadcast returns outputs in the queries' messages, so v's head dim {v.shape[3]} "
                           f"must equal q's {q.shape[3]}")
+    if micro is None:
+        micro = auto_micro(q.shape[2], dist.get_world_size(group))
     chunk_bounds(q.shape[2], micro)
     scale = default_scale(q, scale)
     return _QueryBroadcast.apply(q, k, v, key_mask, group, causal, micro, scale)
@@ -229,7 +224,7 @@ def query_broadcast_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scheme: str = "query_broadcast",
                        group: dist.ProcessGroup | None = None, causal: bool = False,
-                       key_mask: torch.Tensor | None = None, micro: int = 1, scale: float | None = None,
+                       key_mask: torch.Tensor | None = None, micro: int | None = 1, scale: float | None = None,
                        check: bool = True) -> torch.Tensor:
     """Sequence-parallel attention with any of ``SCHEMES`` (all exact). ``check`` first compares
     shapes and settings across ranks (one small all-gather) so a mismatch fails every rank."""
@@ -253,7 +248,7 @@ class SequenceParallelAttention(nn.Module):
     transformer block whose input ``x`` is this rank's ``(B, l, d_model)`` part of the sequence."""
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, causal: bool = True,
-                 scheme: str = "query_broadcast", micro: int = 1, group: dist.ProcessGroup | None = None,
+                 scheme: str = "query_broadcast", micro: int | None = 1, group: dist.ProcessGroup | None = None,
                  bias: bool = False) -> None:
         super().__init__()
         n_kv_heads = n_kv_heads or n_heads

@@ -7,7 +7,7 @@ import torch
 
 from convoy.errors import ConfigError
 from convoy.parallel import attention
-from convoy.parallel.sequence import chunk_bounds, peers, query_broadcast_bytes, shard_sequence
+from convoy.parallel.sequence import auto_micro, chunk_bounds, peers, query_broadcast_bytes, shard_sequence
 
 
 def test_micro_sequences_cover_the_local_part_evenly() -> None:
@@ -18,6 +18,13 @@ def test_micro_sequences_cover_the_local_part_evenly() -> None:
         chunk_bounds(8, 9)
     with pytest.raises(ConfigError, match="at least 1"):
         chunk_bounds(8, 0)
+
+
+def test_auto_micro_keeps_rounds_long_enough_for_the_kernel() -> None:
+    assert auto_micro(512, 4) == 1  # 2048 rows in one round
+    assert auto_micro(2048, 4) == 4  # 8192 rows: 4 rounds of 2048
+    assert auto_micro(4096, 4) == 4  # at most 4
+    assert auto_micro(100, 2) == 1 and auto_micro(3, 4, rows=1) == 3  # never more than the positions
 
 
 def test_causal_queries_only_travel_to_earlier_ranks() -> None:
