@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,8 +33,8 @@ from convoy.parallel.topology import ALGORITHMS, CostModel, Link, Topology, chec
 OPS = ("sum", "avg")
 CHUNK_BYTES = 1 << 20
 BUCKET_BYTES = 25 << 20
-PROBE_BYTES = (1 << 20, 16 << 20)
-PROBE_REPS = 5
+PROBE_BYTES = (1 << 20, 32 << 20)
+PROBE_REPS = 7
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
            torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool]
 
@@ -43,7 +44,7 @@ class HierarchicalAllreduce:
     group in the same order (it creates the sub-groups it needs, a collective call).
 
     ``cost``: what each algorithm costs; by default measured on first use of ``auto`` (the links
-    inside a group and among the leaders, then every algorithm end to end, at 1 and 16 MB) and
+    inside a group and among the leaders, then every algorithm end to end, at 1 and 32 MB) and
     cached per job in ``cache_dir`` (default ``$CONVOY_RUN_DIR/collectives``), so a restarted
     round of the same job does not measure again.
 
@@ -356,7 +357,9 @@ def _fit(run: Callable[[torch.Tensor], None], group: Any, ring_ranks: int = 0) -
             began = time.perf_counter()
             run(buffer)
             times.append(time.perf_counter() - began)
-        points.append((float(nbytes), min(times)))  # what the link can do; a busy moment only adds
+        # a link: the fastest time (what it can do; a busy moment only adds); an algorithm end to end: the
+        # median, so one whose time spreads widely (several streams, more ranks at work) is not chosen on a lucky run
+        points.append((float(nbytes), min(times) if ring_ranks else statistics.median(times)))
     link = Link.fit_ring(ring_ranks, points[0], points[1]) if ring_ranks else Link.fit_line(points[0], points[1])
     return link.latency_s, link.s_per_byte
 

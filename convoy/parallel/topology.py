@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from convoy.errors import ConfigError
 
-CHOICE_MARGIN = 0.10
+CHOICE_MARGIN = 0.05
 ALGORITHMS = ("flat", "leader", "reduce_scatter")
 """``flat``: one ring over all ranks. ``leader``: reduce to each group's first rank, allreduce
 among those, broadcast back. ``reduce_scatter``: reduce-scatter inside each group, allreduce
