@@ -1,15 +1,15 @@
 """Lookahead decoding vs Hugging Face greedy ``generate`` and HF prompt lookup, SmolLM2-135M-Instruct on the CPU.
 
 Three prompt families (benchmarks/lookahead_prompts.py): retrieval-style QA over a passage, a code edit of a
-snippet, open-ended stories; 128 new tokens each, with 1 and 2 threads. For every prompt the three decoders run
-back to back (order rotated per repeat), after one warm-up run each (convoy packs its weights for oneDNN then,
-see ``convoy/workloads/lookahead/packed.py``; the cost of a pass of n tokens, stock and packed, is printed per
-thread count); a family's speed is its total tokens over its total time, the median over
-repeats. Forward passes are counted with a hook on the model's decoder stack, so tokens per pass is measured the
-same way for all. convoy's memory of earlier outputs starts empty for each family in each repeat (so a repeat never
-meets its own earlier answer).
+snippet, open-ended stories; 128 new tokens each, with 1 and 2 threads. For every prompt the decoders (HF greedy,
+HF prompt lookup, convoy, and HF greedy on convoy's packed weights as a reference) run back to back, order
+rotated per repeat, after a warm-up (convoy packs its weights for oneDNN then, ``packed.py``; the cost of a pass of
+n tokens, stock and packed, is printed per thread count). A family's speed is its total tokens over its total
+time, the median over repeats. Forward passes are counted with a hook on the model's decoder stack, so tokens
+per pass is measured the same way for all. convoy's memory of earlier outputs starts empty for each family in
+each repeat (so a repeat never meets its own earlier answer).
 
-    python benchmarks/lookahead.py            # full: 4 prompts per family, 1 and 2 threads, 3 repeats (~20 min)
+    python benchmarks/lookahead.py            # full: 4 prompts per family, 1 and 2 threads, 3 repeats (~30 min)
     python benchmarks/lookahead.py --quick    # 1 prompt per family, 48 tokens, 2 threads (< 1 min)
 """
 
@@ -79,8 +79,8 @@ def pass_costs(model, ids: list[int], sizes: tuple[int, ...] = (1, 2, 9, 17, 33)
     with torch.inference_mode():
         model(input_ids=torch.tensor([ids]), **argument)
         times = {}
-        for label, context in (("stock", None), ("packed", PackedLinears.of(model))):
-            with context or torch.inference_mode():
+        for label, context in (("stock", contextlib.nullcontext()), ("packed", PackedLinears.of(model))):
+            with context:
                 for n in sizes:
                     step = torch.tensor([ids[:n]])
                     samples = []

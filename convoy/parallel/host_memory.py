@@ -53,6 +53,7 @@ class HostSegment:
     def __init__(self, memory: mmap.mmap, ranks: int, slot_bytes: int, local: int, intra: Any) -> None:
         self.memory, self.ranks, self.slot_bytes, self.local, self.intra = memory, ranks, slot_bytes, local, intra
         self.bytes = torch.frombuffer(memory, dtype=torch.uint8)
+        self.base = HostSegment.header(ranks)
         self.counters = self.bytes[ALIGN:ALIGN + ranks * ALIGN].view(torch.int64).view(ranks, ALIGN // 8)[:, 0]
         self.epoch = 0
 
@@ -84,9 +85,8 @@ class HostSegment:
                                        f"{SPIN_TIMEOUT_S:.0f} s (did a process die?)")
 
     def _slot(self, index: int, count: int, dtype: torch.dtype) -> torch.Tensor:
-        start = HostSegment.header(self.ranks) + index * self.slot_bytes
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return self.bytes[start:start + count * itemsize].view(dtype)
+        start = self.base + index * self.slot_bytes
+        return self.bytes[start:start + count * dtype.itemsize].view(dtype)
 
     def in_slot(self, rank: int, count: int, dtype: torch.dtype) -> torch.Tensor:
         return self._slot(rank, count, dtype)

@@ -8,8 +8,10 @@ on this project's machine, one thread, a 1536x576 weight (microseconds, stock vs
 70 vs 64, 2 rows 135 vs 67, 8 rows 241 vs 149, 17 rows 441 vs 294.
 
 The packed copies cost as much memory as the weights they copy. They are made on first use and
-made again when a weight changes (``Tensor._version``, or a new parameter object), so training
-or a weight sync between ``generate`` calls never decodes with stale weights. The model's own
+made again when a weight changes, so training or a weight sync between ``generate`` calls never
+decodes with stale weights: a new parameter object, new storage (``param.data = ...``), an
+in-place write through autograd (``Tensor._version``), or, for writes that bypass the version
+counter (``param.data.copy_(...)``), a change in an evenly spread sample of its elements. The model's own
 modules are patched only inside the ``with`` block and restored after it, errors included.
 """
 
@@ -50,7 +52,7 @@ class PackedLinears:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.modules = [module for module in model.modules() if packable(module)]
-        self._packed: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        self._packed: dict[int, tuple[torch.Tensor, int, int, torch.Tensor, torch.Tensor]] = {}
         self._depth = 0  # nested blocks (a generator inside another's) patch once, restore at the outermost exit
 
     def __enter__(self) -> PackedLinears:
@@ -75,17 +77,25 @@ class PackedLinears:
 
     def _weight(self, module: torch.nn.Linear) -> torch.Tensor:
         weight = module.weight
+        sample = _sample(weight)
         known = self._packed.get(id(module))
-        if known is not None and known[0] is weight and known[1] == weight._version:
-            return known[2]
+        if (known is not None and known[0] is weight and known[1] == weight._version
+                and known[2] == weight.data_ptr() and torch.equal(known[3], sample)):
+            return known[4]
         with torch.no_grad():
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-        self._packed[id(module)] = (weight, weight._version, packed)
+        self._packed[id(module)] = (weight, weight._version, weight.data_ptr(), sample, packed)
         return packed
 
     def _restore(self) -> None:
         for module in self.modules:
             module.__dict__.pop("forward", None)
+
+
+def _sample(weight: torch.Tensor, count: int = 1024) -> torch.Tensor:
+    """About ``count`` elements spread evenly over the weight (a copy): any real weight update moves them."""
+    flat = weight.detach().reshape(-1)
+    return flat[:: max(flat.numel() // count, 1)].clone()
 
 
 _SHARED: weakref.WeakKeyDictionary[torch.nn.Module, PackedLinears] = weakref.WeakKeyDictionary()
