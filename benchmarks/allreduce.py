@@ -77,7 +77,7 @@ def report(name: str, world: int, data: dict, net: bool) -> tuple[list[float], l
         fastest = min(times[a] for a in ("flat_torch", *HIERARCHICAL))
         ratio = times["auto"] / fastest
         if size >= SPEEDUP_FROM_MB and net:
-            speedups.append(round(speedup, 2))
+            speedups.append(speedup)
         if not net:
             auto_ratios.append(ratio)
         print(f"{size:>5g}MB" + "".join(f"{times[a] * 1e3:>{w}.1f}" for a, w in
@@ -131,15 +131,15 @@ def main() -> int:
         print(f"\n(b) two-tier skipped: {problem}")
     print()
     if speedups:
-        worst = min(speedups)
+        worst, every = min(speedups), ", ".join(f"{x:.3f}" for x in speedups)
         print(f"target two_tier_speedup: best hierarchical vs flat from {SPEEDUP_FROM_MB:g} MB up, worst case "
-              f"{worst:.2f}x, median {statistics.median(speedups):.2f}x, all {speedups} (goal >= {SPEEDUP_GOAL}x) "
-              f"{'met' if worst >= SPEEDUP_GOAL else 'missed'}")
+              f"{worst:.3f}x, median {statistics.median(speedups):.3f}x, all [{every}] "
+              f"(goal >= {SPEEDUP_GOAL}x) {'met' if worst >= SPEEDUP_GOAL else 'missed'}")
     else:
         why = problem or "no size >= 16 MB"
         print(f"target two_tier_speedup: not measured ({why}) (goal >= {SPEEDUP_GOAL}x) missed")
     worst_auto = max(auto_ratios)
-    print(f"target auto_loopback: auto / fastest worst case {worst_auto:.2f} (goal <= {AUTO_GOAL:.2f}) "
+    print(f"target auto_loopback: auto / fastest worst case {worst_auto:.3f} (goal <= {AUTO_GOAL:.2f}) "
           f"{'met' if worst_auto <= AUTO_GOAL else 'missed'}")
     return 0
 

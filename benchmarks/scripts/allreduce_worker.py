@@ -1,10 +1,13 @@
 """One rank of benchmarks/allreduce.py: time flat, leader, reduce_scatter and auto allreduce.
 
 Groups are the ranks of each host (``LOCAL_WORLD_SIZE`` consecutive ranks). Reps of the
-algorithms are interleaved; each starts after a barrier and counts the slowest rank; between
-reps the buffer is refilled (not timed). The first rank of each host reads its host link's
-sent bytes (``CONVOY_BENCH_LINK``, empty on loopback) around each rep. Rank 0 writes the results as JSON to ``--out``.
+algorithms are interleaved, in a fresh random order each rep; each starts after a barrier and
+counts the slowest rank; between reps the buffer is refilled (not timed). The first rank of each
+host reads its host link's sent bytes (``CONVOY_BENCH_LINK``, empty on loopback) around each rep.
+Rank 0 writes the results as JSON to ``--out``.
 Checks across ranks are off (``check=False``), as in the DDP hook, so each algorithm is timed alone.
+``auto`` starts fresh at each size: where it holds a trial (``HierarchicalAllreduce.choose``), all
+but the first of the trial's calls (the warm-up) are among the timed reps.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -60,10 +64,9 @@ def main() -> None:
         sent = dict.fromkeys(ALGORITHMS, 0)
         # small messages, and anything on loopback (where one algorithm's runs spread by 10-20%), are noisier
         reps = args.reps * 3 if size_mb <= 4 or not os.environ.get("CONVOY_BENCH_LINK") else args.reps
-        for rep in range(reps):  # interleaved, so a slow moment of the machine hits every algorithm alike,
-            shift = rep % len(ALGORITHMS)  # and rotated, so no algorithm always runs right after another
-            order = ALGORITHMS[shift:] + ALGORITHMS[:shift]
-            for algorithm in order:
+        for rep in range(reps):  # interleaved, so a slow moment of the machine hits every algorithm alike, in an
+            # order drawn anew each rep (the same on every rank), so no algorithm always runs right after another
+            for algorithm in random.Random(rep).sample(ALGORITHMS, len(ALGORITHMS)):
                 buffer.fill_(1.0)
                 dist.barrier()
                 before = sent_bytes() if counts_bytes else 0
@@ -73,6 +76,7 @@ def main() -> None:
                 dist.barrier()  # every rank of the host is done sending before the counter is read
                 sent[algorithm] += (sent_bytes() - before) if counts_bytes else 0
                 assert torch.all(buffer == ctx.world_size), f"{algorithm} gave a wrong sum"
+        chosen["auto"] = comm.choose(buffer.numel() * 4)  # what auto settled on (after its trial, if it held one)
         for algorithm in ALGORITHMS:
             slowest = torch.tensor(times[algorithm], dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)

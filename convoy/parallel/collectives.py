@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import statistics
+import random
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -27,14 +27,19 @@ import torch
 import torch.distributed as dist
 
 from convoy.errors import ConfigError
-from convoy.parallel.host_memory import HostSegment, host_allreduce, open_segment
-from convoy.parallel.topology import ALGORITHMS, CostModel, Link, Topology, check_algorithm
+from convoy.parallel.host_memory import HostSegment, chunk_sizes, host_allreduce, open_segment
+from convoy.parallel.topology import (ALGORITHMS, CostModel, Link, Topology, check_algorithm, simplest_within,
+                                      size_class)
 
 OPS = ("sum", "avg")
 CHUNK_BYTES = 1 << 20
 BUCKET_BYTES = 25 << 20
 PROBE_BYTES = (1 << 20, 32 << 20)
 PROBE_REPS = 7
+SMALL_PROBE_REPS = 21
+"""The small probe's reps: it is cheap, and a rep's spread is large next to its time."""
+TRIAL_ROUNDS = 3
+"""Calls each candidate gets in an ``auto`` trial (``HierarchicalAllreduce.choose``)."""
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
            torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool]
 
@@ -50,10 +55,14 @@ class HierarchicalAllreduce:
 
     ``host_memory``: where every group's ranks can map one shared-memory file (ranks of one
     machine), the in-group phases run through it instead of gloo (``host_memory.py``); give the
-    same value on every rank (``CONVOY_ALLREDUCE_SHM=0`` turns it off job-wide)."""
+    same value on every rank (``CONVOY_ALLREDUCE_SHM=0`` turns it off job-wide).
+
+    ``tune``: where the cost model finds several algorithms close at a message size, ``auto``
+    tries each on the first real calls of that size and keeps the fastest (``choose``)."""
 
     def __init__(self, topology: Topology | None = None, *, cost: CostModel | None = None,
-                 cache_dir: str | Path | None = None, chunk_bytes: int = CHUNK_BYTES, host_memory: bool = True) -> None:
+                 cache_dir: str | Path | None = None, chunk_bytes: int = CHUNK_BYTES, host_memory: bool = True,
+                 tune: bool = True) -> None:
         if not dist.is_initialized():
             raise ConfigError("call convoy.init() (or init_process_group) before creating a HierarchicalAllreduce")
         if chunk_bytes < 1:
@@ -63,8 +72,10 @@ class HierarchicalAllreduce:
         if self.topology.world_size != self.world_size:
             raise ConfigError(f"topology covers {self.topology.world_size} ranks but the process group has "
                               f"{self.world_size}; give one group entry per rank of the job")
-        self.chunk_bytes = chunk_bytes
-        self._cost = cost
+        self.chunk_bytes, self.tune = chunk_bytes, tune
+        self._cost, self._cost_given = cost, cost is not None
+        self._decided: dict[int, str] = {}  # size class -> what auto runs, once a trial has settled it
+        self._trials: dict[int, _Trial] = {}
         run_dir = os.environ.get("CONVOY_RUN_DIR")
         self.cache_dir = Path(cache_dir) if cache_dir else (Path(run_dir) / "collectives" if run_dir else None)
         groups = self.topology.groups
@@ -94,15 +105,21 @@ class HierarchicalAllreduce:
         self._validate(tensor, op, algorithm)
         if check:
             self._check_same(tensor, op, algorithm)
-        chosen = self.choose(tensor.numel() * tensor.element_size()) if algorithm == "auto" else algorithm
+        nbytes = tensor.numel() * tensor.element_size()
+        chosen, trial = self._auto(nbytes) if algorithm == "auto" else (algorithm, None)
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
         flat = work.view(-1)
+        began = time.perf_counter()
         if chosen == "flat" or self.world_size == 1:
             dist.all_reduce(flat)
         elif chosen == "leader":
             self._leader(flat)
         else:
             self._reduce_scatter(flat)
+        if trial is not None:
+            trial.record(chosen, time.perf_counter() - began)
+            if trial.complete:
+                self._settle(nbytes, trial)
         if op == "avg":
             flat.div_(self.world_size)
         if work is not tensor:
@@ -131,10 +148,18 @@ class HierarchicalAllreduce:
                 tensor.copy_(part.view_as(tensor))
 
     def choose(self, nbytes: int) -> str:
-        """What ``auto`` runs for a message of ``nbytes`` (measures the links the first time)."""
+        """What ``auto`` runs for a message of ``nbytes`` (measures the links the first time).
+
+        The cost model's pick, unless a trial settled this size class (sizes within a factor of 2):
+        where the model predicts several algorithms within ``TRIAL_WITHIN`` of the fastest, the
+        first ``TRIAL_ROUNDS`` calls per candidate of ``auto`` at that size run the candidates in
+        turn, every rank times them, and the one with the least median of the slowest rank's time
+        stays (a more elaborate one only when it wins by ``CHOICE_MARGIN``). The trial is timed at
+        the real size, in the real job, so it corrects what the start-up probes got wrong."""
         if len(self.topology.groups) in (1, self.world_size):
             return "flat"
-        return self.cost_model().choose(self.topology, nbytes)
+        decided = self._decided.get(size_class(nbytes))
+        return decided or self.cost_model().choose(self.topology, nbytes)
 
     def ddp_hook(self, algorithm: str = "auto") -> Callable[[Any, dist.GradBucket], torch.futures.Future]:
         """A DDP communication hook averaging gradients with this allreduce:
@@ -168,6 +193,35 @@ class HierarchicalAllreduce:
             self._hook_queue.put(None)
             self._hook_queue = None
 
+    def _auto(self, nbytes: int) -> tuple[str, _Trial | None]:
+        """What this ``auto`` call runs, and the trial it is part of (None once settled)."""
+        if len(self.topology.groups) in (1, self.world_size):
+            return "flat", None
+        kind = size_class(nbytes)
+        cost = self.cost_model()  # first: it may load settled classes from the job's cache
+        if kind in self._decided:
+            return self._decided[kind], None
+        if not self.tune:
+            return cost.choose(self.topology, nbytes), None
+        trial = self._trials.get(kind)
+        if trial is None:
+            candidates = cost.candidates(self.topology, nbytes)
+            if len(candidates) == 1:
+                self._decided[kind] = candidates[0]
+                return candidates[0], None
+            trial = self._trials[kind] = _Trial(candidates)
+        return trial.next(), trial
+
+    def _settle(self, nbytes: int, trial: _Trial) -> None:
+        """End a trial (collective: every rank ends it on the same call): each call's slowest rank."""
+        times = torch.tensor(trial.times, dtype=torch.float64)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        medians = times.median(dim=1).values.tolist()
+        kind = size_class(nbytes)
+        self._decided[kind] = simplest_within(dict(zip(trial.candidates, medians, strict=True)))
+        del self._trials[kind]
+        self._save_cache()
+
     # --- the algorithms ---
 
     def _chunks(self, flat: torch.Tensor, multiple: int = 1) -> list[torch.Tensor]:
@@ -191,7 +245,8 @@ class HierarchicalAllreduce:
             self._through_host(flat, "leader")
             return
         leader, local = self.members[0], len(self.members) > 1
-        chunks = self._chunks(flat)
+        # cut as host_allreduce cuts: a lone rank's group runs this while the others' groups use host memory
+        chunks = list(flat.split(chunk_sizes(flat.numel(), max(self.chunk_bytes // flat.element_size(), 1))))
         reduces = [dist.reduce(c, dst=leader, group=self._intra, async_op=True) for c in chunks] if local else []
         across = []
         if self._leaders is not None and len(self.topology.groups) > 1:
@@ -290,18 +345,25 @@ class HierarchicalAllreduce:
             saved = found[0]
             self._cost = CostModel(Link(*saved["intra"]), Link(*saved["inter"]),
                                    tuple((name, Link(*line)) for name, line in saved["measured"]))
+            self._decided.update({int(kind): algorithm for kind, algorithm in saved.get("decided", {}).items()})
             return self._cost
         self._cost = self.measure()
-        if self.rank == 0 and cache is not None:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_suffix(".tmp")
-            cost = self._cost
-            tmp.write_text(json.dumps({
-                "topology": self.topology.key(), "intra": [cost.intra.latency_s, cost.intra.s_per_byte],
-                "inter": [cost.inter.latency_s, cost.inter.s_per_byte],
-                "measured": [[name, [line.latency_s, line.s_per_byte]] for name, line in cost.measured]}))
-            tmp.replace(cache)
+        self._save_cache()
         return self._cost
+
+    def _save_cache(self) -> None:
+        """Rank 0 writes the links, the algorithms' lines and the settled trials for the job."""
+        cache, cost = self._cache_file(), self._cost
+        if self.rank != 0 or cache is None or cost is None or self._cost_given:
+            return  # a cost model the caller gave is theirs, not this job's measurement
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(".tmp")
+        tmp.write_text(json.dumps({
+            "topology": self.topology.key(), "intra": [cost.intra.latency_s, cost.intra.s_per_byte],
+            "inter": [cost.inter.latency_s, cost.inter.s_per_byte],
+            "measured": [[name, [line.latency_s, line.s_per_byte]] for name, line in cost.measured],
+            "decided": {str(kind): algorithm for kind, algorithm in sorted(self._decided.items())}}))
+        tmp.replace(cache)
 
     def _cache_file(self) -> Path | None:
         if self.cache_dir is None:
@@ -312,24 +374,45 @@ class HierarchicalAllreduce:
     def measure(self) -> CostModel:
         """Time ring allreduces of two sizes inside the first group with more than one rank and
         among the leaders, fitting each link's latency and bandwidth; then each usable algorithm
-        end to end at the same sizes. Every rank gets rank 0's view, so all choose alike."""
+        end to end at the same sizes (``_time_algorithms``). Every rank gets the same model."""
         groups = self.topology.groups
         local_group = next((i for i, g in enumerate(groups) if len(g) > 1), None)
         usable = [a for a in ALGORITHMS if a != "reduce_scatter" or self._shard is not None]
-        mine = [0.0] * (4 + 2 * len(usable))
+        mine = [0.0] * 4
         if local_group is not None and self.rank in groups[local_group]:
             mine[:2] = _fit(lambda b: dist.all_reduce(b, group=self._intra), self._intra, len(groups[local_group]))
         if len(groups) > 1 and self._leaders is not None:
             mine[2:4] = _fit(lambda b: dist.all_reduce(b, group=self._leaders), self._leaders, len(groups))
-        for index, algorithm in enumerate(usable):
-            mine[4 + 2 * index : 6 + 2 * index] = _fit(
-                lambda b, algorithm=algorithm: self.allreduce(b, "sum", algorithm, check=False), None)
         every: list[list[float]] = [[] for _ in range(self.world_size)]
         dist.all_gather_object(every, mine)
         inter = Link(*every[self.topology.leaders[0]][2:4]) if len(groups) > 1 else None
         intra = Link(*every[groups[local_group][0]][:2]) if local_group is not None else None
-        lines = tuple((algorithm, Link(*every[0][4 + 2 * i : 6 + 2 * i])) for i, algorithm in enumerate(usable))
-        return CostModel(intra or inter or Link(0.0, 1e-9), inter or intra or Link(0.0, 1e-9), lines)
+        return CostModel(intra or inter or Link(0.0, 1e-9), inter or intra or Link(0.0, 1e-9),
+                         self._time_algorithms(usable))
+
+    def _time_algorithms(self, usable: list[str]) -> tuple[tuple[str, Link], ...]:
+        """A line (fixed cost + cost per byte) per algorithm through its median time at each probe
+        size. The algorithms take turns in an order drawn anew each rep (the same on every rank), so
+        a slow moment of the machine, or the state one algorithm leaves behind, hits all of them
+        alike; a rep counts the slowest rank, as the allreduce is done only when every rank is."""
+        medians = []
+        for nbytes in PROBE_BYTES:
+            buffer = torch.ones(nbytes // 4, dtype=torch.float32)
+            for algorithm in usable:
+                self.allreduce(buffer, "sum", algorithm, check=False)  # warm the connections
+            reps = SMALL_PROBE_REPS if nbytes == PROBE_BYTES[0] else PROBE_REPS
+            times = torch.zeros(len(usable), reps, dtype=torch.float64)
+            for rep in range(reps):
+                for index in random.Random(rep).sample(range(len(usable)), len(usable)):
+                    dist.barrier()
+                    began = time.perf_counter()
+                    self.allreduce(buffer, "sum", usable[index], check=False)
+                    times[index, rep] = time.perf_counter() - began
+            dist.all_reduce(times, op=dist.ReduceOp.MAX)
+            medians.append(times.median(dim=1).values.tolist())
+        small, large = PROBE_BYTES
+        return tuple((algorithm, Link.fit_line((small, medians[0][index]), (large, medians[1][index])))
+                     for index, algorithm in enumerate(usable))
 
     def _start_hook_thread(self) -> Queue[Callable[[], None] | None]:
         if self._hook_queue is None:
@@ -344,9 +427,31 @@ class HierarchicalAllreduce:
         return self._hook_queue
 
 
-def _fit(run: Callable[[torch.Tensor], None], group: Any, ring_ranks: int = 0) -> tuple[float, float]:
-    """(fixed s, s/byte) of ``run`` on ``group`` from the fastest time at two sizes; with
-    ``ring_ranks`` the times are read as a ring allreduce of that many ranks (a link's cost)."""
+class _Trial:
+    """One size class's trial: the candidates take turns, ``TRIAL_ROUNDS`` calls each, in an
+    order rotated every round; ``times[i]`` holds candidate i's times on this rank."""
+
+    def __init__(self, candidates: list[str]) -> None:
+        self.candidates = candidates
+        self.times: list[list[float]] = [[] for _ in candidates]
+        self.calls = 0
+
+    def next(self) -> str:
+        turn, n = divmod(self.calls, len(self.candidates))
+        return self.candidates[(n + turn) % len(self.candidates)]
+
+    def record(self, algorithm: str, seconds: float) -> None:
+        self.times[self.candidates.index(algorithm)].append(seconds)
+        self.calls += 1
+
+    @property
+    def complete(self) -> bool:
+        return self.calls == TRIAL_ROUNDS * len(self.candidates)
+
+
+def _fit(run: Callable[[torch.Tensor], None], group: Any, ring_ranks: int) -> tuple[float, float]:
+    """(fixed s, s/byte) of a link from the fastest of ``PROBE_REPS`` ring allreduces of ``ring_ranks``
+    on ``group`` at two sizes (what the link can do: a busy moment of the machine only adds)."""
     points = []
     for nbytes in PROBE_BYTES:
         buffer = torch.ones(nbytes // 4, dtype=torch.float32)
@@ -357,10 +462,8 @@ def _fit(run: Callable[[torch.Tensor], None], group: Any, ring_ranks: int = 0) -
             began = time.perf_counter()
             run(buffer)
             times.append(time.perf_counter() - began)
-        # a link: the fastest time (what it can do; a busy moment only adds); an algorithm end to end: the
-        # median, so one whose time spreads widely (several streams, more ranks at work) is not chosen on a lucky run
-        points.append((float(nbytes), min(times) if ring_ranks else statistics.median(times)))
-    link = Link.fit_ring(ring_ranks, points[0], points[1]) if ring_ranks else Link.fit_line(points[0], points[1])
+        points.append((float(nbytes), min(times)))
+    link = Link.fit_ring(ring_ranks, points[0], points[1])
     return link.latency_s, link.s_per_byte
 
 

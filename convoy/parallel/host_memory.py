@@ -38,6 +38,8 @@ import torch.distributed as dist
 ALIGN = 64
 DEPTH = 4
 """Sum-slots: a chunk's crossing may lag its in-host reduction by up to ``DEPTH - 1`` chunks."""
+RAMP_FROM_CHUNKS = 4
+"""Tensors longer than this many chunks start with smaller ones (``chunk_sizes``)."""
 SHM_DIR = Path("/dev/shm")
 DISABLE_ENV = "CONVOY_ALLREDUCE_SHM"
 """Set to ``0`` to keep the in-group phases on gloo."""
@@ -149,9 +151,9 @@ def host_allreduce(flat: torch.Tensor, segment: HostSegment, across: Any,
                    crossing: str, chunk_elements: int) -> None:
     """Sum ``flat`` over every rank: in-group through ``segment``, across groups on ``across``
     (the leaders' group for ``crossing="leader"``, else this local index's shard group; None when
-    there is one group). Chunks of ``chunk_elements`` match the gloo algorithms' chunks."""
+    there is one group). The chunks (``chunk_sizes``) match the gloo leader algorithm's."""
     k, local, dtype = segment.ranks, segment.local, flat.dtype
-    chunks = list(flat.split(chunk_elements))
+    chunks = list(flat.split(chunk_sizes(flat.numel(), chunk_elements)))
     pending: dict[int, Any] = {}
     lag = DEPTH - 1
 
@@ -182,8 +184,22 @@ def host_allreduce(flat: torch.Tensor, segment: HostSegment, across: Any,
             pending[t] = dist.all_reduce(segment.sum_slot(t, count, dtype), group=across, async_op=True)
         elif crossing == "reduce_scatter":
             pending[t] = dist.all_reduce(total, group=across, async_op=True)
-    for work in pending.values():
-        work.wait()
-    segment.barrier()
-    for t in range(max(len(chunks) - lag, 0), len(chunks)):
+    for t in range(max(len(chunks) - lag, 0), len(chunks)):  # each of the last chunks out as soon as it is back
+        if t in pending:
+            pending.pop(t).wait()
+        segment.barrier()
         copy_out(t)
+
+
+def chunk_sizes(count: int, chunk_elements: int) -> list[int]:
+    """How ``host_allreduce`` cuts ``count`` elements: chunks of ``chunk_elements``, except that a long
+    tensor starts with a quarter and a half chunk, so its first crossing starts sooner (the pipeline fills
+    in a quarter of the time)."""
+    sizes = []
+    if count > RAMP_FROM_CHUNKS * chunk_elements:
+        sizes = [size for size in (chunk_elements // 4, chunk_elements // 2) if size > 0]
+    left = count - sum(sizes)
+    sizes += [chunk_elements] * (left // chunk_elements)
+    if left % chunk_elements:
+        sizes.append(left % chunk_elements)
+    return sizes

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from convoy.errors import ConfigError
 
 CHOICE_MARGIN = 0.05
+"""A more elaborate algorithm must beat a simpler one by this much (in prediction or in a trial)."""
+TRIAL_WITHIN = 0.25
+"""``auto`` tries, at the real size, every algorithm predicted within this much of the fastest."""
 ALGORITHMS = ("flat", "leader", "reduce_scatter")
 """``flat``: one ring over all ranks. ``leader``: reduce to each group's first rank, allreduce
 among those, broadcast back. ``reduce_scatter``: reduce-scatter inside each group, allreduce
@@ -28,6 +31,17 @@ def check_algorithm(algorithm: str, auto: bool = True) -> None:
     if algorithm not in ALGORITHMS and not (auto and algorithm == "auto"):
         raise ConfigError(f"unknown allreduce algorithm {algorithm!r}; choose from {', '.join(ALGORITHMS)}"
                           + (" or 'auto'" if auto else ""))
+
+
+def simplest_within(times: Mapping[str, float], margin: float = CHOICE_MARGIN) -> str:
+    """The first algorithm of ``times`` (listed simplest first) within ``margin`` of the fastest."""
+    fastest = min(times.values())
+    return next(algorithm for algorithm, took in times.items() if (1 - margin) * took <= fastest)
+
+
+def size_class(nbytes: int) -> int:
+    """Messages from 2^(c-1) to 2^c - 1 bytes share class ``c``: ``auto`` decides once per class."""
+    return max(int(nbytes), 1).bit_length()
 
 
 @dataclass(frozen=True)
@@ -225,12 +239,23 @@ class CostModel:
         local = 2 * self.intra.cost(biggest - 1, (biggest - 1) / biggest * nbytes)  # scatter, then gather
         return local + self._ring(topology, shards[0], nbytes / biggest, streams=len(shards))
 
+    def _predicted(self, topology: Topology, nbytes: float) -> dict[str, float]:
+        usable = [a for a in ALGORITHMS if a != "reduce_scatter" or topology.is_uniform]
+        return {algorithm: self.predict(topology, algorithm, nbytes) for algorithm in usable}
+
     def choose(self, topology: Topology, nbytes: float, margin: float = CHOICE_MARGIN) -> str:
-        """The algorithm with the least predicted time; a hierarchical one only when it beats the
-        flat ring by ``margin`` (measured links are noisy, and the flat ring is the safe default)."""
+        """The simplest algorithm (flat, then leader, then reduce_scatter) predicted within ``margin``
+        of the fastest: a more elaborate one must win by more than that, as measured lines are noisy
+        and the flat ring is the safe default."""
         if len(topology.groups) in (1, topology.world_size):
             return "flat"  # one group, or groups of one: every algorithm is the flat ring or worse
-        usable = [a for a in ALGORITHMS[1:] if a != "reduce_scatter" or topology.is_uniform]
-        best = min(usable, key=lambda algorithm: self.predict(topology, algorithm, nbytes))
-        flat = self.predict(topology, "flat", nbytes)
-        return best if self.predict(topology, best, nbytes) < (1 - margin) * flat else "flat"
+        return simplest_within(self._predicted(topology, nbytes), margin)
+
+    def candidates(self, topology: Topology, nbytes: float, within: float = TRIAL_WITHIN) -> list[str]:
+        """The algorithms worth a trial at ``nbytes``: predicted within ``within`` of the fastest
+        (simplest first). One candidate means the prediction is clear enough to go by."""
+        if len(topology.groups) in (1, topology.world_size):
+            return ["flat"]
+        predicted = self._predicted(topology, nbytes)
+        fastest = min(predicted.values())
+        return [algorithm for algorithm, took in predicted.items() if took <= (1 + within) * fastest]

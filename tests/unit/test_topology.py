@@ -7,7 +7,8 @@ import json
 import pytest
 
 from convoy.errors import ConfigError
-from convoy.parallel.topology import CostModel, Link, Topology, cross_bytes, min_cross_bytes
+from convoy.parallel.topology import (CostModel, Link, Topology, cross_bytes, min_cross_bytes, simplest_within,
+                                      size_class)
 
 MB = 1 << 20
 
@@ -76,8 +77,28 @@ def test_cost_model_prefers_flat_on_even_links_and_hierarchy_on_a_slow_uplink() 
     close = CostModel(slow.intra, slow.inter, (("flat", Link(1e-3, 1 / 1.0e9)), ("leader", Link(1e-3, 1 / 1.1e9))))
     assert close.choose(Topology.uniform(4, 2), 64 * MB, margin=0.15) == "flat"
     assert close.choose(Topology.uniform(4, 2), 64 * MB, margin=0.0) == "leader"
+    # and between the hierarchical two, leader unless reduce_scatter wins by the margin
+    pair = CostModel(slow.intra, slow.inter, (("flat", Link(4e-3, 1 / 1.0e9)), ("leader", Link(1e-3, 1 / 1.0e9)),
+                                              ("reduce_scatter", Link(0.9e-3, 1 / 1.0e9))))
+    assert pair.choose(Topology.uniform(4, 2), MB) == "leader"
+    assert pair.choose(Topology.uniform(4, 2), MB, margin=0.0) == "reduce_scatter"
     with pytest.raises(ConfigError, match="unknown allreduce algorithm 'tree'"):
         slow.predict(topology, "tree", MB)
+
+
+def test_auto_trials_only_the_algorithms_predicted_close_to_the_fastest() -> None:
+    lines = (("flat", Link(5e-3, 1 / 1.0e9)), ("leader", Link(1e-3, 1 / 0.9e9)),
+             ("reduce_scatter", Link(1e-3, 1 / 0.5e9)))
+    model = CostModel(Link(0.0, 1e-9), Link(0.0, 1e-9), lines)
+    two_by_two = Topology.uniform(4, 2)
+    assert model.candidates(two_by_two, 1024) == ["leader", "reduce_scatter"]  # flat's fixed 5 ms is out
+    assert model.candidates(two_by_two, 64 * MB) == ["flat", "leader"]  # reduce_scatter's bandwidth is out
+    assert model.candidates(Topology.from_groups([[0], [1, 2, 3]]), 1024) == ["leader"]  # uneven: nothing to try
+    assert model.candidates(Topology.uniform(4, 4), 64 * MB) == ["flat"]
+    assert simplest_within({"flat": 10.0, "leader": 9.6, "reduce_scatter": 9.0}) == "reduce_scatter"
+    assert simplest_within({"flat": 10.0, "leader": 9.6, "reduce_scatter": 9.3}) == "leader"  # 9.6 within 5% of 9.3
+    assert simplest_within({"flat": 9.7, "leader": 9.6}) == "flat"
+    assert [size_class(n) for n in (0, 1, MB - 1, MB, 2 * MB - 1, 2 * MB)] == [1, 1, 20, 21, 21, 22]
 
 
 def test_fitting_a_link_recovers_its_latency_and_bandwidth() -> None:
