@@ -6,8 +6,8 @@ counts the slowest rank; between reps the buffer is refilled (not timed). The fi
 host reads its host link's sent bytes (``CONVOY_BENCH_LINK``, empty on loopback) around each rep.
 Rank 0 writes the results as JSON to ``--out``.
 Checks across ranks are off (``check=False``), as in the DDP hook, so each algorithm is timed alone.
-``auto`` starts fresh at each size: where it holds a trial (``HierarchicalAllreduce.choose``), all
-but the first of the trial's calls (the warm-up) are among the timed reps.
+``auto`` starts fresh at each size: where it holds a trial (``HierarchicalAllreduce.choose``), the
+trial runs before the timed reps (as a job's first steps would), and its calls and time are reported.
 """
 
 from __future__ import annotations
@@ -60,10 +60,17 @@ def main() -> None:
     for size_mb in [float(s) for s in args.sizes_mb.split(",")]:
         buffer = torch.ones(int(size_mb * (1 << 20)) // 4)
         chosen = {algorithm: run(comm, buffer, algorithm) for algorithm in ALGORITHMS}  # warm
+        trial_calls, trial_s = 1, 0.0  # auto's trial at this size, if it holds one: a one-time cost, reported
+        while not comm.settled(buffer.numel() * 4):
+            dist.barrier()
+            began = time.perf_counter()
+            run(comm, buffer, "auto")
+            trial_s += time.perf_counter() - began
+            trial_calls += 1
         times: dict[str, list[float]] = {algorithm: [] for algorithm in ALGORITHMS}
         sent = dict.fromkeys(ALGORITHMS, 0)
         # small messages, and anything on loopback (where one algorithm's runs spread by 10-20%), are noisier
-        reps = args.reps * 3 if size_mb <= 4 or not os.environ.get("CONVOY_BENCH_LINK") else args.reps
+        reps = args.reps * 6 if size_mb <= 4 or not os.environ.get("CONVOY_BENCH_LINK") else args.reps
         for rep in range(reps):  # interleaved, so a slow moment of the machine hits every algorithm alike, in an
             # order drawn anew each rep (the same on every rank), so no algorithm always runs right after another
             for algorithm in random.Random(rep).sample(ALGORITHMS, len(ALGORITHMS)):
@@ -83,7 +90,8 @@ def main() -> None:
             total_sent = torch.tensor([sent[algorithm]], dtype=torch.int64)
             dist.all_reduce(total_sent)
             results.append({"size_mb": size_mb, "algorithm": algorithm, "chosen": chosen[algorithm],
-                            "median_s": statistics.median(slowest.tolist()), "cross_bytes": total_sent.item() / reps})
+                            "median_s": statistics.median(slowest.tolist()), "times_s": slowest.tolist(),
+                            "cross_bytes": total_sent.item() / reps, "trial_calls": trial_calls, "trial_s": trial_s})
     if ctx.rank == 0:
         cost = comm.cost_model()
         Path(args.out).write_text(json.dumps({"results": results, "links": {

@@ -38,7 +38,7 @@ PROBE_BYTES = (1 << 20, 32 << 20)
 PROBE_REPS = 7
 SMALL_PROBE_REPS = 21
 """The small probe's reps: it is cheap, and a rep's spread is large next to its time."""
-TRIAL_ROUNDS = 3
+TRIAL_ROUNDS = 9
 """Calls each candidate gets in an ``auto`` trial (``HierarchicalAllreduce.choose``)."""
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
            torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool]
@@ -109,6 +109,8 @@ class HierarchicalAllreduce:
         chosen, trial = self._auto(nbytes) if algorithm == "auto" else (algorithm, None)
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
         flat = work.view(-1)
+        if trial is not None:
+            dist.barrier()  # a trial call times the algorithm, not the ranks' arrival skew
         began = time.perf_counter()
         if chosen == "flat" or self.world_size == 1:
             dist.all_reduce(flat)
@@ -153,13 +155,24 @@ class HierarchicalAllreduce:
         The cost model's pick, unless a trial settled this size class (sizes within a factor of 2):
         where the model predicts several algorithms within ``TRIAL_WITHIN`` of the fastest, the
         first ``TRIAL_ROUNDS`` calls per candidate of ``auto`` at that size run the candidates in
-        turn, every rank times them, and the one with the least median of the slowest rank's time
-        stays (a more elaborate one only when it wins by ``CHOICE_MARGIN``). The trial is timed at
-        the real size, in the real job, so it corrects what the start-up probes got wrong."""
+        turn, each after a barrier; every rank times them, and the one that is least slower than
+        the fastest of its round (median over rounds, slowest rank) stays (a more elaborate one
+        only when it wins by ``CHOICE_MARGIN``).
+        The trial is timed at the real size, in the real job, so it corrects what the start-up
+        probes got wrong."""
         if len(self.topology.groups) in (1, self.world_size):
             return "flat"
         decided = self._decided.get(size_class(nbytes))
         return decided or self.cost_model().choose(self.topology, nbytes)
+
+    def settled(self, nbytes: int) -> bool:
+        """Whether ``auto`` has stopped trying algorithms at this size: no trial was needed, or it ended."""
+        if len(self.topology.groups) in (1, self.world_size) or not self.tune:
+            return True
+        kind = size_class(nbytes)
+        if kind in self._decided or kind in self._trials:
+            return kind in self._decided
+        return len(self.cost_model().candidates(self.topology, nbytes)) == 1
 
     def ddp_hook(self, algorithm: str = "auto") -> Callable[[Any, dist.GradBucket], torch.futures.Future]:
         """A DDP communication hook averaging gradients with this allreduce:
@@ -213,12 +226,14 @@ class HierarchicalAllreduce:
         return trial.next(), trial
 
     def _settle(self, nbytes: int, trial: _Trial) -> None:
-        """End a trial (collective: every rank ends it on the same call): each call's slowest rank."""
+        """End a trial (collective: every rank ends it on the same call). A call counts the slowest
+        rank; a candidate scores the median over rounds of its time over the round's fastest
+        (a round runs every candidate back to back, so a slow moment of the machine cancels)."""
         times = torch.tensor(trial.times, dtype=torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
-        medians = times.median(dim=1).values.tolist()
+        scores = (times / times.min(dim=0).values).median(dim=1).values.tolist()
         kind = size_class(nbytes)
-        self._decided[kind] = simplest_within(dict(zip(trial.candidates, medians, strict=True)))
+        self._decided[kind] = simplest_within(dict(zip(trial.candidates, scores, strict=True)))
         del self._trials[kind]
         self._save_cache()
 
