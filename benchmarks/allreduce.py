@@ -112,7 +112,7 @@ def main() -> int:
     parser.add_argument("--worlds", default=None, help="comma-separated world sizes, even (default 4,8)")
     parser.add_argument("--sizes-mb", default=None, help="message sizes in MB (default 1,4,16,64)")
     parser.add_argument("--reps", type=int, default=None,
-                        help="timed reps per algorithm and size (default 9; x6 at <= 4 MB and on loopback)")
+                        help="timed reps per algorithm and size (default 9; x18 at <= 4 MB, x6 on loopback)")
     parser.add_argument("--rate", default="1gbit", help="the slow link's rate (tc syntax)")
     parser.add_argument("--delay", default="0.5ms", help="the slow link's one-way delay (tc syntax)")
     args = parser.parse_args()

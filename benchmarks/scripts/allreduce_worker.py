@@ -62,6 +62,7 @@ def main() -> None:
         chosen = {algorithm: run(comm, buffer, algorithm) for algorithm in ALGORITHMS}  # warm
         trial_calls, trial_s = 1, 0.0  # auto's trial at this size, if it holds one: a one-time cost, reported
         while not comm.settled(buffer.numel() * 4):
+            buffer.fill_(1.0)  # as before every timed rep
             dist.barrier()
             began = time.perf_counter()
             run(comm, buffer, "auto")
@@ -69,8 +70,9 @@ def main() -> None:
             trial_calls += 1
         times: dict[str, list[float]] = {algorithm: [] for algorithm in ALGORITHMS}
         sent = dict.fromkeys(ALGORITHMS, 0)
-        # small messages, and anything on loopback (where one algorithm's runs spread by 10-20%), are noisier
-        reps = args.reps * 6 if size_mb <= 4 or not os.environ.get("CONVOY_BENCH_LINK") else args.reps
+        # small messages (runs spread by up to 40% with 8 ranks on 2 cores) and anything on loopback (10-20%) are
+        # noisier; their reps are cheap
+        reps = args.reps * (18 if size_mb <= 4 else 6 if not os.environ.get("CONVOY_BENCH_LINK") else 1)
         for rep in range(reps):  # interleaved, so a slow moment of the machine hits every algorithm alike, in an
             # order drawn anew each rep (the same on every rank), so no algorithm always runs right after another
             for algorithm in random.Random(rep).sample(ALGORITHMS, len(ALGORITHMS)):
