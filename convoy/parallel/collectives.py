@@ -166,7 +166,8 @@ class HierarchicalAllreduce:
         return decided or self.cost_model().choose(self.topology, nbytes)
 
     def settled(self, nbytes: int) -> bool:
-        """Whether ``auto`` has stopped trying algorithms at this size: no trial was needed, or it ended."""
+        """Whether ``auto`` has stopped trying algorithms at this size: no trial was needed, or it
+        ended (measures the links the first time, as ``choose`` does: call it on every rank)."""
         if len(self.topology.groups) in (1, self.world_size) or not self.tune:
             return True
         kind = size_class(nbytes)
