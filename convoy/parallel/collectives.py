@@ -4,7 +4,8 @@
     comm.allreduce(tensor, op="avg")                      # algorithm="auto": the cost model picks
     ddp.register_comm_hook(None, comm.ddp_hook())
 
-Who sends what, and the cost model, live in ``topology.py``; this file makes the calls. Both
+Who sends what, and the cost model, live in ``topology.py``; what ``auto`` measures (probes,
+trials, the job's cache) in ``autotune.py``; this file makes the calls. Both
 hierarchical algorithms cut the tensor into chunks and pipeline them, so the fast in-group
 phases of one chunk overlap the slow cross-group phase of another. Where a group's ranks share
 a machine, those in-group phases run through shared memory (``host_memory.py``), else on gloo.
@@ -12,10 +13,7 @@ a machine, those in-group phases run through shared memory (``host_memory.py``),
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import random
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -27,19 +25,14 @@ import torch
 import torch.distributed as dist
 
 from convoy.errors import ConfigError
+from convoy.parallel.autotune import (Trial, cache_file, fit_link, load_cache, save_cache,
+                                      time_algorithms)
 from convoy.parallel.host_memory import HostSegment, chunk_sizes, host_allreduce, open_segment
-from convoy.parallel.topology import (ALGORITHMS, CostModel, Link, Topology, check_algorithm, simplest_within,
-                                      size_class)
+from convoy.parallel.topology import ALGORITHMS, CostModel, Link, Topology, check_algorithm, size_class
 
 OPS = ("sum", "avg")
 CHUNK_BYTES = 1 << 20
 BUCKET_BYTES = 25 << 20
-PROBE_BYTES = (1 << 20, 32 << 20)
-PROBE_REPS = 7
-SMALL_PROBE_REPS = 21
-"""The small probe's reps: it is cheap, and a rep's spread is large next to its time."""
-TRIAL_ROUNDS = 9
-"""Calls each candidate gets in an ``auto`` trial (``HierarchicalAllreduce.choose``)."""
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
            torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool]
 
@@ -75,7 +68,7 @@ class HierarchicalAllreduce:
         self.chunk_bytes, self.tune = chunk_bytes, tune
         self._cost, self._cost_given = cost, cost is not None
         self._decided: dict[int, str] = {}  # size class -> what auto runs, once a trial has settled it
-        self._trials: dict[int, _Trial] = {}
+        self._trials: dict[int, Trial] = {}
         run_dir = os.environ.get("CONVOY_RUN_DIR")
         self.cache_dir = Path(cache_dir) if cache_dir else (Path(run_dir) / "collectives" if run_dir else None)
         groups = self.topology.groups
@@ -154,12 +147,8 @@ class HierarchicalAllreduce:
 
         The cost model's pick, unless a trial settled this size class (sizes within a factor of 2):
         where the model predicts several algorithms within ``TRIAL_WITHIN`` of the fastest, the
-        first ``TRIAL_ROUNDS`` calls per candidate of ``auto`` at that size run the candidates in
-        turn, each after a barrier; every rank times them, and the one that is least slower than
-        the fastest of its round (median over rounds, slowest rank) stays (a more elaborate one
-        only when it wins by ``CHOICE_MARGIN``).
-        The trial is timed at the real size, in the real job, so it corrects what the start-up
-        probes got wrong."""
+        first calls of ``auto`` at that size run them in turn, each after a barrier, and the winner
+        stays (``autotune.Trial``): timed at the real size, in the real job, it corrects the probes."""
         if len(self.topology.groups) in (1, self.world_size):
             return "flat"
         decided = self._decided.get(size_class(nbytes))
@@ -207,7 +196,7 @@ class HierarchicalAllreduce:
             self._hook_queue.put(None)
             self._hook_queue = None
 
-    def _auto(self, nbytes: int) -> tuple[str, _Trial | None]:
+    def _auto(self, nbytes: int) -> tuple[str, Trial | None]:
         """What this ``auto`` call runs, and the trial it is part of (None once settled)."""
         if len(self.topology.groups) in (1, self.world_size):
             return "flat", None
@@ -223,18 +212,13 @@ class HierarchicalAllreduce:
             if len(candidates) == 1:
                 self._decided[kind] = candidates[0]
                 return candidates[0], None
-            trial = self._trials[kind] = _Trial(candidates)
+            trial = self._trials[kind] = Trial(candidates)
         return trial.next(), trial
 
-    def _settle(self, nbytes: int, trial: _Trial) -> None:
-        """End a trial (collective: every rank ends it on the same call). A call counts the slowest
-        rank; a candidate scores the median over rounds of its time over the round's fastest
-        (a round runs every candidate back to back, so a slow moment of the machine cancels)."""
-        times = torch.tensor(trial.times, dtype=torch.float64)
-        dist.all_reduce(times, op=dist.ReduceOp.MAX)
-        scores = (times / times.min(dim=0).values).median(dim=1).values.tolist()
+    def _settle(self, nbytes: int, trial: Trial) -> None:
+        """End a trial (collective: every rank ends it on the same call) and keep its winner."""
         kind = size_class(nbytes)
-        self._decided[kind] = simplest_within(dict(zip(trial.candidates, scores, strict=True)))
+        self._decided[kind] = trial.settle()
         del self._trials[kind]
         self._save_cache()
 
@@ -349,86 +333,40 @@ class HierarchicalAllreduce:
         """The links' costs: given, cached for this job and topology, or measured now (collective)."""
         if self._cost is not None:
             return self._cost
-        cache = self._cache_file()
-        found: list[Any] = [None]
-        if self.rank == 0 and cache is not None and cache.exists():
-            try:
-                found[0] = json.loads(cache.read_text())
-            except (OSError, ValueError):
-                found[0] = None
-        dist.broadcast_object_list(found, src=0)
-        if found[0] is not None:
-            saved = found[0]
-            self._cost = CostModel(Link(*saved["intra"]), Link(*saved["inter"]),
-                                   tuple((name, Link(*line)) for name, line in saved["measured"]))
-            self._decided.update({int(kind): algorithm for kind, algorithm in saved.get("decided", {}).items()})
+        cached = load_cache(cache_file(self.cache_dir, self.topology), self.rank)
+        if cached is not None:
+            self._cost = cached[0]
+            self._decided.update(cached[1])
             return self._cost
         self._cost = self.measure()
         self._save_cache()
         return self._cost
 
     def _save_cache(self) -> None:
-        """Rank 0 writes the links, the algorithms' lines and the settled trials for the job."""
-        cache, cost = self._cache_file(), self._cost
-        if self.rank != 0 or cache is None or cost is None or self._cost_given:
-            return  # a cost model the caller gave is theirs, not this job's measurement
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(".tmp")
-        tmp.write_text(json.dumps({
-            "topology": self.topology.key(), "intra": [cost.intra.latency_s, cost.intra.s_per_byte],
-            "inter": [cost.inter.latency_s, cost.inter.s_per_byte],
-            "measured": [[name, [line.latency_s, line.s_per_byte]] for name, line in cost.measured],
-            "decided": {str(kind): algorithm for kind, algorithm in sorted(self._decided.items())}}))
-        tmp.replace(cache)
-
-    def _cache_file(self) -> Path | None:
-        if self.cache_dir is None:
-            return None
-        digest = hashlib.sha1(self.topology.key().encode()).hexdigest()[:12]
-        return self.cache_dir / f"links-{digest}.json"
+        """Rank 0 writes what the job measured and settled (``autotune.save_cache``)."""
+        path = cache_file(self.cache_dir, self.topology)
+        if self.rank == 0 and path is not None and self._cost is not None and not self._cost_given:
+            save_cache(path, self.topology, self._cost, self._decided)  # a given cost model is not the job's
 
     def measure(self) -> CostModel:
         """Time ring allreduces of two sizes inside the first group with more than one rank and
         among the leaders, fitting each link's latency and bandwidth; then each usable algorithm
-        end to end at the same sizes (``_time_algorithms``). Every rank gets the same model."""
+        end to end at the same sizes (``autotune.time_algorithms``). Every rank gets the same model."""
         groups = self.topology.groups
         local_group = next((i for i, g in enumerate(groups) if len(g) > 1), None)
         usable = [a for a in ALGORITHMS if a != "reduce_scatter" or self._shard is not None]
         mine = [0.0] * 4
         if local_group is not None and self.rank in groups[local_group]:
-            mine[:2] = _fit(lambda b: dist.all_reduce(b, group=self._intra), self._intra, len(groups[local_group]))
+            mine[:2] = fit_link(lambda b: dist.all_reduce(b, group=self._intra), self._intra,
+                                len(groups[local_group]))
         if len(groups) > 1 and self._leaders is not None:
-            mine[2:4] = _fit(lambda b: dist.all_reduce(b, group=self._leaders), self._leaders, len(groups))
+            mine[2:4] = fit_link(lambda b: dist.all_reduce(b, group=self._leaders), self._leaders, len(groups))
         every: list[list[float]] = [[] for _ in range(self.world_size)]
         dist.all_gather_object(every, mine)
         inter = Link(*every[self.topology.leaders[0]][2:4]) if len(groups) > 1 else None
         intra = Link(*every[groups[local_group][0]][:2]) if local_group is not None else None
-        return CostModel(intra or inter or Link(0.0, 1e-9), inter or intra or Link(0.0, 1e-9),
-                         self._time_algorithms(usable))
-
-    def _time_algorithms(self, usable: list[str]) -> tuple[tuple[str, Link], ...]:
-        """A line (fixed cost + cost per byte) per algorithm through its median time at each probe
-        size. The algorithms take turns in an order drawn anew each rep (the same on every rank), so
-        a slow moment of the machine, or the state one algorithm leaves behind, hits all of them
-        alike; a rep counts the slowest rank, as the allreduce is done only when every rank is."""
-        medians = []
-        for nbytes in PROBE_BYTES:
-            buffer = torch.ones(nbytes // 4, dtype=torch.float32)
-            for algorithm in usable:
-                self.allreduce(buffer, "sum", algorithm, check=False)  # warm the connections
-            reps = SMALL_PROBE_REPS if nbytes == PROBE_BYTES[0] else PROBE_REPS
-            times = torch.zeros(len(usable), reps, dtype=torch.float64)
-            for rep in range(reps):
-                for index in random.Random(rep).sample(range(len(usable)), len(usable)):
-                    dist.barrier()
-                    began = time.perf_counter()
-                    self.allreduce(buffer, "sum", usable[index], check=False)
-                    times[index, rep] = time.perf_counter() - began
-            dist.all_reduce(times, op=dist.ReduceOp.MAX)
-            medians.append(times.median(dim=1).values.tolist())
-        small, large = PROBE_BYTES
-        return tuple((algorithm, Link.fit_line((small, medians[0][index]), (large, medians[1][index])))
-                     for index, algorithm in enumerate(usable))
+        lines = time_algorithms(lambda buffer, algorithm: self.allreduce(buffer, "sum", algorithm, check=False), usable)
+        return CostModel(intra or inter or Link(0.0, 1e-9), inter or intra or Link(0.0, 1e-9), lines)
 
     def _start_hook_thread(self) -> Queue[Callable[[], None] | None]:
         if self._hook_queue is None:
@@ -441,46 +379,6 @@ class HierarchicalAllreduce:
             threading.Thread(target=serve, name="convoy-allreduce-hook", daemon=True).start()
             self._hook_queue = queue
         return self._hook_queue
-
-
-class _Trial:
-    """One size class's trial: the candidates take turns, ``TRIAL_ROUNDS`` calls each, in an
-    order rotated every round; ``times[i]`` holds candidate i's times on this rank."""
-
-    def __init__(self, candidates: list[str]) -> None:
-        self.candidates = candidates
-        self.times: list[list[float]] = [[] for _ in candidates]
-        self.calls = 0
-
-    def next(self) -> str:
-        turn, n = divmod(self.calls, len(self.candidates))
-        return self.candidates[(n + turn) % len(self.candidates)]
-
-    def record(self, algorithm: str, seconds: float) -> None:
-        self.times[self.candidates.index(algorithm)].append(seconds)
-        self.calls += 1
-
-    @property
-    def complete(self) -> bool:
-        return self.calls == TRIAL_ROUNDS * len(self.candidates)
-
-
-def _fit(run: Callable[[torch.Tensor], None], group: Any, ring_ranks: int) -> tuple[float, float]:
-    """(fixed s, s/byte) of a link from the fastest of ``PROBE_REPS`` ring allreduces of ``ring_ranks``
-    on ``group`` at two sizes (what the link can do: a busy moment of the machine only adds)."""
-    points = []
-    for nbytes in PROBE_BYTES:
-        buffer = torch.ones(nbytes // 4, dtype=torch.float32)
-        run(buffer)  # warm the connections
-        times = []
-        for _ in range(PROBE_REPS):
-            dist.barrier(group=group)
-            began = time.perf_counter()
-            run(buffer)
-            times.append(time.perf_counter() - began)
-        points.append((float(nbytes), min(times)))
-    link = Link.fit_ring(ring_ranks, points[0], points[1])
-    return link.latency_s, link.s_per_byte
 
 
 def _dtype_name(index: int) -> str:
