@@ -13,19 +13,33 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from convoy.parallel.topology import CostModel, Link, Topology, simplest_within
+from convoy.parallel.topology import ALGORITHMS, CostModel, Link, Topology, simplest_within
+
+if TYPE_CHECKING:
+    from convoy.parallel.collectives import HierarchicalAllreduce
 
 PROBE_BYTES = (1 << 20, 32 << 20)
 PROBE_REPS = 7
 SMALL_PROBE_REPS = 21
 """The small probe's reps: it is cheap, and a rep's spread is large next to its time."""
-TRIAL_ROUNDS = 9
-"""Calls each candidate gets in an ``auto`` trial (``HierarchicalAllreduce.choose``)."""
+TRIAL_ROUNDS, TRIAL_MAX_ROUNDS, TRIAL_BUDGET_S = 9, 45, 0.5
+"""Calls each candidate gets in an ``auto`` trial (``HierarchicalAllreduce.choose``): at least
+``TRIAL_ROUNDS``, more where the candidates are predicted to take less than ``TRIAL_BUDGET_S`` in all
+(``trial_rounds``)."""
+
+
+def trial_rounds(round_s: float) -> int:
+    """Rounds of a trial whose round (every candidate once) is predicted to take ``round_s``. A small
+    message's time spreads more next to its size (one preemption of a rank on a busy machine is
+    several milliseconds), and its rounds are cheap."""
+    if round_s <= 0:
+        return TRIAL_MAX_ROUNDS
+    return max(TRIAL_ROUNDS, min(TRIAL_MAX_ROUNDS, int(TRIAL_BUDGET_S / round_s)))
 
 
 def fit_link(run: Callable[[torch.Tensor], None], group: Any, ring_ranks: int) -> tuple[float, float]:
@@ -72,13 +86,13 @@ def time_algorithms(run: Callable[[torch.Tensor, str], None], usable: Sequence[s
 
 
 class Trial:
-    """One size class's trial: the candidates take turns, ``TRIAL_ROUNDS`` calls each, in an
+    """One size class's trial: the candidates take turns, ``rounds`` calls each, in an
     order rotated every round; ``times[i]`` holds candidate i's times on this rank. ``settle``
     keeps the one least slower than its round's fastest (median over rounds, slowest rank), a
     more elaborate one only when it wins by ``CHOICE_MARGIN`` (``topology.simplest_within``)."""
 
-    def __init__(self, candidates: list[str]) -> None:
-        self.candidates = candidates
+    def __init__(self, candidates: list[str], rounds: int = TRIAL_ROUNDS) -> None:
+        self.candidates, self.rounds = candidates, rounds
         self.times: list[list[float]] = [[] for _ in candidates]
         self.calls = 0
 
@@ -92,7 +106,7 @@ class Trial:
 
     @property
     def complete(self) -> bool:
-        return self.calls == TRIAL_ROUNDS * len(self.candidates)
+        return self.calls == self.rounds * len(self.candidates)
 
     def settle(self) -> str:
         """The algorithm to keep (collective: every rank settles on the same call). A call counts
@@ -138,3 +152,23 @@ def save_cache(path: Path, topology: Topology, cost: CostModel, decided: Mapping
         "measured": [[name, [line.latency_s, line.s_per_byte]] for name, line in cost.measured],
         "decided": {str(kind): algorithm for kind, algorithm in sorted(decided.items())}}))
     tmp.replace(path)
+
+
+def measure(comm: HierarchicalAllreduce) -> CostModel:
+    """Time ring allreduces of two sizes inside the first group with more than one rank and among
+    the leaders, fitting each link's latency and bandwidth; then each usable algorithm end to end
+    at the same sizes (``time_algorithms``). Every rank gets the same model."""
+    groups = comm.topology.groups
+    local_group = next((i for i, g in enumerate(groups) if len(g) > 1), None)
+    usable = [a for a in ALGORITHMS if a != "reduce_scatter" or comm._shard is not None]
+    mine = [0.0] * 4
+    if local_group is not None and comm.rank in groups[local_group]:
+        mine[:2] = fit_link(lambda b: dist.all_reduce(b, group=comm._intra), comm._intra, len(groups[local_group]))
+    if len(groups) > 1 and comm._leaders is not None:
+        mine[2:4] = fit_link(lambda b: dist.all_reduce(b, group=comm._leaders), comm._leaders, len(groups))
+    every: list[list[float]] = [[] for _ in range(comm.world_size)]
+    dist.all_gather_object(every, mine)
+    inter = Link(*every[comm.topology.leaders[0]][2:4]) if len(groups) > 1 else None
+    intra = Link(*every[groups[local_group][0]][:2]) if local_group is not None else None
+    lines = time_algorithms(lambda buffer, algorithm: comm.allreduce(buffer, "sum", algorithm, check=False), usable)
+    return CostModel(intra or inter or Link(0.0, 1e-9), inter or intra or Link(0.0, 1e-9), lines)

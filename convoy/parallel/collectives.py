@@ -8,7 +8,8 @@ Who sends what, and the cost model, live in ``topology.py``; what ``auto`` measu
 trials, the job's cache) in ``autotune.py``; this file makes the calls. Both
 hierarchical algorithms cut the tensor into chunks and pipeline them, so the fast in-group
 phases of one chunk overlap the slow cross-group phase of another. Where a group's ranks share
-a machine, those in-group phases run through shared memory (``host_memory.py``), else on gloo.
+a machine, those in-group phases run through shared memory (``host_memory.py``), else on gloo;
+with ``compress``, the cross-group phase sends chunks losslessly coded (``float_codec.py``).
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ import torch
 import torch.distributed as dist
 
 from convoy.errors import ConfigError
-from convoy.parallel.autotune import (Trial, cache_file, fit_link, load_cache, save_cache,
-                                      time_algorithms)
+from convoy.parallel.autotune import Trial, cache_file, load_cache, measure, save_cache, trial_rounds
+from convoy.parallel.float_codec import CodedSum, codable
 from convoy.parallel.host_memory import HostSegment, chunk_sizes, host_allreduce, open_segment
-from convoy.parallel.topology import ALGORITHMS, CostModel, Link, Topology, check_algorithm, size_class
+from convoy.parallel.topology import ALGORITHMS, CostModel, Topology, check_algorithm, size_class
 
 OPS = ("sum", "avg")
 CHUNK_BYTES = 1 << 20
@@ -51,11 +52,16 @@ class HierarchicalAllreduce:
     same value on every rank (``CONVOY_ALLREDUCE_SHM=0`` turns it off job-wide).
 
     ``tune``: where the cost model finds several algorithms close at a message size, ``auto``
-    tries each on the first real calls of that size and keeps the fastest (``choose``)."""
+    tries each on the first real calls of that size and keeps the fastest (``choose``).
+
+    ``compress``: with two groups, the cross-group phase sends float32, float64 and bfloat16 chunks
+    losslessly coded (``float_codec.py``: 7/8, 15/16 and 3/4 of the bytes) for about 2 ms of CPU per
+    MB. Worth it where the link between the groups is slow (64 MB over 2 x 2 ranks joined at 1 Gbit/s:
+    521 ms against 568), not on fast links; the result is the same to the bit."""
 
     def __init__(self, topology: Topology | None = None, *, cost: CostModel | None = None,
                  cache_dir: str | Path | None = None, chunk_bytes: int = CHUNK_BYTES, host_memory: bool = True,
-                 tune: bool = True) -> None:
+                 tune: bool = True, compress: bool = False) -> None:
         if not dist.is_initialized():
             raise ConfigError("call convoy.init() (or init_process_group) before creating a HierarchicalAllreduce")
         if chunk_bytes < 1:
@@ -82,6 +88,7 @@ class HierarchicalAllreduce:
         if self.topology.is_uniform:
             shards = [dist.new_group(list(ring)) for ring in self.topology.shard_groups()]
             self._shard = shards[self.topology.local_index(self.rank)]
+        self._coded = compress and len(groups) == 2
         self._segment: HostSegment | None = None
         if host_memory:
             self._segment = open_segment(self._intra, self.members[0], self.members, self.rank,
@@ -212,7 +219,8 @@ class HierarchicalAllreduce:
             if len(candidates) == 1:
                 self._decided[kind] = candidates[0]
                 return candidates[0], None
-            trial = self._trials[kind] = Trial(candidates)
+            rounds = trial_rounds(sum(cost.predict(self.topology, c, nbytes) for c in candidates))
+            trial = self._trials[kind] = Trial(candidates, rounds)
         return trial.next(), trial
 
     def _settle(self, nbytes: int, trial: Trial) -> None:
@@ -235,9 +243,16 @@ class HierarchicalAllreduce:
 
     def _through_host(self, flat: torch.Tensor, crossing: str) -> None:
         assert self._segment is not None
-        across = self._leaders if crossing == "leader" else self._shard
         per_chunk = max(self.chunk_bytes // flat.element_size(), 1)
-        host_allreduce(flat, self._segment, across if len(self.topology.groups) > 1 else None, crossing, per_chunk)
+        cross = (lambda chunk: self._cross(chunk, crossing)) if len(self.topology.groups) > 1 else None
+        host_allreduce(flat, self._segment, cross, crossing, per_chunk)
+
+    def _cross(self, chunk: torch.Tensor, crossing: str) -> Any:
+        """Start summing ``chunk`` across the groups (over the leaders, or this rank's shard ring); a handle."""
+        group = self._leaders if crossing == "leader" else self._shard
+        if self._coded and codable(chunk.dtype):
+            return CodedSum(chunk, group, self.topology.partner(self.rank, crossing))
+        return dist.all_reduce(chunk, group=group, async_op=True)
 
     def _leader(self, flat: torch.Tensor) -> None:
         """Reduce to the leader, allreduce among leaders, broadcast; chunk by chunk, pipelined."""
@@ -253,7 +268,7 @@ class HierarchicalAllreduce:
             for index, chunk in enumerate(chunks):
                 if local:
                     reduces[index].wait()
-                across.append(dist.all_reduce(chunk, group=self._leaders, async_op=True))
+                across.append(self._cross(chunk, "leader"))
         if not local:
             for work in across:
                 work.wait()
@@ -289,7 +304,7 @@ class HierarchicalAllreduce:
             if scatters:
                 scatters[index].wait()
             if len(self.topology.groups) > 1:
-                across.append(dist.all_reduce(shard, group=self._shard, async_op=True))
+                across.append(self._cross(shard, "reduce_scatter"))
         gathers = []
         for index, (shard, chunk) in enumerate(zip(shards, chunks, strict=True)):
             if across:
@@ -349,24 +364,8 @@ class HierarchicalAllreduce:
             save_cache(path, self.topology, self._cost, self._decided)  # a given cost model is not the job's
 
     def measure(self) -> CostModel:
-        """Time ring allreduces of two sizes inside the first group with more than one rank and
-        among the leaders, fitting each link's latency and bandwidth; then each usable algorithm
-        end to end at the same sizes (``autotune.time_algorithms``). Every rank gets the same model."""
-        groups = self.topology.groups
-        local_group = next((i for i, g in enumerate(groups) if len(g) > 1), None)
-        usable = [a for a in ALGORITHMS if a != "reduce_scatter" or self._shard is not None]
-        mine = [0.0] * 4
-        if local_group is not None and self.rank in groups[local_group]:
-            mine[:2] = fit_link(lambda b: dist.all_reduce(b, group=self._intra), self._intra,
-                                len(groups[local_group]))
-        if len(groups) > 1 and self._leaders is not None:
-            mine[2:4] = fit_link(lambda b: dist.all_reduce(b, group=self._leaders), self._leaders, len(groups))
-        every: list[list[float]] = [[] for _ in range(self.world_size)]
-        dist.all_gather_object(every, mine)
-        inter = Link(*every[self.topology.leaders[0]][2:4]) if len(groups) > 1 else None
-        intra = Link(*every[groups[local_group][0]][:2]) if local_group is not None else None
-        lines = time_algorithms(lambda buffer, algorithm: self.allreduce(buffer, "sum", algorithm, check=False), usable)
-        return CostModel(intra or inter or Link(0.0, 1e-9), inter or intra or Link(0.0, 1e-9), lines)
+        """Measure the links and every usable algorithm now (collective; ``autotune.measure``)."""
+        return measure(self)
 
     def _start_hook_thread(self) -> Queue[Callable[[], None] | None]:
         if self._hook_queue is None:

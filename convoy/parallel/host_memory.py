@@ -29,6 +29,7 @@ import os
 import platform
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +37,10 @@ import torch
 import torch.distributed as dist
 
 ALIGN = 64
-DEPTH = 4
-"""Sum-slots: a chunk's crossing may lag its in-host reduction by up to ``DEPTH - 1`` chunks."""
+DEPTH = 8
+"""Sum-slots: a chunk's crossing may lag its in-host reduction by up to ``DEPTH - 1`` chunks (8, not 4:
+a coded crossing has CPU work at both ends, and 64 MB over 2 x 2 ranks at 1 Gbit/s took 514 ms
+instead of 543; plain crossings are unchanged)."""
 RAMP_FROM_CHUNKS = 4
 """Tensors longer than this many chunks start with smaller ones (``chunk_sizes``)."""
 SHM_DIR = Path("/dev/shm")
@@ -147,11 +150,12 @@ def open_segment(intra: Any, leader: int, members: tuple[int, ...], rank: int, s
     return HostSegment(memory, len(members), slot_bytes, members.index(rank), intra)
 
 
-def host_allreduce(flat: torch.Tensor, segment: HostSegment, across: Any,
+def host_allreduce(flat: torch.Tensor, segment: HostSegment, cross: Callable[[torch.Tensor], Any] | None,
                    crossing: str, chunk_elements: int) -> None:
-    """Sum ``flat`` over every rank: in-group through ``segment``, across groups on ``across``
-    (the leaders' group for ``crossing="leader"``, else this local index's shard group; None when
-    there is one group). The chunks (``chunk_sizes``) match the gloo leader algorithm's."""
+    """Sum ``flat`` over every rank: in-group through ``segment``, across groups by ``cross`` (an async
+    sum of the chunk over the leaders for ``crossing="leader"``, else over this local index's shard
+    group, returning a handle to wait on; None when there is one group). The chunks
+    (``chunk_sizes``) match the gloo leader algorithm's."""
     k, local, dtype = segment.ranks, segment.local, flat.dtype
     chunks = list(flat.split(chunk_sizes(flat.numel(), chunk_elements)))
     pending: dict[int, Any] = {}
@@ -178,12 +182,12 @@ def host_allreduce(flat: torch.Tensor, segment: HostSegment, across: Any,
         for other in range(2, k):
             total.add_(segment.in_slot(other, count, dtype)[start:stop])
         segment.barrier()  # sum-slot t is complete; the in-slots may be overwritten
-        if across is None:
+        if cross is None:
             continue
         if crossing == "leader" and local == 0:
-            pending[t] = dist.all_reduce(segment.sum_slot(t, count, dtype), group=across, async_op=True)
+            pending[t] = cross(segment.sum_slot(t, count, dtype))
         elif crossing == "reduce_scatter":
-            pending[t] = dist.all_reduce(total, group=across, async_op=True)
+            pending[t] = cross(total)
     for t in range(max(len(chunks) - lag, 0), len(chunks)):  # each of the last chunks out as soon as it is back
         if t in pending:
             pending.pop(t).wait()

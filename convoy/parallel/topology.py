@@ -132,6 +132,16 @@ class Topology:
                               f"{[len(g) for g in self.groups]}); use algorithm 'leader' or 'auto'")
         return tuple(tuple(group[i] for group in self.groups) for i in range(len(self.groups[0])))
 
+    def partner(self, rank: int, crossing: str) -> int:
+        """With two groups, the rank across that ``rank`` sums its chunks with: the other leader
+        (``crossing="leader"``), or the rank at the same local index in the other group."""
+        if len(self.groups) != 2:
+            raise ConfigError(f"a rank has one partner across only with two groups (this topology has "
+                              f"{len(self.groups)})")
+        if crossing == "leader":
+            return sum(self.leaders) - rank
+        return sum(self.shard_groups()[self.local_index(rank)]) - rank
+
     def key(self) -> str:
         """A short name for this grouping (for caching measurements per topology)."""
         return "-".join(".".join(map(str, group)) for group in self.groups)[:200]

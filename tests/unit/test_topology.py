@@ -7,6 +7,7 @@ import json
 import pytest
 
 from convoy.errors import ConfigError
+from convoy.parallel.autotune import TRIAL_BUDGET_S, TRIAL_MAX_ROUNDS, TRIAL_ROUNDS, trial_rounds
 from convoy.parallel.topology import (CostModel, Link, Topology, cross_bytes, min_cross_bytes, simplest_within,
                                       size_class)
 
@@ -44,6 +45,15 @@ def test_shard_groups_pair_equal_local_indices_and_need_equal_groups() -> None:
     assert topology.leaders == (0, 3) and topology.local_index(4) == 1 and topology.group_of(5) == 1
     with pytest.raises(ConfigError, match="groups of equal size"):
         Topology.from_groups([[0], [1, 2]]).shard_groups()
+
+
+def test_partners_across_two_groups() -> None:
+    topology = Topology.from_groups([[0, 1, 2], [3, 4, 5]])
+    assert [topology.partner(rank, "reduce_scatter") for rank in range(6)] == [3, 4, 5, 0, 1, 2]
+    assert topology.partner(0, "leader") == 3 and topology.partner(3, "leader") == 0
+    assert Topology.from_groups([[0], [1, 2]]).partner(1, "leader") == 0
+    with pytest.raises(ConfigError, match="only with two groups"):
+        Topology.from_groups([[0], [1], [2]]).partner(0, "leader")
 
 
 def test_bytes_across_groups_against_the_minimum() -> None:
@@ -99,6 +109,12 @@ def test_auto_trials_only_the_algorithms_predicted_close_to_the_fastest() -> Non
     assert simplest_within({"flat": 10.0, "leader": 9.6, "reduce_scatter": 9.3}) == "leader"  # 9.6 within 5% of 9.3
     assert simplest_within({"flat": 9.7, "leader": 9.6}) == "flat"
     assert [size_class(n) for n in (0, 1, MB - 1, MB, 2 * MB - 1, 2 * MB)] == [1, 1, 20, 21, 21, 22]
+
+
+def test_a_trial_of_quick_calls_gets_more_rounds_within_its_budget() -> None:
+    assert trial_rounds(1.0) == TRIAL_ROUNDS  # 64 MB over a slow link: the minimum
+    assert trial_rounds(0.015) == int(TRIAL_BUDGET_S / 0.015)  # 3 candidates of 5 ms
+    assert trial_rounds(1e-4) == trial_rounds(0.0) == TRIAL_MAX_ROUNDS
 
 
 def test_fitting_a_link_recovers_its_latency_and_bandwidth() -> None:
