@@ -8,7 +8,10 @@ the other goes through ``tc netem`` (default 1 Gbit/s, 0.5 ms; ``tbf`` at that r
 where the kernel lacks netem), while ranks of one host talk over their namespace's loopback
 and convoy's in-group phases go through shared memory (``convoy/parallel/host_memory.py``),
 as on one machine. Gloo is pointed at each host's link as a convoy agent would.
-The peer is ``torch.distributed.all_reduce`` in the same job. Bytes across the slow link are
+Each hierarchical algorithm also runs with its cross-group phase losslessly coded (``+code``:
+``compress=True``, ``convoy/parallel/float_codec.py``) on gradient-like float32 values; the plain
+ones can't beat the flat ring by more than its bytes across over the minimum (printed as the
+ceiling). The peer is ``torch.distributed.all_reduce`` in the same job. Bytes across the slow link are
 read from the hosts' link counters (TCP/IP headers included) and set against the analytic
 minimum 2 (G - 1) S for G groups. ``auto / fastest`` is the median over reps of auto's time over
 the time of the algorithm with the least median, in the same rep. Needs root for (b); without it
@@ -33,7 +36,10 @@ from convoy.testing.netns import HostNetwork, netns_problem  # noqa: E402
 from ranks import rank_env, run_ranks  # noqa: E402
 
 WORKER = REPO / "benchmarks" / "scripts" / "allreduce_worker.py"
-HIERARCHICAL = ("leader", "reduce_scatter")
+PLAIN = ("leader", "reduce_scatter")
+HIERARCHICAL = (*PLAIN, "leader_coded", "reduce_scatter_coded")
+COLUMNS = (("flat_torch", "flat (torch)", 14), ("leader", "leader", 9), ("reduce_scatter", "reduce_sc.", 12),
+           ("leader_coded", "+code", 8), ("reduce_scatter_coded", "+code", 8), ("auto", "auto", 9))
 SPEEDUP_GOAL, AUTO_GOAL, SPEEDUP_FROM_MB = 1.5, 1.10, 16.0
 MB = 1 << 20
 
@@ -63,29 +69,31 @@ def by_size(results: list[dict]) -> dict[float, dict[str, dict]]:
     return table
 
 
-def report(name: str, world: int, data: dict, net: bool) -> tuple[list[float], list[float]]:
-    """Print one configuration's table; return (best hierarchical speedups from 16 MB up, auto / fastest)."""
+def report(name: str, world: int, data: dict, net: bool) -> tuple[list[float], list[float], list[float]]:
+    """Print one configuration's table; return (best hierarchical speedups from 16 MB up, the same without
+    coding, auto / fastest)."""
     topology = Topology.uniform(world, world // 2)
     intra, inter = data["links"]["intra"], data["links"]["inter"]
     print(f"\n{name}, {world} ranks as 2 hosts x {world // 2}; measured links: in-host {intra[0] * 1e6:.0f} us + "
           f"{1 / intra[1] / 1e9:.2f} GB/s, across {inter[0] * 1e6:.0f} us + {1 / inter[1] / 1e9:.2f} GB/s")
-    print(f"{'size':>7}{'flat (torch)':>14}{'leader':>10}{'reduce_sc.':>12}{'auto':>10}{'auto ran':>16}"
-          f"{'best hier. speedup':>20}{'auto / fastest':>16}")
-    speedups, auto_ratios = [], []
+    print(f"{'size':>7}" + "".join(f"{title:>{width}}" for _, title, width in COLUMNS)
+          + f"{'auto ran':>16}{'best hier. speedup':>20}{'uncoded':>9}{'auto / fastest':>16}")
+    speedups, plain_speedups, auto_ratios = [], [], []
     for size, row in sorted(by_size(data["results"]).items()):
         times = {algorithm: row[algorithm]["median_s"] for algorithm in row}
-        best_hier = min(times[a] for a in HIERARCHICAL)
-        speedup = times["flat_torch"] / best_hier
-        fastest = min(("flat_torch", *HIERARCHICAL), key=times.__getitem__)
+        speedup = times["flat_torch"] / min(times[a] for a in HIERARCHICAL)
+        plain_speedup = times["flat_torch"] / min(times[a] for a in PLAIN)
+        fastest = min(("flat_torch", *PLAIN), key=times.__getitem__)  # what auto can pick from
         # auto against the fastest, rep by rep (they ran back to back, so a slow moment cancels)
         ratio = statistics.median(a / f for a, f in zip(row["auto"]["times_s"], row[fastest]["times_s"], strict=True))
         if size >= SPEEDUP_FROM_MB and net:
             speedups.append(speedup)
+            plain_speedups.append(plain_speedup)
         if not net:
             auto_ratios.append(ratio)
-        print(f"{size:>5g}MB" + "".join(f"{times[a] * 1e3:>{w}.1f}" for a, w in
-                                        (("flat_torch", 12), ("leader", 10), ("reduce_scatter", 12), ("auto", 10)))
-              + f"  ms{row['auto']['chosen']:>14}{speedup:>19.2f}x{ratio:>15.2f}")
+        print(f"{size:>5g}MB" + "".join(f"{times[a] * 1e3:>{width - (2 if a == 'flat_torch' else 0)}.1f}"
+                                        for a, _, width in COLUMNS)
+              + f"  ms{row['auto']['chosen']:>14}{speedup:>19.2f}x{plain_speedup:>8.2f}x{ratio:>15.2f}")
     trials = [f"{size:g} MB: {row['auto']['trial_calls']} calls, {row['auto']['trial_s'] * 1e3:.0f} ms"
               for size, row in sorted(by_size(data["results"]).items()) if row["auto"]["trial_calls"] > 1]
     print("auto's trials (once per size class, before the timed reps; rank 0's time, warm-up call not counted): "
@@ -95,15 +103,37 @@ def report(name: str, world: int, data: dict, net: bool) -> tuple[list[float], l
         for size, row in sorted(by_size(data["results"]).items()):
             nbytes = size * MB
             parts = []
-            for algorithm, model_name in (("flat_torch", "flat"), ("leader", "leader"),
-                                          ("reduce_scatter", "reduce_scatter")):
+            for algorithm in ("flat_torch", *HIERARCHICAL):
+                model_name = "flat" if algorithm == "flat_torch" else algorithm.removesuffix("_coded")
                 parts.append(f"{algorithm} {row[algorithm]['cross_bytes'] / MB:.1f} / "
                              f"{cross_bytes(topology, model_name, nbytes) / MB:.1f}")
             print(f"{size:>5g}MB  " + ", ".join(parts) + f"  (minimum {min_cross_bytes(topology, nbytes) / MB:.1f}) MB")
         ceiling = cross_bytes(topology, "flat", MB) / min_cross_bytes(topology, MB)
         print(f"ceiling: no allreduce can beat the flat ring by more than {ceiling:.2f}x while the slow link is "
-              "the bottleneck (flat bytes across / minimum)")
-    return speedups, auto_ratios
+              "the bottleneck (flat bytes across / minimum), unless it sends fewer bytes (coded: the model and "
+              "the minimum count raw bytes)")
+    return speedups, plain_speedups, auto_ratios
+
+
+def coded_share_of_real_gradients() -> str:
+    """How much of a real model's gradients the coding keeps: a small transformer (2 layers, width 256)
+    after one backward pass on random tokens, in 1 MB chunks, as float32 and as bfloat16."""
+    import torch
+
+    from convoy.parallel.float_codec import encode
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(1000, 256), torch.nn.TransformerEncoder(
+        torch.nn.TransformerEncoderLayer(256, 4, 1024, batch_first=True), 2), torch.nn.Linear(256, 1000))
+    tokens = torch.randint(0, 1000, (8, 64))
+    torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    shares = []
+    for dtype in (torch.float32, torch.bfloat16):
+        chunks = grads.to(dtype).split(MB // dtype.itemsize)
+        coded = sum(encode(chunk).numel() for chunk in chunks)
+        shares.append(f"{str(dtype).removeprefix('torch.')} {coded / (grads.numel() * dtype.itemsize):.3f}")
+    return f"coded bytes / raw bytes on a transformer's gradients ({grads.numel() / 1e6:.1f} M): " + ", ".join(shares)
 
 
 def main() -> int:
@@ -123,22 +153,28 @@ def main() -> int:
         parser.error("world sizes must be even and >= 2, reps >= 1")
     problem = netns_problem()
     speedups: list[float] = []
+    plain_speedups: list[float] = []
     auto_ratios: list[float] = []
     with tempfile.TemporaryDirectory(prefix="convoy-bench-allreduce-") as tmp:
         for world in worlds:
             data = run_job(world, sizes, reps, Path(tmp) / f"loopback-{world}.json", None)
-            auto_ratios += report("(a) loopback", world, data, net=False)[1]
+            auto_ratios += report("(a) loopback", world, data, net=False)[2]
             if problem:
                 continue
             with HostNetwork(2, prefix="cvb", second_octet=78) as net:
                 shaped = {net.shape(host, args.rate, args.delay) for host in range(2)}
                 data = run_job(world, sizes, reps, Path(tmp) / f"two-tier-{world}.json", net)
-            speedups += report(f"(b) two-tier (between hosts {', '.join(shaped)})", world, data, net=True)[0]
+            found = report(f"(b) two-tier (between hosts {', '.join(shaped)})", world, data, net=True)
+            speedups += found[0]
+            plain_speedups += found[1]
     if problem:
         print(f"\n(b) two-tier skipped: {problem}")
+    print("\n" + coded_share_of_real_gradients())
     print()
     if speedups:
         worst, every = min(speedups), ", ".join(f"{x:.3f}" for x in speedups)
+        print(f"without coding: worst case {min(plain_speedups):.3f}x, all ["
+              + ", ".join(f"{x:.3f}" for x in plain_speedups) + "]")
         print(f"target two_tier_speedup: best hierarchical vs flat from {SPEEDUP_FROM_MB:g} MB up, worst case "
               f"{worst:.3f}x, median {statistics.median(speedups):.3f}x, all [{every}] "
               f"(goal >= {SPEEDUP_GOAL}x) {'met' if worst >= SPEEDUP_GOAL else 'missed'}")

@@ -1,8 +1,10 @@
-"""One rank of benchmarks/allreduce.py: time flat, leader, reduce_scatter and auto allreduce.
+"""One rank of benchmarks/allreduce.py: time flat, leader, reduce_scatter (each hierarchical one also with
+its cross-group phase coded, ``compress=True``) and auto allreduce.
 
 Groups are the ranks of each host (``LOCAL_WORLD_SIZE`` consecutive ranks). Reps of the
 algorithms are interleaved, in a fresh random order each rep; each starts after a barrier and
-counts the slowest rank; between reps the buffer is refilled (not timed). The first rank of each
+counts the slowest rank; between reps the buffer is refilled (not timed) with the same gradient-like
+values (normal, scaled by 1e-3: the coding depends on the values). The first rank of each
 host reads its host link's sent bytes (``CONVOY_BENCH_LINK``, empty on loopback) around each rep.
 Rank 0 writes the results as JSON to ``--out``.
 Checks across ranks are off (``check=False``), as in the DDP hook, so each algorithm is timed alone.
@@ -28,7 +30,7 @@ import convoy
 from convoy.parallel.collectives import HierarchicalAllreduce
 from convoy.parallel.topology import Topology
 
-ALGORITHMS = ("flat_torch", "leader", "reduce_scatter", "auto")
+ALGORITHMS = ("flat_torch", "leader", "reduce_scatter", "leader_coded", "reduce_scatter_coded", "auto")
 
 
 def sent_bytes() -> int:
@@ -38,10 +40,12 @@ def sent_bytes() -> int:
     return int(Path(f"/sys/class/net/{link}/statistics/tx_bytes").read_text())
 
 
-def run(comm: HierarchicalAllreduce, buffer: torch.Tensor, algorithm: str) -> str:
+def run(comm: HierarchicalAllreduce, coded: HierarchicalAllreduce, buffer: torch.Tensor, algorithm: str) -> str:
     if algorithm == "flat_torch":
         dist.all_reduce(buffer)
         return algorithm
+    if algorithm.endswith("_coded"):
+        return coded.allreduce(buffer, "sum", algorithm.removesuffix("_coded"), check=False) + "_coded"
     return comm.allreduce(buffer, "sum", algorithm, check=False)
 
 
@@ -55,17 +59,21 @@ def main() -> None:
     topology = Topology.uniform(ctx.world_size, ctx.local_world_size)
     comm = HierarchicalAllreduce(topology)
     comm.choose(1)  # measure the links once, before anything is timed
+    coded = HierarchicalAllreduce(topology, compress=True, tune=False)
     counts_bytes = ctx.local_rank == 0
     results = []
     for size_mb in [float(s) for s in args.sizes_mb.split(",")]:
-        buffer = torch.ones(int(size_mb * (1 << 20)) // 4)
-        chosen = {algorithm: run(comm, buffer, algorithm) for algorithm in ALGORITHMS}  # warm
+        values = torch.randn(int(size_mb * (1 << 20)) // 4, generator=torch.Generator().manual_seed(ctx.rank)) * 1e-3
+        expected = values.clone()
+        dist.all_reduce(expected)
+        buffer = values.clone()
+        chosen = {algorithm: run(comm, coded, buffer, algorithm) for algorithm in ALGORITHMS}  # warm
         trial_calls, trial_s = 1, 0.0  # auto's trial at this size, if it holds one: a one-time cost, reported
         while not comm.settled(buffer.numel() * 4):
-            buffer.fill_(1.0)  # as before every timed rep
+            buffer.copy_(values)  # as before every timed rep
             dist.barrier()
             began = time.perf_counter()
-            run(comm, buffer, "auto")
+            run(comm, coded, buffer, "auto")
             trial_s += time.perf_counter() - began
             trial_calls += 1
         times: dict[str, list[float]] = {algorithm: [] for algorithm in ALGORITHMS}
@@ -76,15 +84,16 @@ def main() -> None:
         for rep in range(reps):  # interleaved, so a slow moment of the machine hits every algorithm alike, in an
             # order drawn anew each rep (the same on every rank), so no algorithm always runs right after another
             for algorithm in random.Random(rep).sample(ALGORITHMS, len(ALGORITHMS)):
-                buffer.fill_(1.0)
+                buffer.copy_(values)
                 dist.barrier()
                 before = sent_bytes() if counts_bytes else 0
                 began = time.perf_counter()
-                run(comm, buffer, algorithm)
+                run(comm, coded, buffer, algorithm)
                 times[algorithm].append(time.perf_counter() - began)
                 dist.barrier()  # every rank of the host is done sending before the counter is read
                 sent[algorithm] += (sent_bytes() - before) if counts_bytes else 0
-                assert torch.all(buffer == ctx.world_size), f"{algorithm} gave a wrong sum"
+                if rep == 0:  # each algorithm's sum, once per size (a 64 MB check costs more than a loopback call)
+                    assert torch.allclose(buffer, expected, rtol=1e-4, atol=1e-8), f"{algorithm} gave a wrong sum"
         chosen["auto"] = comm.choose(buffer.numel() * 4)  # what auto settled on (after its trial, if it held one)
         for algorithm in ALGORITHMS:
             slowest = torch.tensor(times[algorithm], dtype=torch.float64)
@@ -100,6 +109,7 @@ def main() -> None:
             "intra": [cost.intra.latency_s, cost.intra.s_per_byte],
             "inter": [cost.inter.latency_s, cost.inter.s_per_byte]}}))
     comm.close()
+    coded.close()
     sys.stdout.flush()
     os._exit(0)  # tearing down gloo sub-groups can abort in torch 2.13 (as convoy's standbys avoid)
 

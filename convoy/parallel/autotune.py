@@ -27,7 +27,7 @@ PROBE_BYTES = (1 << 20, 32 << 20)
 PROBE_REPS = 7
 SMALL_PROBE_REPS = 21
 """The small probe's reps: it is cheap, and a rep's spread is large next to its time."""
-TRIAL_ROUNDS, TRIAL_MAX_ROUNDS, TRIAL_BUDGET_S = 9, 45, 0.5
+TRIAL_ROUNDS, TRIAL_MAX_ROUNDS, TRIAL_BUDGET_S = 9, 45, 2.0
 """Calls each candidate gets in an ``auto`` trial (``HierarchicalAllreduce.choose``): at least
 ``TRIAL_ROUNDS``, more where the candidates are predicted to take less than ``TRIAL_BUDGET_S`` in all
 (``trial_rounds``)."""
@@ -86,10 +86,11 @@ def time_algorithms(run: Callable[[torch.Tensor, str], None], usable: Sequence[s
 
 
 class Trial:
-    """One size class's trial: the candidates take turns, ``rounds`` calls each, in an
-    order rotated every round; ``times[i]`` holds candidate i's times on this rank. ``settle``
-    keeps the one least slower than its round's fastest (median over rounds, slowest rank), a
-    more elaborate one only when it wins by ``CHOICE_MARGIN`` (``topology.simplest_within``)."""
+    """One size class's trial: the candidates take turns, ``rounds`` calls each, in an order drawn
+    anew every round (the same on every rank, so no candidate always follows another); ``times[i]``
+    holds candidate i's times on this rank. ``settle`` keeps the one least slower than its round's
+    fastest (median over rounds, slowest rank), a more elaborate one only when it wins by
+    ``CHOICE_MARGIN`` (``topology.simplest_within``)."""
 
     def __init__(self, candidates: list[str], rounds: int = TRIAL_ROUNDS) -> None:
         self.candidates, self.rounds = candidates, rounds
@@ -98,7 +99,7 @@ class Trial:
 
     def next(self) -> str:
         turn, n = divmod(self.calls, len(self.candidates))
-        return self.candidates[(n + turn) % len(self.candidates)]
+        return random.Random(turn).sample(self.candidates, len(self.candidates))[n]
 
     def record(self, algorithm: str, seconds: float) -> None:
         self.times[self.candidates.index(algorithm)].append(seconds)

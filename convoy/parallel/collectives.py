@@ -57,7 +57,7 @@ class HierarchicalAllreduce:
     ``compress``: with two groups, the cross-group phase sends float32, float64 and bfloat16 chunks
     losslessly coded (``float_codec.py``: 7/8, 15/16 and 3/4 of the bytes) for about 2 ms of CPU per
     MB. Worth it where the link between the groups is slow (64 MB over 2 x 2 ranks joined at 1 Gbit/s:
-    521 ms against 568), not on fast links; the result is the same to the bit."""
+    502 ms against 564), not on fast links; the result is the same to the bit."""
 
     def __init__(self, topology: Topology | None = None, *, cost: CostModel | None = None,
                  cache_dir: str | Path | None = None, chunk_bytes: int = CHUNK_BYTES, host_memory: bool = True,

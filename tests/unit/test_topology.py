@@ -7,7 +7,7 @@ import json
 import pytest
 
 from convoy.errors import ConfigError
-from convoy.parallel.autotune import TRIAL_BUDGET_S, TRIAL_MAX_ROUNDS, TRIAL_ROUNDS, trial_rounds
+from convoy.parallel.autotune import TRIAL_BUDGET_S, TRIAL_MAX_ROUNDS, TRIAL_ROUNDS, Trial, trial_rounds
 from convoy.parallel.topology import (CostModel, Link, Topology, cross_bytes, min_cross_bytes, simplest_within,
                                       size_class)
 
@@ -113,8 +113,19 @@ def test_auto_trials_only_the_algorithms_predicted_close_to_the_fastest() -> Non
 
 def test_a_trial_of_quick_calls_gets_more_rounds_within_its_budget() -> None:
     assert trial_rounds(1.0) == TRIAL_ROUNDS  # 64 MB over a slow link: the minimum
-    assert trial_rounds(0.015) == int(TRIAL_BUDGET_S / 0.015)  # 3 candidates of 5 ms
+    assert trial_rounds(0.1) == int(TRIAL_BUDGET_S / 0.1)  # 3 candidates of 33 ms
     assert trial_rounds(1e-4) == trial_rounds(0.0) == TRIAL_MAX_ROUNDS
+
+
+def test_a_trial_runs_every_candidate_once_a_round_in_orders_that_vary() -> None:
+    candidates = ["flat", "leader", "reduce_scatter"]
+    trial, ran = Trial(candidates, rounds=9), []
+    while not trial.complete:
+        ran.append(trial.next())
+        trial.record(ran[-1], 1.0)
+    rounds = [tuple(ran[i:i + 3]) for i in range(0, len(ran), 3)]
+    assert len(rounds) == 9 and all(sorted(r) == candidates for r in rounds)
+    assert len(set(rounds)) > 2, rounds
 
 
 def test_fitting_a_link_recovers_its_latency_and_bandwidth() -> None:
