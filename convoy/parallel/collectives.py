@@ -54,7 +54,7 @@ class HierarchicalAllreduce:
     ``tune``: where the cost model finds several algorithms close at a message size, ``auto``
     tries each on the first real calls of that size and keeps the fastest (``choose``).
 
-    ``compress``: with two groups, the cross-group phase sends float32, float64 and bfloat16 chunks
+    ``compress``: for two groups (more are refused), the cross-group phase sends float32, float64 and bfloat16 chunks
     losslessly coded (``float_codec.py``: 7/8, 15/16 and 3/4 of the bytes) for about 2 ms of CPU per
     MB. Worth it where the link between the groups is slow (64 MB over 2 x 2 ranks joined at 1 Gbit/s:
     502 ms against 564), not on fast links; the result is the same to the bit."""
@@ -71,6 +71,9 @@ class HierarchicalAllreduce:
         if self.topology.world_size != self.world_size:
             raise ConfigError(f"topology covers {self.topology.world_size} ranks but the process group has "
                               f"{self.world_size}; give one group entry per rank of the job")
+        if compress and len(self.topology.groups) > 2:
+            raise ConfigError(f"compress=True codes what two groups exchange; this topology has "
+                              f"{len(self.topology.groups)} groups (leave compress off)")
         self.chunk_bytes, self.tune = chunk_bytes, tune
         self._cost, self._cost_given = cost, cost is not None
         self._decided: dict[int, str] = {}  # size class -> what auto runs, once a trial has settled it
@@ -91,8 +94,7 @@ class HierarchicalAllreduce:
         self._coded = compress and len(groups) == 2
         self._segment: HostSegment | None = None
         if host_memory:
-            self._segment = open_segment(self._intra, self.members[0], self.members, self.rank,
-                                         max(chunk_bytes, 16))
+            self._segment = open_segment(self._intra, self.members[0], self.members, self.rank, max(chunk_bytes, 16))
         self._hook_queue: Queue[Callable[[], None] | None] | None = None
 
     # --- the public calls ---
@@ -243,9 +245,8 @@ class HierarchicalAllreduce:
 
     def _through_host(self, flat: torch.Tensor, crossing: str) -> None:
         assert self._segment is not None
-        per_chunk = max(self.chunk_bytes // flat.element_size(), 1)
         cross = (lambda chunk: self._cross(chunk, crossing)) if len(self.topology.groups) > 1 else None
-        host_allreduce(flat, self._segment, cross, crossing, per_chunk)
+        host_allreduce(flat, self._segment, cross, crossing, max(self.chunk_bytes // flat.element_size(), 1))
 
     def _cross(self, chunk: torch.Tensor, crossing: str) -> Any:
         """Start summing ``chunk`` across the groups (over the leaders, or this rank's shard ring); a handle."""
