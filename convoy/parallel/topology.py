@@ -139,6 +139,8 @@ class Topology:
             raise ConfigError(f"a rank has one partner across only with two groups (this topology has "
                               f"{len(self.groups)})")
         if crossing == "leader":
+            if rank not in self.leaders:
+                raise ValueError(f"rank {rank} does not cross in the leader algorithm (the leaders are {self.leaders})")
             return sum(self.leaders) - rank
         return sum(self.shard_groups()[self.local_index(rank)]) - rank
 

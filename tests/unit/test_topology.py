@@ -52,6 +52,8 @@ def test_partners_across_two_groups() -> None:
     assert [topology.partner(rank, "reduce_scatter") for rank in range(6)] == [3, 4, 5, 0, 1, 2]
     assert topology.partner(0, "leader") == 3 and topology.partner(3, "leader") == 0
     assert Topology.from_groups([[0], [1, 2]]).partner(1, "leader") == 0
+    with pytest.raises(ValueError, match="rank 2 does not cross"):
+        Topology.from_groups([[0], [1, 2]]).partner(2, "leader")
     with pytest.raises(ConfigError, match="only with two groups"):
         Topology.from_groups([[0], [1], [2]]).partner(0, "leader")
 
