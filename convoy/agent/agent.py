@@ -6,6 +6,7 @@ import secrets
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from convoy.agent.workers import Worker, WorkerGroup
 from convoy.config import WorkerConfig
 from convoy.control import protocol as p
 from convoy.errors import ConvoyError, MasterUnreachableError, WorkerStartError
+from convoy.lease import LeaseWriter, lease_path
 from convoy.procs import Interrupted, raise_interrupted, signal_name
 from convoy.shm import remove_segments
 
@@ -48,24 +50,40 @@ class _Heartbeat(threading.Thread):
         self.error: ConvoyError | None = None
         self.changed = threading.Event()
         self.stopping = threading.Event()
+        self.lease: LeaseWriter | None = None
+        self.running: p.RoundInfo | None = None
+        """The round this node's workers run in; each heartbeat of it renews their lease."""
 
     def run(self) -> None:
         while not self.stopping.is_set():
             known_round = self.latest.round_id if self.latest else 0
             request = p.HeartbeatRequest(node_id=self.config.node_id, round_id=known_round,
                                          wait_s=self.config.heartbeat_s)
+            sent_at = time.monotonic()
             try:
                 reply = self.client.call("/heartbeat", request, p.HeartbeatResponse, wait_s=request.wait_s)
             except ConvoyError as exc:
                 self.error = exc
                 self.changed.set()
                 return
+            self._renew(reply, sent_at)
             known = (self.latest.round_id, self.latest.job_status) if self.latest else None
             if known != (reply.round_id, reply.job_status):
                 self.latest = reply
                 self.changed.set()
             if reply.job_status != "running":
                 return
+
+    def _renew(self, reply: p.HeartbeatResponse, sent_at: float) -> None:
+        """The master heard this node at ``sent_at``: its workers may write state that much longer,
+        unless the round they run in is over."""
+        running, lease = self.running, self.lease
+        if lease is None or running is None:
+            return
+        if reply.job_status == "running" and reply.round_id == running.round_id:
+            lease.grant(running.round_id, sent_at, running.lease_s)
+        else:
+            lease.revoke()
 
 
 class Agent:
@@ -80,6 +98,7 @@ class Agent:
         self._final_status = ""
         self._job_id = ""
         self._instance = secrets.token_hex(8)
+        self._asked_at = 0.0
 
     def run(self) -> int:
         previous = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -96,7 +115,10 @@ class Agent:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             self.heartbeat.stopping.set()
+            self._revoke()
             self.group.close()
+            if self.heartbeat.lease is not None:
+                self.heartbeat.lease.close()
             if self._job_id:
                 remove_segments(self._job_id)  # the job's in-memory snapshots end with it
             for sig, handler in previous.items():
@@ -123,10 +145,12 @@ class Agent:
                                  nproc=self.config.workers.nproc_per_node, port=free_port(), instance=self._instance)
             joined = self.client.call("/join", join, p.JoinResponse)
             round_id, self._job_id = joined.round_id, joined.job_id
+            self._open_lease()
             if not self.heartbeat.is_alive() and not self.heartbeat.stopping.is_set():
                 self.heartbeat.start()
             while True:
                 wait = p.WaitRequest(node_id=self.config.node_id, round_id=round_id, timeout_s=self.config.heartbeat_s)
+                self._asked_at = time.monotonic()
                 reply = self.client.call("/wait", wait, p.WaitResponse, wait_s=wait.timeout_s)
                 if reply.state == "ready":
                     return reply.round
@@ -140,6 +164,9 @@ class Agent:
         """Run this node's workers until the round ends; True when the whole job has ended."""
         member = next(m for m in round_info.members if m.node_id == self.config.node_id)
         reported_failure = reported_done = start_failed = False
+        if self.heartbeat.lease is not None and round_info.lease_s > 0:
+            self.heartbeat.lease.grant(round_info.round_id, self._asked_at, round_info.lease_s)
+            self.heartbeat.running = round_info
         try:
             self.group.start(round_info, member, self.master_url)
         except WorkerStartError as exc:
@@ -154,9 +181,11 @@ class Agent:
             latest = self.heartbeat.latest
             if latest is not None and latest.job_status != "running":
                 self._final_status = latest.job_status
+                self._revoke()
                 self.group.stop()
                 return True
             if latest is not None and latest.round_id > round_info.round_id:
+                self._revoke()  # before the stop: from now on no worker of this round writes state
                 self.group.stop()
                 return False
             done, failed = self.group.poll()
@@ -181,6 +210,24 @@ class Agent:
             log_path=worker.pump.log_path, log_tail=list(worker.pump.tail),
         )
         self.client.call("/worker_exit", report, p.Ack)
+
+    def _open_lease(self) -> None:
+        """Create this node's round lease once the job id is known (before any worker starts)."""
+        if self.heartbeat.lease is not None or not self._job_id:
+            return
+        path = lease_path(self._job_id, self.config.node_id)
+        try:
+            self.heartbeat.lease = LeaseWriter(path)
+        except OSError as exc:
+            print(f"convoy agent {self.config.node_id}: cannot create the round lease {path} ({exc.strerror}); "
+                  "workers of an ended round are then fenced only by being stopped", file=sys.stderr, flush=True)
+            return
+        self.group.lease_file = str(path)
+
+    def _revoke(self) -> None:
+        self.heartbeat.running = None
+        if self.heartbeat.lease is not None:
+            self.heartbeat.lease.revoke()
 
     def _job_exit_code(self) -> int:
         return EXIT_OK if self._final_status == "succeeded" else EXIT_FAILED

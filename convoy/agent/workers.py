@@ -122,6 +122,8 @@ class WorkerGroup:
         self._standbys: list[Worker] = []
         self.workers: list[Worker] = []
         self._started_at = 0.0
+        self.lease_file = ""
+        """The node's round lease (``CONVOY_LEASE`` for the workers), once the agent has made it."""
 
     def fill_standbys(self) -> None:
         """Start standbys until there is one per local worker (call from the main thread)."""
@@ -180,6 +182,8 @@ class WorkerGroup:
             log_file = log_dir / f"rank{worker.rank}.log"
             worker.pump.assign(worker.rank, log_file)
             env = worker_env(round_info, member, local_rank, str(self.run_dir), master_url, str(log_file))
+            if self.lease_file:
+                env["CONVOY_LEASE"] = self.lease_file
             order = {"env": env, "argv": self._argv(), "entrypoint": self.config.entrypoint,
                      "module": self.config.module}
             try:

@@ -210,7 +210,7 @@ class JobMaster:
             job_id=self.job.job_id, round_id=membership.round_id, members=members,
             world_size=membership.world_size, master_addr=membership.master_addr,
             master_port=membership.master_port, restart_count=self.job.restart_count,
-            max_restarts=self.job.max_restarts,
+            max_restarts=self.job.max_restarts, lease_s=self.config.heartbeat_timeout_s,
         )
 
     def _apply(self, events: list[Event]) -> None:

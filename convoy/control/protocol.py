@@ -47,6 +47,8 @@ class RoundInfo(BaseModel):
     master_port: int
     restart_count: int
     max_restarts: int
+    lease_s: float = Field(default=0.0, description="the master's heartbeat timeout: how long a node's round "
+                           "lease lasts after a heartbeat (0: no lease)")
 
 
 class WaitRequest(BaseModel):
