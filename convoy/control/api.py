@@ -30,6 +30,7 @@ ENDPOINTS: dict[str, tuple[type[BaseModel] | None, type[BaseModel] | None, str]]
     "/wait": (p.WaitRequest, p.WaitResponse, "long poll until the node's round has closed"),
     "/heartbeat": (p.HeartbeatRequest, p.HeartbeatResponse, "check in; long poll for round or job changes"),
     "/worker_exit": (p.WorkerExit, p.Ack, "a worker failed"),
+    "/event": (p.WorkerEvent, p.Ack, "a worker recorded an event"),
     "/node_done": (p.NodeDone, p.Ack, "all workers of a node finished"),
     "/leave": (p.LeaveRequest, p.Ack, "a node leaves the job"),
     "/abort": (p.AbortRequest, p.Ack, "end the job as failed"),
@@ -41,7 +42,7 @@ ENDPOINTS: dict[str, tuple[type[BaseModel] | None, type[BaseModel] | None, str]]
 def _routes(master: JobMaster) -> dict[str, tuple[type[BaseModel] | None, Callable[[Any], Any]]]:
     calls: dict[str, Callable[[Any], Any]] = {
         "/join": master.join, "/wait": master.wait, "/heartbeat": master.heartbeat,
-        "/worker_exit": master.worker_exit, "/node_done": master.node_done, "/leave": master.leave,
+        "/worker_exit": master.worker_exit, "/event": master.worker_event, "/node_done": master.node_done, "/leave": master.leave,
         "/abort": lambda req: master.abort(req.reason) or p.Ack(), "/status": lambda _: master.status(),
         "/openapi.json": lambda _: openapi_schema(),
     }

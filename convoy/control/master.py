@@ -19,6 +19,7 @@ from convoy.control.job import RUNNING, Event, Job
 from convoy.control.nodes import NodeRegistry
 from convoy.control.rendezvous import Membership, Rendezvous
 from convoy.control.store import Store, restore
+from convoy.control.throttle import EventBudget, budget_for
 from convoy.control.token import TOKEN_FILE, new_token, read_token, write_token
 from convoy.errors import ConflictError
 
@@ -58,6 +59,7 @@ class JobMaster:
         self._changed = threading.Condition()
         self._acknowledged: set[str] = set()
         self._rejected: dict[str, tuple[float, int]] = {}  # client -> (last recorded, rejected since)
+        self._event_budgets: dict[str, EventBudget] = {}  # node id -> its workers' events budget
         self._stopping = threading.Event()
         self._ticker = threading.Thread(target=self._tick_loop, name="convoy-ticker", daemon=True)
         self.started_at = time.time()
@@ -129,6 +131,23 @@ class JobMaster:
         with self._changed:
             self.nodes.seen(report.node_id, time.monotonic())
             self._apply(self.job.worker_exited(report, time.monotonic()))
+            return p.Ack()
+
+    def worker_event(self, report: p.WorkerEvent) -> p.Ack:
+        """Record what a worker reported; a node's workers get a budget of records per window."""
+        with self._changed:
+            now = time.monotonic()
+            self.nodes.seen(report.node_id, now)
+            dropped = budget_for(self._event_budgets, report.node_id, now).admit(now)
+            if dropped is None:
+                return p.Ack()
+            if report.round_id != self.job.round_id or self.job.membership is None:
+                self._apply([Event("stale_report", f"ignored a {report.kind} event from round {report.round_id}",
+                                   report.node_id, report.round_id)])
+                return p.Ack()
+            more = f" ({dropped} more from node {report.node_id} not recorded)" if dropped else ""
+            self._apply([Event(report.kind, f"rank {report.rank}: {report.message}{more}", report.node_id,
+                               report.round_id, console=True)])
             return p.Ack()
 
     def node_done(self, req: p.NodeDone) -> p.Ack:

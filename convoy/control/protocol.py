@@ -94,6 +94,16 @@ class WorkerExit(BaseModel):
         return f"exited with code {self.exitcode}"
 
 
+class WorkerEvent(BaseModel):
+    """Something a worker recorded (``convoy.worker_events.emit``), forwarded by its agent."""
+
+    node_id: NodeId
+    round_id: RoundId
+    rank: Rank
+    kind: str = Field(pattern=r"^[a-z][a-z0-9_]{0,39}$")
+    message: Text
+
+
 class NodeDone(BaseModel):
     node_id: NodeId
     round_id: RoundId

@@ -267,3 +267,55 @@ def test_a_flood_of_bad_tokens_is_one_event_with_a_count(master: Master) -> None
     master.raw("GET", "/v1/status", token=None)
     rejected = [e for e in read_status(master.run_dir)["events"] if e["kind"] == "unauthorized"]
     assert len(rejected) == 2 and "(39 more from it since the last record)" in rejected[-1]["message"]
+
+
+def _worker_event(client: MasterClient, node_id: str, round_id: int, kind: str = "snapshot_skipped",
+                  message: str = "no room in /dev/shm") -> p.Ack:
+    event = p.WorkerEvent(node_id=node_id, round_id=round_id, rank=1, kind=kind, message=message)
+    return client.call("/event", event, p.Ack)
+
+
+def test_a_worker_event_is_recorded_with_its_rank_and_printed(master: Master) -> None:
+    node_a = master.client()
+    join(node_a, "a", "10.0.0.1")
+    join(master.client(), "b", "10.0.0.2")
+    assert _worker_event(node_a, "a", 1).ok
+    events = read_status(master.run_dir)["events"]
+    assert (events[-1]["kind"], events[-1]["message"]) == ("snapshot_skipped", "rank 1: no room in /dev/shm")
+    assert (events[-1]["node_id"], events[-1]["round_id"]) == ("a", 1)
+    assert "convoy: rank 1: no room in /dev/shm" in master.console
+    assert "/v1/event" in master.raw("GET", "/v1/openapi.json")[1]["paths"]
+
+
+def test_a_worker_event_from_an_old_round_is_a_stale_report(master: Master) -> None:
+    node_a = master.client()
+    join(node_a, "a", "10.0.0.1")
+    join(master.client(), "b", "10.0.0.2")
+    node_a.call("/worker_exit", p.WorkerExit(node_id="a", round_id=1, rank=0, local_rank=0, exitcode=1), p.Ack)
+    _worker_event(node_a, "a", 1)
+    events = read_status(master.run_dir)["events"]
+    assert events[-1]["kind"] == "stale_report" and "round 1" in events[-1]["message"]
+    assert "snapshot_skipped" not in master.event_kinds()
+
+
+@pytest.mark.parametrize("kind", ["Bad", "1abc", "with space", "x" * 41, ""])
+def test_a_worker_event_with_a_bad_kind_gets_400(master: Master, kind: str) -> None:
+    body = json.dumps({"node_id": "a", "round_id": 1, "rank": 0, "kind": kind, "message": "m"}).encode()
+    status, reply = master.raw("POST", "/v1/event", body)
+    assert status == 400 and "bad request to /v1/event" in reply["error"]
+
+
+def test_a_chatty_worker_cannot_flood_the_record(master: Master) -> None:
+    node_a = master.client()
+    join(node_a, "a", "10.0.0.1")
+    join(master.client(), "b", "10.0.0.2")
+    for index in range(50):
+        assert _worker_event(node_a, "a", 1, kind="chatter", message=f"line {index}").ok
+    recorded = [e for e in read_status(master.run_dir, recent=1000)["events"] if e["kind"] == "chatter"]
+    assert 0 < len(recorded) <= 20, "every event is answered, but at most a budget of them per node is recorded"
+    assert _worker_event(master.client(), "b", 1, kind="chatter", message="from b").ok, "b has its own budget"
+    master.master._event_budgets["a"].window_start -= 60.0  # as if the window had passed
+    _worker_event(node_a, "a", 1, kind="chatter", message="after the window")
+    last = [e for e in read_status(master.run_dir, recent=1000)["events"] if e["node_id"] == "a"][-1]
+    assert last["message"].startswith("rank 1: after the window")
+    assert f"({50 - (len(recorded))} more from node a not recorded)" in last["message"]
