@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
+from convoy.config import JobConfig, MasterConfig, WorkerConfig
+from convoy.control.schedulers.local import LocalScheduler
 from convoy.control.protocol import JoinRequest, WaitRequest, WorkerExit
 from convoy.procs import Interrupted, signal_name
 
@@ -40,3 +46,16 @@ def test_join_request_limits(fields: dict[str, object]) -> None:
 def test_long_polls_are_bounded() -> None:
     with pytest.raises(ValidationError):
         WaitRequest(node_id="n", round_id=1, timeout_s=3600)
+
+
+def test_every_exit_of_a_relaunched_agent_is_reported_once(tmp_path: Path) -> None:
+    """Each relaunch replaces the node's Popen; the old one is freed, and its id() may be reused."""
+    config = JobConfig(master=MasterConfig(run_dir=tmp_path), workers=WorkerConfig(entrypoint="x.py"))
+    scheduler = LocalScheduler(config, tmp_path / "token", 1)
+    for attempt in range(30):
+        proc = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({attempt % 3})"])
+        scheduler.agents["local0"] = proc
+        proc.wait()
+        del proc
+        assert scheduler.newly_exited() == [("local0", attempt % 3)], f"exit {attempt} of the relaunched agent"
+        assert scheduler.newly_exited() == [], "an exit is reported once"

@@ -21,7 +21,8 @@ class LocalScheduler:
         self.config, self.token_file, self.port = config, token_file, port
         self.master: subprocess.Popen[bytes] | None = None
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
-        self._reported: set[int] = set()
+        self._reported: dict[int, subprocess.Popen[bytes]] = {}
+        """pid -> the exited agent reported for it; holding the object keeps its identity unique."""
 
     def start_master(self, resume: bool) -> None:
         master = self.config.master
@@ -60,8 +61,8 @@ class LocalScheduler:
         """Agents that exited since the last call, with their exit codes."""
         exited = []
         for node_id, proc in self.agents.items():
-            if proc.poll() is not None and id(proc) not in self._reported:
-                self._reported.add(id(proc))
+            if proc.poll() is not None and self._reported.get(proc.pid) is not proc:
+                self._reported[proc.pid] = proc
                 exited.append((node_id, proc.returncode))
         return exited
 
