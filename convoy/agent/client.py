@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.client
+import secrets
 import socket
 import time
 from typing import TypeVar
@@ -24,6 +25,9 @@ class MasterClient:
         self.host, self.port, self.token = host, port, token
         self.give_up_after_s = give_up_after_s
         self._conn: http.client.HTTPConnection | None = None
+        self._key_prefix = secrets.token_hex(8)
+        self._calls = 0
+        """Each call carries ``Idempotency-Key: <prefix>-<count>``, the same on every retry of it."""
 
     def close(self) -> None:
         if self._conn is not None:
@@ -31,9 +35,14 @@ class MasterClient:
             self._conn = None
 
     def call(self, path: str, request: BaseModel, reply: type[Reply], wait_s: float = 0.0) -> Reply:
-        """POST ``request`` to ``path``; retry on connection faults until ``give_up_after_s``."""
+        """POST ``request`` to ``path``; retry on connection faults until ``give_up_after_s``.
+
+        A retry carries the same idempotency key, so a call whose reply was lost is handled once.
+        """
         body = request.model_dump_json().encode()
-        headers = {"Content-Type": "application/json", p.TOKEN_HEADER: f"Bearer {self.token}"}
+        self._calls += 1
+        headers = {"Content-Type": "application/json", p.TOKEN_HEADER: f"Bearer {self.token}",
+                   p.IDEMPOTENCY_HEADER: f"{self._key_prefix}-{self._calls}"}
         deadline = time.monotonic() + self.give_up_after_s
         backoff = 0.05
         while True:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from pydantic import BaseModel, ValidationError
 
 from convoy.control import protocol as p
+from convoy.control.replies import MAX_KEY_LENGTH, ReplyCache
 from convoy.errors import ConfigError, ConflictError
 
 if TYPE_CHECKING:
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
 MAX_BODY = 1 << 20
 DISCARD_S = 2.0
 """How long a refused body is read and dropped before the connection closes."""
+KEPT_STATUSES = (200, 409)
+"""Answers a retry gets again; after a fault (500, 503) a retry runs the call again."""
 
 
 # path -> (request model, reply model, summary); None: a GET without a body
@@ -69,6 +72,9 @@ def openapi_schema() -> dict[str, Any]:
         if request is None:
             paths[p.API_PREFIX + path] = {"get": operation}
             continue
+        operation["parameters"] = [{"name": p.IDEMPOTENCY_HEADER, "in": "header", "required": False,
+                                    "schema": {"type": "string", "maxLength": MAX_KEY_LENGTH},
+                                    "description": "the same on each retry of one call: a repeat gets the first answer"}]
         operation["requestBody"] = {"required": True,
                                     "content": {"application/json": {"schema": schema(request)}}}
         operation["responses"].update({"400": {"description": "malformed request", **error},
@@ -125,14 +131,28 @@ class _Handler(BaseHTTPRequestHandler):
             return self._reply(400, p.ErrorBody(error=f"bad request to {path}: {exc.errors()[0]['msg']}"))
         if model is not None and request is None:
             return self._reply(405, p.ErrorBody(error=f"{path} takes POST"))
+        key = self.headers.get(p.IDEMPOTENCY_HEADER, "") if with_body else ""
+        if len(key) > MAX_KEY_LENGTH:
+            return self._reply(400, p.ErrorBody(error=f"{p.IDEMPOTENCY_HEADER} is longer than {MAX_KEY_LENGTH} "
+                                                      "characters"))
+        kept = self.server.replies.begin(key) if key else None
+        if kept is not None:  # a retry of a call already handled: the same answer, handled once
+            return self._send(*kept)
+        code, data = self._call(path, call, request)
+        if key:
+            self.server.replies.finish(key, code, data if code in KEPT_STATUSES else None)
+        self._send(code, data)
+
+    def _call(self, path: str, call: Callable[[Any], Any], request: BaseModel | None) -> tuple[int, bytes]:
+        master = self.server.master
         try:
             reply = call(request)
         except ConflictError as exc:
-            return self._reply(409, p.ErrorBody(error=str(exc)))
+            return 409, _encode(p.ErrorBody(error=str(exc)))
         except Exception as exc:  # noqa: BLE001 (a fault caught on purpose: recorded, the master keeps serving)
             master.api_fault(path, exc)
-            return self._reply(500, p.ErrorBody(error=f"internal error in {path}: {type(exc).__name__}"))
-        self._reply(200, reply)
+            return 500, _encode(p.ErrorBody(error=f"internal error in {path}: {type(exc).__name__}"))
+        return 200, _encode(reply)
 
     def _discard(self, length: int) -> None:
         """Read and drop a refused body (for a bounded time) before closing: closing with unread
@@ -154,12 +174,18 @@ class _Handler(BaseHTTPRequestHandler):
         return hmac.compare_digest(given.encode(), expected.encode())
 
     def _reply(self, code: int, payload: BaseModel | dict[str, Any]) -> None:
-        data = payload.model_dump_json().encode() if isinstance(payload, BaseModel) else json.dumps(payload).encode()
+        self._send(code, _encode(payload))
+
+    def _send(self, code: int, data: bytes) -> None:
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+
+def _encode(payload: BaseModel | dict[str, Any]) -> bytes:
+    return payload.model_dump_json().encode() if isinstance(payload, BaseModel) else json.dumps(payload).encode()
 
 
 class _Server(ThreadingHTTPServer):
@@ -172,6 +198,7 @@ class _Server(ThreadingHTTPServer):
             super().handle_error(request, client_address)
     master: JobMaster
     token: str
+    replies: ReplyCache
     routes: dict[str, tuple[type[BaseModel] | None, Callable[[Any], Any]]]
 
 
@@ -186,6 +213,7 @@ class ApiServer:
                 raise ConfigError(f"port {port} on {host} is already in use: pick another --port or 0 for any") from exc
             raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
         self._server.master, self._server.token, self._server.routes = master, token, _routes(master)
+        self._server.replies = ReplyCache()
         self._thread = threading.Thread(target=self._server.serve_forever, args=(0.1,), name="convoy-api", daemon=True)
 
     @property

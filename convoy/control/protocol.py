@@ -8,6 +8,8 @@ from pydantic import BaseModel, Field
 
 API_PREFIX = "/v1"
 TOKEN_HEADER = "Authorization"
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+"""Names one logical POST; its retries carry the same key, and the master answers them from its first reply."""
 
 JobStatusName = Literal["running", "succeeded", "failed"]
 # Bounded types for everything an agent sends: no request can carry a value the state cannot hold.

@@ -1,0 +1,49 @@
+"""Answers kept by idempotency key, so that a POST retried after a lost reply is handled once."""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+MAX_KEY_LENGTH = 128
+MAX_REPLIES = 4096
+MAX_REPLY_BYTES = 16 << 20
+"""Bounds on what is kept: the oldest answers are forgotten first (a retry comes within seconds)."""
+IN_FLIGHT_WAIT_S = 75.0
+"""How long a repeat waits for the first call of its key to finish (longer than any long poll)."""
+
+
+class ReplyCache:
+    """key -> (status, reply bytes) of calls the master has handled; thread-safe and bounded.
+
+    A repeat that arrives while the first call of its key is still being handled waits for
+    that call's answer instead of running the call a second time.
+    """
+
+    def __init__(self, max_replies: int = MAX_REPLIES, max_bytes: int = MAX_REPLY_BYTES) -> None:
+        self.max_replies, self.max_bytes = max_replies, max_bytes
+        self._replies: collections.OrderedDict[str, tuple[int, bytes]] = collections.OrderedDict()
+        self._bytes = 0
+        self._in_flight: set[str] = set()
+        self._changed = threading.Condition()
+
+    def begin(self, key: str) -> tuple[int, bytes] | None:
+        """The kept answer for ``key``; else None, and the caller handles the call and must ``finish``."""
+        with self._changed:
+            self._changed.wait_for(lambda: key not in self._in_flight, IN_FLIGHT_WAIT_S)
+            kept = self._replies.get(key)
+            if kept is not None:
+                return kept
+            self._in_flight.add(key)
+            return None
+
+    def finish(self, key: str, status: int, data: bytes | None) -> None:
+        """Keep the answer of ``key`` (None: keep nothing, a repeat runs the call again)."""
+        with self._changed:
+            self._in_flight.discard(key)
+            if data is not None:
+                self._replies[key] = (status, data)
+                self._bytes += len(data)
+                while self._replies and (len(self._replies) > self.max_replies or self._bytes > self.max_bytes):
+                    self._bytes -= len(self._replies.popitem(last=False)[1][1])
+            self._changed.notify_all()
