@@ -10,6 +10,9 @@ A slot can also be committed *partial*: its skeleton and the tensors not marked 
 are in place, the pending ones (parameters and optimizer state, copied in the background) are
 not yet. ``mark_complete`` flips it once they are. A partial slot still carries a rank's own
 small state (data position, RNG) for a step whose replicated state a peer can supply.
+
+Every write is bounds-checked against its slot (``SnapshotTooSmall``), and a slot whose lengths
+do not fit it or whose skeleton fails its checksum reads as absent (``unreadable`` says why).
 """
 
 from __future__ import annotations
@@ -18,17 +21,24 @@ import mmap
 import os
 import pickle
 import struct
+import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-MAGIC = b"CVYSNAP2"
+from convoy.errors import CheckpointError
+
+MAGIC = b"CVYSNAP3"
 HEADER_SIZE = 4096
 ALIGN = 64
 _HEADER = struct.Struct("<8sq")  # magic, slot size
-_SLOT = struct.Struct("<qqqqq")  # sequence (0: not valid), step, data length, meta length, complete
+_SLOT = struct.Struct("<qqqqqI")  # sequence (0: not valid), step, data length, meta length, complete, meta crc32
+
+
+class SnapshotTooSmall(CheckpointError):
+    """A write would run past the end of its slot; grow the segment (``allocate``) first."""
 
 
 @dataclass(frozen=True)
@@ -137,59 +147,108 @@ class SnapshotFile:
         """``(sequence, step, data_len, meta_len, complete)`` of both slots (sequence 0: empty or torn)."""
         if self._mm is None:
             return []
-        return [_SLOT.unpack_from(self._mm, _HEADER.size + i * _SLOT.size) for i in range(2)]
+        return [_SLOT.unpack_from(self._mm, _HEADER.size + i * _SLOT.size)[:5] for i in range(2)]
+
+    def _problem(self, index: int) -> str | None:
+        """Why a written slot cannot be read (lengths outside the slot, skeleton overwritten), or None."""
+        assert self._mm is not None
+        seq, step, data_len, meta_len, _, crc = _SLOT.unpack_from(self._mm, _HEADER.size + index * _SLOT.size)
+        if data_len < 0 or meta_len <= 0 or data_len + meta_len > self.slot_size:
+            return f"slot {index} (step {step}) claims {data_len} + {meta_len} bytes in a {self.slot_size}-byte slot"
+        start = HEADER_SIZE + index * self.slot_size + data_len
+        if zlib.crc32(self._mm[start : start + meta_len]) != crc:
+            return f"slot {index} (step {step}) fails its checksum (overwritten)"
+        return None
+
+    def unreadable(self) -> list[str]:
+        """Why each written slot that reads as absent is unreadable (empty when both are fine)."""
+        return [problem for index, (seq, *_) in enumerate(self.slots()) if seq > 0
+                for problem in [self._problem(index)] if problem]
+
+    def _readable(self) -> list[tuple[int, tuple[int, int, int, int, int]]]:
+        return [(index, slot) for index, slot in enumerate(self.slots()) if slot[0] > 0 and self._problem(index) is None]
 
     def steps(self, partial: bool = False) -> list[int]:
         """Steps of the complete snapshots held (``partial``: and of the partial ones), newest first."""
-        return [step for seq, step, _, _, done in sorted(self.slots(), reverse=True) if seq > 0 and (done or partial)]
+        readable = sorted((slot for _, slot in self._readable()), reverse=True)
+        return [step for _, step, _, _, done in readable if done or partial]
 
     def fits(self, data_len: int, meta_len: int) -> bool:
         return self._mm is not None and data_len + meta_len <= self.slot_size
+
+    def _check_bounds(self, end: int, what: str) -> None:
+        if end > self.slot_size:
+            raise SnapshotTooSmall(f"{what} ends at byte {end} of a slot: does not fit its {self.slot_size} bytes; "
+                                   "grow the segment before writing")
 
     def begin(self, seq: int) -> int:
         """Pick the slot to overwrite (the older one) and mark it invalid; returns its index."""
         slots = self.slots()
         index = 0 if slots[0][0] <= slots[1][0] else 1
-        _SLOT.pack_into(self._mm, _HEADER.size + index * _SLOT.size, 0, -1, 0, 0, 0)  # type: ignore[arg-type]
+        _SLOT.pack_into(self._mm, _HEADER.size + index * _SLOT.size, 0, -1, 0, 0, 0, 0)  # type: ignore[arg-type]
         return index
 
     def write_tensors(self, index: int, tensors: list[torch.Tensor], offsets: list[int]) -> None:
         """Copy tensors into a slot (``copy_`` runs without the GIL, so this can overlap compute)."""
         assert self._bytes is not None
         base = HEADER_SIZE + index * self.slot_size
-        for tensor, offset in zip(tensors, offsets, strict=True):
-            nbytes = tensor.numel() * tensor.element_size()
+        sizes = [tensor.numel() * tensor.element_size() for tensor in tensors]
+        for nbytes, offset in zip(sizes, offsets, strict=True):
+            self._check_bounds(offset + nbytes, f"a tensor at offset {offset}")
+        for tensor, nbytes, offset in zip(tensors, sizes, offsets, strict=True):
             target = self._bytes[base + offset : base + offset + nbytes]
             target.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
 
     def commit(self, index: int, seq: int, step: int, skeleton: Any, offsets: list[int], data_len: int,
                pending: frozenset[int] = frozenset()) -> None:
         """Make a slot readable; with ``pending`` tensor indices it is partial until ``mark_complete``."""
+        self.commit_meta(index, seq, step, encode_meta(skeleton, offsets, pending), data_len, not pending)
+
+    def commit_meta(self, index: int, seq: int, step: int, meta: bytes, data_len: int, complete: bool) -> None:
+        """``commit`` with the skeleton already encoded (``encode_meta``), so its length can size the slot."""
         assert self._mm is not None
-        placed = map_leaves(skeleton, TensorRef,
-                            lambda ref: replace(ref, offset=offsets[ref.index], pending=ref.index in pending))
-        meta = pickle.dumps(placed, protocol=pickle.HIGHEST_PROTOCOL)
+        self._check_bounds(data_len + len(meta), f"the skeleton of step {step} ({len(meta)} bytes)")
         start = HEADER_SIZE + index * self.slot_size + data_len
         self._mm[start : start + len(meta)] = meta
-        _SLOT.pack_into(self._mm, _HEADER.size + index * _SLOT.size, seq, step, data_len, len(meta), not pending)
+        _SLOT.pack_into(self._mm, _HEADER.size + index * _SLOT.size, seq, step, data_len, len(meta), complete,
+                        zlib.crc32(meta))
 
     def mark_complete(self, index: int) -> None:
         """The pending tensors of a partial slot are written now."""
         assert self._mm is not None
-        seq, step, data_len, meta_len, _ = self.slots()[index]
-        _SLOT.pack_into(self._mm, _HEADER.size + index * _SLOT.size, seq, step, data_len, meta_len, 1)
+        offset = _HEADER.size + index * _SLOT.size
+        seq, step, data_len, meta_len, _, crc = _SLOT.unpack_from(self._mm, offset)
+        _SLOT.pack_into(self._mm, offset, seq, step, data_len, meta_len, 1, crc)
 
     def read(self, step: int, copy: bool = True, partial: bool = False) -> Any:
         """The state of the complete snapshot at ``step``, tensors copied out of shared memory
         (``copy=False``: views into it, valid until this slot is written again). ``partial``
         also reads a partial slot, with None in place of its pending tensors."""
         assert self._mm is not None and self._bytes is not None
-        for index, (seq, slot_step, data_len, meta_len, done) in enumerate(self.slots()):
-            if seq > 0 and slot_step == step and (done or partial):
+        for index, (_, slot_step, data_len, meta_len, done) in self._readable():
+            if slot_step == step and (done or partial):
                 base = HEADER_SIZE + index * self.slot_size
-                skeleton = pickle.loads(self._mm[base + data_len : base + data_len + meta_len])
+                try:
+                    skeleton = pickle.loads(self._mm[base + data_len : base + data_len + meta_len])
+                except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError) as exc:
+                    raise KeyError(f"snapshot of step {step} in {self.path} is unreadable: {exc}") from exc
+                if not _refs_inside(skeleton, data_len):
+                    raise KeyError(f"snapshot of step {step} in {self.path} points outside its slot")
                 return _restore(skeleton, self._bytes, base, copy, drop_pending=not done)
         raise KeyError(f"no {'' if partial else 'complete '}snapshot of step {step} in {self.path}")
+
+
+def encode_meta(skeleton: Any, offsets: list[int], pending: frozenset[int] = frozenset()) -> bytes:
+    """The pickled skeleton a slot stores after its tensors, each ``TensorRef`` placed at its offset."""
+    placed = map_leaves(skeleton, TensorRef,
+                        lambda ref: replace(ref, offset=offsets[ref.index], pending=ref.index in pending))
+    return pickle.dumps(placed, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _refs_inside(skeleton: Any, data_len: int) -> bool:
+    refs: list[TensorRef] = []
+    map_leaves(skeleton, TensorRef, refs.append)
+    return all(0 <= ref.offset and ref.offset + ref.nbytes <= data_len for ref in refs)
 
 
 def _restore(skeleton: Any, data: torch.Tensor, base: int, copy: bool, drop_pending: bool = False) -> Any:

@@ -9,7 +9,7 @@ from typing import Iterator
 import pytest
 import torch
 
-from convoy.runtime.snapshot import HEADER_SIZE, SnapshotFile, flatten, layout, unflatten
+from convoy.runtime.snapshot import _HEADER, _SLOT, HEADER_SIZE, SnapshotFile, SnapshotTooSmall, flatten, layout, unflatten
 from convoy.shm import SHM_DIR, remove_segments, segment_path
 
 
@@ -132,3 +132,62 @@ def test_remove_segments_only_touches_its_job(job_id: str) -> None:
         assert not list(Path(SHM_DIR).glob(f"convoy-{job_id}-*"))
     finally:
         remove_segments(other)
+
+
+def test_a_write_past_its_slot_is_refused_and_the_other_slot_stays_readable(job_id: str) -> None:
+    path = segment_path(job_id, 0)
+    writer = SnapshotFile(path)
+    _write(writer, 1, 1, _state(1.0))  # slot 0, slot size a few pages
+    big = {"order": list(range(300_000))}  # a sampler's index list: its pickle is far larger than the slot
+    tensors: list[torch.Tensor] = []
+    skeleton = flatten(big, tensors)
+    index = writer.begin(2)
+    assert index == 1
+    with pytest.raises(SnapshotTooSmall, match="does not fit"):
+        writer.commit(index, 2, 2, skeleton, [], 0)
+    with pytest.raises(SnapshotTooSmall, match="does not fit"):
+        writer.write_tensors(index, [torch.zeros(writer.slot_size)], [0])
+    reader = SnapshotFile(path)
+    assert reader.steps() == [1]
+    _assert_same(reader.read(1), _state(1.0))
+
+
+def _corrupt_meta(path: Path, index: int) -> None:
+    with open(path, "r+b") as segment:
+        raw = bytearray(segment.read())
+        _, slot_size = _HEADER.unpack_from(raw, 0)
+        _, _, data_len, meta_len, *_ = _SLOT.unpack_from(raw, _HEADER.size + index * _SLOT.size)
+        start = HEADER_SIZE + index * slot_size + data_len
+        raw[start : start + meta_len] = b"\x07" * meta_len  # what an overrun from the other slot leaves
+        segment.seek(0)
+        segment.write(raw)
+
+
+def test_an_unreadable_slot_counts_as_absent_with_the_reason(job_id: str) -> None:
+    path = segment_path(job_id, 0)
+    writer = SnapshotFile(path)
+    _write(writer, 1, 10, _state(10.0))
+    _write(writer, 2, 11, _state(11.0))
+    _corrupt_meta(path, 1)  # the slot of step 11
+    reader = SnapshotFile(path)
+    assert reader.steps() == [10] and reader.steps(partial=True) == [10]
+    assert any("step 11" in problem for problem in reader.unreadable()), reader.unreadable()
+    _assert_same(reader.read(10), _state(10.0))
+    with pytest.raises(KeyError):
+        reader.read(11)
+
+
+def test_slot_lengths_outside_the_slot_count_as_absent(job_id: str) -> None:
+    path = segment_path(job_id, 0)
+    writer = SnapshotFile(path)
+    _write(writer, 1, 10, _state(10.0))
+    _write(writer, 2, 11, _state(11.0))
+    with open(path, "r+b") as segment:
+        raw = bytearray(segment.read())
+        seq, step, data_len, meta_len, done, crc = _SLOT.unpack_from(raw, _HEADER.size)
+        _SLOT.pack_into(raw, _HEADER.size, seq, step, data_len, meta_len + writer.slot_size, done, crc)
+        segment.seek(0)
+        segment.write(raw)
+    reader = SnapshotFile(path)
+    assert reader.steps() == [11]
+    assert any("step 10" in problem for problem in reader.unreadable()), reader.unreadable()

@@ -1,0 +1,53 @@
+"""The worker's side of the round lease: may this worker still commit state of its round?
+
+Read before a snapshot slot is committed and before a persistent save starts or is sealed. A
+worker not started by a convoy agent (plain python, torchrun) has no lease and is never
+fenced. A refusal is said once per reason and recorded as an event; training goes on, since the
+agent stops this worker as soon as it learns its round ended.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+from convoy import worker_events
+from convoy.lease import LEASE_ENV, read_lease
+
+
+class RoundFence:
+    """One worker's check against its node's lease (one small read of a tmpfs file per call)."""
+
+    def __init__(self, say: Callable[[str], None], lease_file: str | Path | None = None,
+                 round_id: int | None = None) -> None:
+        self.lease_file = lease_file if lease_file is not None else os.environ.get(LEASE_ENV) or None
+        self.round_id = round_id if round_id is not None else int(os.environ.get("CONVOY_ROUND", "0"))
+        self.say = say
+        self.refused: dict[str, str] = {}
+        """Each reason refused so far (``stale_round``, ``lease_lapsed``) and the first message said for it."""
+
+    def allows(self, what: str) -> bool:
+        """Whether ``what`` (e.g. "snapshot of step 7") may be committed now; says why not, once per reason."""
+        if self.lease_file is None:
+            return True
+        lease = read_lease(self.lease_file)
+        now = time.monotonic()
+        if lease is None or lease.holds(self.round_id, now):
+            return True
+        if lease.round_id == self.round_id:
+            self._refuse("lease_lapsed", f"round lease lapsed (the agent has not heard from the master for longer "
+                         f"than the lease term; lapsed {now - lease.valid_until:.1f} s ago): not committing {what} "
+                         "until it is renewed")
+        else:
+            self._refuse("stale_round", f"round {self.round_id} is no longer current: {what} not committed; "
+                         "the agent will stop this worker")
+        return False
+
+    def _refuse(self, reason: str, message: str) -> None:
+        if reason in self.refused:
+            return
+        self.refused[reason] = message
+        self.say(message)
+        worker_events.emit(reason, message)
