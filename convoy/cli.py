@@ -55,6 +55,11 @@ def _add_master_options(parser: argparse.ArgumentParser, host: str) -> None:
                         help="seconds a round may lack MIN nodes before the job fails")
     parser.add_argument("--heartbeat-timeout", type=float, default=_MASTER.heartbeat_timeout_s,
                         help="seconds before a silent node counts as lost")
+    parser.add_argument("--max-regroups", type=int, default=_MASTER.max_regroups, metavar="N",
+                        help="regroups one node may cause per --regroup-window before it is excluded "
+                             "(default %(default)s)")
+    parser.add_argument("--regroup-window", type=float, default=_MASTER.regroup_window_s, metavar="S",
+                        help="seconds over which a node's regroups are counted (default %(default)s)")
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -125,7 +130,8 @@ def _master_config(args: argparse.Namespace) -> MasterConfig:
     rendezvous = RendezvousConfig(min_nodes, max_nodes, args.rdzv_wait, args.join_timeout)
     return MasterConfig(
         host=args.host, port=args.port, max_restarts=args.max_restarts, heartbeat_timeout_s=args.heartbeat_timeout,
-        run_dir=args.run_dir or default_run_dir(), rendezvous=rendezvous,
+        run_dir=args.run_dir or default_run_dir(), rendezvous=rendezvous, max_regroups=args.max_regroups,
+        regroup_window_s=args.regroup_window,
     )
 
 

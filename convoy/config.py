@@ -122,6 +122,11 @@ class MasterConfig:
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
     job_id: str = ""
     """The job's id; empty picks a random one."""
+    max_regroups: int = 10
+    """Regroups one node may cause (lost, or joining a running job) per ``regroup_window_s``; one more
+    excludes it, so a flapping node cannot restart the job forever."""
+    regroup_window_s: float = 600.0
+    """The window, in seconds, over which a node's regroups are counted."""
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "run_dir": str(self.run_dir)})
@@ -136,6 +141,10 @@ class MasterConfig:
         self.rendezvous.validate()
         if self.job_id and not (self.job_id.isalnum() and len(self.job_id) <= 32):
             raise ConfigError(f"--job-id {self.job_id!r}: use up to 32 letters and digits")
+        if self.max_regroups < 1:
+            raise ConfigError(f"--max-regroups {self.max_regroups}: need 1 or more regroups per node and window")
+        if not self.regroup_window_s > 0:
+            raise ConfigError(f"--regroup-window {self.regroup_window_s}: need seconds > 0")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts {self.max_restarts}: need 0 or more")
         if not 0 <= self.port < 65536:

@@ -39,6 +39,13 @@ class Job:
     outcome: str = ""
     done_nodes: set[str] = field(default_factory=set)
     announced_round: int = 0
+    max_regroups: int = 0
+    """Regroups one node may cause (by being lost or by joining) per ``regroup_window_s``; 0: no limit."""
+    regroup_window_s: float = 600.0
+    regroups_by_node: dict[str, list[float]] = field(default_factory=dict)
+    """When each node caused a regroup, within the last window."""
+    excluded: dict[str, str] = field(default_factory=dict)
+    """Nodes over their regroup budget -> why their joins are refused."""
 
     @property
     def round_id(self) -> int:
@@ -53,6 +60,12 @@ class Job:
         events: list[Event] = []
         if self.status != RUNNING:
             return self.round_id, events
+        if node_id in self.excluded:
+            return self.round_id, [Event("join_refused", f"refused a join of excluded node {node_id}", node_id)]
+        membership = self.membership
+        grows = membership is not None and membership.member(node_id) is None and not self.rendezvous.is_open
+        if grows and membership is not None and len(membership.members) < self.rendezvous.max_nodes and self._over_budget(node_id, now, 1):
+            return self.round_id, self._exclude(node_id, now, 1)
         if self.membership is not None and self.membership.member(node_id) is not None:
             events += self._restart(f"node {node_id} rejoined while its round was running", now)
             if self.status != RUNNING:
@@ -62,7 +75,7 @@ class Job:
         membership = self.membership
         if membership is not None and round_id > self.round_id and len(membership.members) < self.rendezvous.max_nodes:
             grown = membership.node_ids() | {node_id}
-            events += self._regroup(f"node {node_id} joins: growing to {len(grown)} nodes", now, grown)
+            events += self._regroup(f"node {node_id} joins: growing to {len(grown)} nodes", now, grown, node_id)
             return self.round_id, events
         return round_id, events + self._closed_events()
 
@@ -113,7 +126,14 @@ class Job:
             return []
         if self.membership is not None and self.membership.member(node_id) is not None:
             survivors = self.membership.node_ids() - {node_id}
-            return self._regroup(f"node {node_id} {why}: going on with {len(survivors)} nodes", now, survivors)
+            events = self._regroup(f"node {node_id} {why}: going on with {len(survivors)} nodes", now, survivors,
+                                   node_id)
+            if self._over_budget(node_id, now, 0):
+                events += self._exclude(node_id, now, 0)
+                if len(survivors) < self.rendezvous.min_nodes:
+                    events += self._end(FAILED, f"{events[-1].message}; fewer than MIN {self.rendezvous.min_nodes} "
+                                                "nodes are left")
+            return events
         self.rendezvous.leave(node_id, now)
         return [Event("node_left", f"node {node_id} {why}", node_id, self.round_id)]
 
@@ -131,8 +151,34 @@ class Job:
         message = f"restart {self.restart_count}/{self.max_restarts}: opening round {round_id}"
         return [Event("restart", message, None, round_id, True)] + self._closed_events()
 
-    def _regroup(self, cause: str, now: float, expected: set[str]) -> list[Event]:
-        """Open a round for a membership change; the job's restart budget is not touched."""
+    def refusal(self, node_id: str) -> str | None:
+        """Why a join of ``node_id`` is refused (it flapped too often), or None."""
+        return self.excluded.get(node_id)
+
+    def _recent_regroups(self, node_id: str, now: float) -> list[float]:
+        recent = [t for t in self.regroups_by_node.get(node_id, []) if now - t < self.regroup_window_s]
+        self.regroups_by_node[node_id] = recent
+        return recent
+
+    def _over_budget(self, node_id: str, now: float, more: int) -> bool:
+        """Whether ``node_id``'s regroups in the window (plus ``more`` about to happen) exceed the budget."""
+        return self.max_regroups > 0 and len(self._recent_regroups(node_id, now)) + more > self.max_regroups
+
+    def _exclude(self, node_id: str, now: float, more: int) -> list[Event]:
+        count, window = len(self._recent_regroups(node_id, now)) + more, f"{self.regroup_window_s:.0f} s"
+        flapped = f"node {node_id} caused {count} regroups in {window} (at most {self.max_regroups} allowed)"
+        self.excluded[node_id] = (
+            f"node {node_id} is excluded from job {self.job_id}: it caused {count} regroups in {window} (at most "
+            f"{self.max_regroups} allowed by --max-regroups per --regroup-window); fix what makes it fail (see its "
+            "agent's output), then run it in a new job, or give the job a larger --max-regroups"
+        )
+        self.rendezvous.leave(node_id, now)
+        return [Event("node_excluded", f"{flapped}: excluded from the job, which goes on without it", node_id,
+                      self.round_id, True)]
+
+    def _regroup(self, cause: str, now: float, expected: set[str], node_id: str) -> list[Event]:
+        """Open a round for a membership change (caused by ``node_id``); the restart budget is not touched."""
+        self._recent_regroups(node_id, now).append(now)
         self.regroup_count += 1
         self.done_nodes.clear()
         round_id = self.rendezvous.open_next(now, expected)

@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from convoy.config import STATE_FILE, JobConfig
+from convoy.agent.reap import reap
 from convoy.control.schedulers.local import LocalScheduler
 from convoy.control.store import read_status
 from convoy.control.token import TOKEN_FILE, write_token
@@ -69,6 +70,8 @@ def run_local_job(config: JobConfig, relaunch: bool = False, console: Callable[[
         return exc.exit_code
     finally:
         scheduler.stop(CHILD_EXIT_GRACE_S)
+        for node_id in scheduler.agents:
+            reap(config.master.job_id, node_id)
         remove_segments(config.master.job_id)  # in case an agent died before it could clean up
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -91,8 +94,11 @@ def _supervise(scheduler: LocalScheduler, client: MasterClient, relaunch: bool, 
             console(f"convoy: master {_describe(code)}; restarting it" + (" from the run dir" if has_state else ""))
             scheduler.start_master(resume=has_state)
         for node_id, agent_code in scheduler.newly_exited():
+            reap(scheduler.config.master.job_id, node_id)  # an agent killed outright leaves its workers' children
             _report_lost(client, node_id, _describe(agent_code))
-            if relaunch and agent_code != 0:
+            if relaunch and agent_code == EXIT_USAGE:  # refused (e.g. excluded): starting it again cannot help
+                console(f"convoy: agent of node {node_id} exited with a usage error; not relaunching it")
+            elif relaunch and agent_code != 0:
                 console(f"convoy: agent of node {node_id} {_describe(agent_code)}; relaunching it")
                 scheduler.start_node(node_id)
         running = len(scheduler.running())

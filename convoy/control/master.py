@@ -51,6 +51,7 @@ class JobMaster:
             self.job = Job(job_id, rendezvous, config.max_restarts, rdzv_config.join_timeout_s)
             self.nodes = NodeRegistry(config.heartbeat_timeout_s)
             self.token = read_token(token_path) if token_file and token_path.exists() else new_token()
+        self.job.max_regroups, self.job.regroup_window_s = config.max_regroups, config.regroup_window_s
         self.config, self.console, self.resumed = config, console, resume
         self.api = ApiServer(self, config.host, config.port, self.token)  # bind first: a refusal leaves no state
         if not token_path.exists():
@@ -104,6 +105,10 @@ class JobMaster:
                                     "give each agent its own --node-id")
             round_id, events = self.job.join(req.node_id, req.host, req.nproc, req.port, now)
             self._apply(events)
+            refusal = self.job.refusal(req.node_id)
+            if refusal is not None:
+                self.nodes.mark(req.node_id, "excluded")
+                raise ConflictError(refusal)
             return p.JoinResponse(job_id=self.job.job_id, round_id=round_id)
 
     def wait(self, req: p.WaitRequest) -> p.WaitResponse:

@@ -319,3 +319,22 @@ def test_a_chatty_worker_cannot_flood_the_record(master: Master) -> None:
     last = [e for e in read_status(master.run_dir, recent=1000)["events"] if e["node_id"] == "a"][-1]
     assert last["message"].startswith("rank 1: after the window")
     assert f"({50 - (len(recorded))} more from node a not recorded)" in last["message"]
+
+
+def test_a_node_over_its_regroup_budget_is_refused_with_409_naming_it(tmp_path: Path) -> None:
+    started = Master(tmp_path / "run", rendezvous=RendezvousConfig(1, 2, 0.0, 60.0), max_regroups=1)
+    try:
+        node_a, node_b = started.client(), started.client()
+        join(node_a, "a", "10.0.0.1")
+        join(node_b, "b", "10.0.0.2")
+        node_b.call("/leave", p.LeaveRequest(node_id="b", reason="agent killed by SIGKILL"), p.Ack)  # regroup 1
+        join(node_a, "a", "10.0.0.1")
+        with pytest.raises(ConvoyError, match="409.*node b is excluded from job .*caused 2 regroups in 600 s"):
+            join(node_b, "b", "10.0.0.2")
+        assert started.master.job.round_id == 2 and started.master.job.membership is not None
+        assert any("node b caused 2 regroups in 600 s (at most 1 allowed)" in line for line in started.console)
+        with pytest.raises(ConvoyError, match="409.*--max-regroups"):
+            join(started.client(), "b", "10.0.0.2")
+        assert "node_excluded" in started.event_kinds() and "join_refused" in started.event_kinds()
+    finally:
+        started.master.stop()

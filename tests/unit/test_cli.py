@@ -41,3 +41,19 @@ def test_config_errors_become_one_line_and_exit_code_2(capsys: pytest.CaptureFix
 def test_status_of_a_dir_without_a_job(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert main(["status", "--run-dir", str(tmp_path)]) == 2
     assert "no convoy job state in" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["run", "master"])
+def test_regroup_budget_flags_reach_the_master_config(command: str) -> None:
+    args = build_parser().parse_args([command, "--max-regroups", "3", "--regroup-window", "45"])
+    master = _master_config(args)
+    assert (master.max_regroups, master.regroup_window_s) == (3, 45.0)
+
+
+def test_a_bad_regroup_budget_is_one_error_line_naming_the_flag(capsys: pytest.CaptureFixture[str],
+                                                                tmp_path: Path) -> None:
+    script = tmp_path / "s.py"
+    script.write_text("")
+    assert main(["run", "--max-regroups", "0", "--run-dir", str(tmp_path / "r"), str(script)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("convoy: error: --max-regroups 0")

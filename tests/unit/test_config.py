@@ -114,6 +114,9 @@ def test_valid_master_config_creates_its_run_dir(tmp_path: Path) -> None:
     ({"rendezvous": RendezvousConfig(0, 1)}, "nnodes 0:1"),
     ({"rendezvous": RendezvousConfig(1, 1, wait_s=-1.0)}, "rendezvous wait"),
     ({"rendezvous": RendezvousConfig(1, 1, join_timeout_s=0.0)}, "join timeout"),
+    ({"max_regroups": 0}, "--max-regroups 0"),
+    ({"regroup_window_s": 0.0}, "--regroup-window 0.0"),
+    ({"regroup_window_s": float("nan")}, "--regroup-window nan"),
 ])
 def test_master_config_errors_name_the_field(tmp_path: Path, fields: dict[str, object], expected: str) -> None:
     with pytest.raises(ConfigError, match=expected):

@@ -287,3 +287,66 @@ def test_an_ended_job_ignores_further_input() -> None:
     assert job.join("n0", "10.0.0.1", 2, 29500, now=3.0)[1] == []
     assert job.node_lost("n1", "gone", now=4.0) == []
     assert job.status == SUCCEEDED and job.restart_count == 0
+
+
+def flap(job: Job, node_id: str, now: float) -> list[Event]:
+    """The node's agent dies (its node is lost), comes back and joins the running job again."""
+    host, nproc = NODES[node_id]
+    events = job.node_lost(node_id, "left (agent killed by SIGKILL)", now)
+    events += job.join("n0", "10.0.0.1", 2, 29500, now + 0.1)[1]
+    events += job.join(node_id, host, nproc, 29500, now + 0.2)[1]
+    events += job.join("n0", "10.0.0.1", 2, 29500, now + 0.3)[1]
+    return events
+
+
+def test_a_flapping_node_is_excluded_once_over_its_regroup_budget() -> None:
+    job = make_job(min_nodes=1, max_nodes=2)
+    job.max_regroups, job.regroup_window_s = 4, 60.0
+    join_all(job, now=0.0)
+    assert "node_excluded" not in kinds(flap(job, "n1", 1.0) + flap(job, "n1", 2.0)), "4 regroups: within budget"
+    assert job.membership is not None and job.membership.node_ids() == {"n0", "n1"}
+    events = job.node_lost("n1", "left (agent killed by SIGKILL)", 3.0)
+    assert kinds(events) == ["regroup", "node_excluded"]
+    excluded = events[1]
+    assert excluded.console and excluded.node_id == "n1"
+    assert "node n1 caused 5 regroups in 60 s (at most 4 allowed)" in excluded.message
+    assert job.refusal("n1") is not None and "--max-regroups" in job.refusal("n1")  # type: ignore[operator]
+    round_id, events = job.join("n1", "10.0.0.2", 2, 29500, 3.5)
+    assert kinds(events) == ["join_refused"] and not job.rendezvous.is_waiting("n1")
+    job.join("n0", "10.0.0.1", 2, 29500, 4.0)
+    assert job.status == RUNNING and job.membership is not None and job.membership.node_ids() == {"n0"}
+    assert job.restart_count == 0 and job.refusal("n0") is None, "the job goes on with the others"
+
+
+def test_regroups_older_than_the_window_are_forgiven() -> None:
+    job = make_job(min_nodes=1, max_nodes=2)
+    job.max_regroups, job.regroup_window_s = 2, 10.0
+    join_all(job, now=0.0)
+    for start in (1.0, 20.0, 40.0, 60.0):
+        assert "node_excluded" not in kinds(flap(job, "n1", start)), f"flap at {start}: 2 regroups per 10 s"
+    assert job.membership is not None and job.membership.node_ids() == {"n0", "n1"}
+
+
+def test_a_node_that_grows_the_job_too_often_is_refused_before_it_disturbs_it() -> None:
+    job = make_job(min_nodes=1, max_nodes=2)
+    job.max_regroups, job.regroup_window_s = 3, 60.0
+    join_all(job, now=0.0)
+    flap(job, "n1", 1.0)
+    job.node_lost("n1", "left (agent killed by SIGKILL)", 2.0)
+    job.join("n0", "10.0.0.1", 2, 29500, 2.1)
+    round_before = job.round_id
+    _, events = job.join("n1", "10.0.0.2", 2, 29500, 2.2)
+    assert kinds(events) == ["node_excluded"] and job.round_id == round_before, "no third regroup"
+    assert job.refusal("n1") is not None and job.membership is not None and job.membership.node_ids() == {"n0"}
+
+
+def test_excluding_a_node_below_min_fails_the_job_with_that_reason() -> None:
+    job = make_job(min_nodes=2, max_nodes=2)
+    job.max_regroups, job.regroup_window_s = 1, 60.0
+    join_all(job, now=0.0)
+    job.node_lost("n1", "left (agent killed by SIGKILL)", 1.0)
+    job.join("n1", "10.0.0.2", 2, 29500, 1.1)
+    job.join("n0", "10.0.0.1", 2, 29500, 1.2)
+    events = job.node_lost("n1", "left (agent killed by SIGKILL)", 2.0)
+    assert kinds(events)[-2:] == ["node_excluded", "job_failed"]
+    assert job.status == FAILED and "node n1 caused 2 regroups" in job.outcome and "MIN 2" in job.outcome

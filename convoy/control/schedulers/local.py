@@ -34,7 +34,8 @@ class LocalScheduler:
             args = ["--host", "127.0.0.1", "--port", str(self.port), "--run-dir", run_dir,
                     "--nnodes", f"{rdzv.min_nodes}:{rdzv.max_nodes}", "--max-restarts", str(master.max_restarts),
                     "--rdzv-wait", str(rdzv.wait_s), "--join-timeout", str(rdzv.join_timeout_s),
-                    "--heartbeat-timeout", str(master.heartbeat_timeout_s), "--job-id", master.job_id]
+                    "--heartbeat-timeout", str(master.heartbeat_timeout_s), "--job-id", master.job_id,
+                    "--max-regroups", str(master.max_regroups), "--regroup-window", str(master.regroup_window_s)]
         self.master = self._spawn(["master", *args, "--token-file", str(self.token_file), "--under-run"])
 
     def start_node(self, node_id: str) -> None:
