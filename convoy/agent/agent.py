@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from convoy.agent.client import MasterClient, free_port
+from convoy.agent.reap import NodeCgroup, reap
 from convoy.agent.workers import Worker, WorkerGroup
 from convoy.config import WorkerConfig
 from convoy.control import protocol as p
@@ -119,6 +120,7 @@ class Agent:
             self.group.close()
             if self.heartbeat.lease is not None:
                 self.heartbeat.lease.close()
+            reap(self._job_id, self.config.node_id)  # what the workers forked, and the node's cgroup
             if self._job_id:
                 remove_segments(self._job_id)  # the job's in-memory snapshots end with it
             for sig, handler in previous.items():
@@ -144,6 +146,8 @@ class Agent:
             join = p.JoinRequest(node_id=self.config.node_id, host=self.config.host,
                                  nproc=self.config.workers.nproc_per_node, port=free_port(), instance=self._instance)
             joined = self.client.call("/join", join, p.JoinResponse)
+            if not self._job_id:
+                self._first_joined(joined.job_id)
             round_id, self._job_id = joined.round_id, joined.job_id
             self._open_lease()
             if not self.heartbeat.is_alive() and not self.heartbeat.stopping.is_set():
@@ -210,6 +214,17 @@ class Agent:
             log_path=worker.pump.log_path, log_tail=list(worker.pump.tail),
         )
         self.client.call("/worker_exit", report, p.Ack)
+
+    def _first_joined(self, job_id: str) -> None:
+        """Before this node runs anything of the job: end what an earlier agent of the node left
+        running (its workers' children, if it was SIGKILLed), then keep the workers in a cgroup."""
+        left = reap(job_id, self.config.node_id)
+        if left:
+            print(f"convoy agent {self.config.node_id}: stopped {left} process(es) an earlier agent of this node "
+                  "left running", file=sys.stderr, flush=True)
+        cgroup = NodeCgroup.create(job_id, self.config.node_id)
+        if cgroup is not None:
+            self.group.use_cgroup(cgroup)
 
     def _open_lease(self) -> None:
         """Create this node's round lease once the job id is known (before any worker starts)."""

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from convoy.agent.env import spawn_env, worker_env
+from convoy.agent.reap import NodeCgroup
 from convoy.config import WorkerConfig
 from convoy.errors import WorkerStartError
 from convoy.procs import die_with_parent
@@ -124,6 +125,8 @@ class WorkerGroup:
         self._started_at = 0.0
         self.lease_file = ""
         """The node's round lease (``CONVOY_LEASE`` for the workers), once the agent has made it."""
+        self.cgroup: NodeCgroup | None = None
+        """Where this node's workers and all they start are kept, where a cgroup hierarchy is writable."""
 
     def fill_standbys(self) -> None:
         """Start standbys until there is one per local worker (call from the main thread)."""
@@ -166,10 +169,18 @@ class WorkerGroup:
             raise
         finally:
             os.close(ready_write)
+        if self.cgroup is not None:
+            self.cgroup.add(proc.pid)
         assert proc.stdout is not None
         pump = LogPump(proc.stdout, self._console, self._console_lock)  # type: ignore[arg-type]
         pump.start()
         return Worker(proc, pump, ready_read)
+
+    def use_cgroup(self, cgroup: NodeCgroup) -> None:
+        """Keep every worker, the standbys already started included, in ``cgroup`` from now on."""
+        self.cgroup = cgroup
+        for worker in [*self._standbys, *self.workers]:
+            cgroup.add(worker.proc.pid)
 
     def start(self, round_info: RoundInfo, member: MemberInfo, master_url: str) -> None:
         """Hand each standby its rank for this round, then warm new standbys for the next one."""

@@ -175,3 +175,48 @@ def test_elastic_job_goes_on_with_fewer_nodes_after_losing_an_agent(procs: Proce
     assert sorted(second) == [0, 1], "the surviving node runs ranks 0-1"
     assert {r["env"]["WORLD_SIZE"] for r in second.values()} == {"2"}
     assert all(gone(pid) for pid in workers)
+
+
+@pytest.mark.parametrize("escape", ["--grandchild", "--grandchild-session"])
+def test_children_of_a_sigkilled_agents_workers_are_stopped(procs: ProcessScope, run_dir: Path, tmp_path: Path,
+                                                            escape: str) -> None:
+    """The workers die with their agent (PDEATHSIG); what they forked is re-parented to pid 1 and
+    must be stopped too, even a child in a session of its own (the launcher reaps the node)."""
+    record_dir = tmp_path / "records"
+    job, workers = start_long_job(procs, run_dir, record_dir, escape, hold="--hold-first",
+                                  options=("--relaunch",))
+    children = {rank: read_pid(record_dir / f"rank{rank}.round1.child.pid") for rank in range(4)}
+    kill_agent_of(workers[3])
+    wait_for(lambda: gone(children[2]) and gone(children[3]), 10,
+             "the children of the killed agent's workers to be stopped")
+    assert not gone(children[0]), "the other node's workers and their children run on"
+    result = job.wait(timeout=60)
+    assert result.returncode == 0, result.explain()
+    assert all(gone(pid) for pid in children.values())
+    assert procs.wait_no_leftovers(timeout=10) == []
+
+
+def test_the_next_agent_of_a_node_reaps_what_a_killed_one_left(procs: ProcessScope, tmp_path: Path) -> None:
+    """By hand (no launcher to notice): an agent is SIGKILLed; the next agent started for the same
+    node stops its predecessor's leftovers before it runs anything."""
+    record_dir, run_dir = tmp_path / "records", tmp_path / "run"
+    record_dir.mkdir()
+    master = procs.start(["master", "--host", "127.0.0.1", "--port", 0, "--nnodes", 1, "--run-dir", run_dir,
+                          "--heartbeat-timeout", 2])
+    address = master.wait_output(r"convoy: master of job \w+ at (127\.0\.0\.1:\d+);", timeout=60).group(1)
+    agent_args = ["agent", "--master", address, "--token-file", run_dir / "token", "--run-dir", run_dir,
+                  "--node-id", "n0", "--nproc-per-node", 1, "--preload", "", "--stop-grace", 1,
+                  WORKER, "--record", record_dir, "--grandchild-session", "--hold-first", 60]
+    first = procs.start(agent_args)
+    wait_for(lambda: (record_dir / "rank0.round1.child.pid").exists(), 60, "the worker's child to start")
+    child = read_pid(record_dir / "rank0.round1.child.pid")
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait(timeout=10)
+    assert not gone(child), "a child in its own session outlives the agent (nothing else reaps it)"
+    master.wait_output(r"node n0 sent no heartbeat", timeout=30)  # the node id is free again
+    second = procs.start(agent_args)
+    wait_for(lambda: gone(child), 30, "the next agent of node n0 to stop the child its predecessor's worker left")
+    result = second.wait(timeout=60)
+    assert result.returncode == 0, result.explain()
+    assert "stopped 1 process(es) an earlier agent of this node left running" in result.stderr
+    master.wait(timeout=30)
