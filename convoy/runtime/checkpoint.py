@@ -18,22 +18,24 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
+from convoy import worker_events
 from convoy.errors import CheckpointError
 from convoy.runtime import persist
-from convoy.runtime.checkpoint_state import (
-    extra_state, load_extra, peer_sets, rng_state, set_rng_state, shape_mismatch,
-)
-from convoy.runtime.snapshot import SnapshotFile, flatten, layout, map_leaves
+from convoy.runtime.checkpoint_state import extra_state, load_extra, peer_sets, rng_state, set_rng_state, shape_mismatch
+from convoy.runtime.fence import RoundFence
+from convoy.runtime.peers import SnapshotRestore
+from convoy.runtime.persist_restore import PersistentRestore
+from convoy.runtime.snapshot import HEADER_SIZE, SnapshotFile, SnapshotNoSpace, encode_meta, flatten, free_bytes, layout
 from convoy.shm import segment_path
 
-META_RESERVE = 1 << 20
+SLACK = 1 << 16
+"""Room left in a slot beyond the state's real size, so that a skeleton that grows a little does not regrow it."""
 
 
-class Checkpointer:
+class Checkpointer(SnapshotRestore, PersistentRestore):
     """Makes a training loop resumable at the step after the last finished one.
 
     ``state`` holds anything else to resume (data position, LR scheduler, generators): objects
@@ -54,6 +56,8 @@ class Checkpointer:
     without the chosen step takes model and optimizer state from a rank of its own set.
     ``model_state`` holds objects that belong with the model and optimizer (an outer optimizer,
     an LR scheduler): a rank that takes a peer's model takes these from the same peer.
+    When ``/dev/shm`` cannot hold the snapshots they are turned off (said once) and persistent
+    saves go on; under a convoy agent nothing is committed for a round that is no longer current.
     """
 
     def __init__(
@@ -80,6 +84,8 @@ class Checkpointer:
         self.peer_sets = peer_sets(replicated, self.world_size)
         self.replicated = any(len(peers) > 1 for peers in self.peer_sets)
         self.log = log or (persist.stderr_log if self.rank == 0 else (lambda message: None))
+        self._say = log or persist.stderr_log  # what concerns this rank alone, said on every rank
+        self.fence = RoundFence(self._say)
         job_id = os.environ.get("CONVOY_JOB_ID")
         # keyed by node and local rank, not global rank: ranks shift when nodes come and go, and
         # a worker must find its own snapshot on its own host
@@ -98,9 +104,10 @@ class Checkpointer:
                     self._peer_group = group
         root = Path(directory) if directory else Path(os.environ.get("CONVOY_RUN_DIR", ".")) / "checkpoints"
         round_id = int(os.environ.get("CONVOY_ROUND", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
-        self._saver = persist.PersistentSaver(root, self._group, self.rank, keep, round_id, self.log)
+        self._saver = persist.PersistentSaver(root, self._group, self.rank, keep, round_id, self.log, self.fence)
         self.root = root
         self.restored_from = "nothing"
+        self._check_space()
         if optimizer is not None:
             optimizer.register_step_pre_hook(lambda *args: self._wait_copy())
 
@@ -148,21 +155,24 @@ class Checkpointer:
 
     def _take_snapshot(self, step: int) -> None:
         assert self._snapshot is not None
+        if not self.fence.allows(f"snapshot of step {step}"):
+            return  # the previous snapshot stays the newest
         tensors: list[torch.Tensor] = []
         skeleton = flatten(self._local_state(step), tensors)
         offsets, data_len = layout(tensors)
-        if not self._snapshot.fits(data_len, META_RESERVE // 2):
-            self._snapshot.allocate(data_len + META_RESERVE)
-        self._seq += 1
-        index = self._snapshot.begin(self._seq)
         stable = self._stable_until_optimizer_step()
         later = [i for i, t in enumerate(tensors) if self.async_snapshot and t.data_ptr() in stable]
+        meta = encode_meta(skeleton, offsets, frozenset(later))
+        if not self._snapshot.fits(data_len, len(meta)) and not self._grow(data_len + 2 * len(meta) + SLACK):
+            return
+        self._seq += 1
+        index = self._snapshot.begin(self._seq)
         later_set = set(later)
         now = [i for i in range(len(tensors)) if i not in later_set]
         try:
             self._snapshot.write_tensors(index, [tensors[i] for i in now], [offsets[i] for i in now])
             # partial until the background copy lands: this rank's own part of ``step`` is in place
-            self._snapshot.commit(index, self._seq, step, skeleton, offsets, data_len, pending=frozenset(later))
+            self._snapshot.commit_meta(index, self._seq, step, meta, data_len, complete=not later)
         except OSError as exc:
             raise CheckpointError(f"in-memory snapshot failed: {exc}") from exc
         if not later:
@@ -171,12 +181,47 @@ class Checkpointer:
         def finish() -> None:
             try:
                 self._snapshot.write_tensors(index, [tensors[i] for i in later], [offsets[i] for i in later])  # type: ignore[union-attr]
-                self._snapshot.mark_complete(index)  # type: ignore[union-attr]
+                if self.fence.allows(f"snapshot of step {step}"):
+                    self._snapshot.mark_complete(index)  # type: ignore[union-attr]
             except BaseException as exc:  # noqa: BLE001 (re-raised in the training thread)
                 self._copy_error = exc
 
         self._copy_thread = threading.Thread(target=finish, name="convoy-snapshot", daemon=True)
         self._copy_thread.start()
+
+    def _check_space(self) -> None:
+        """At construction: turn snapshots off at once if shared memory cannot hold even the model twice."""
+        if self._snapshot is None:
+            return
+        model_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values()
+                          if isinstance(t, torch.Tensor))
+        needed = HEADER_SIZE + 2 * (model_bytes + SLACK)
+        free = free_bytes(self._snapshot.path.parent) + self._snapshot.size_on_disk()
+        if needed > free:
+            self._disable_snapshots(f"two snapshots of this model need {needed / 2**20:.1f} MiB, "
+                                    f"{self._snapshot.path.parent} has {free / 2**20:.1f} MiB free")
+
+    def _grow(self, slot_size: int) -> bool:
+        """Make room for a larger snapshot; False (snapshots now off) when shared memory cannot hold it."""
+        assert self._snapshot is not None
+        try:
+            self._snapshot.allocate(slot_size)
+        except SnapshotNoSpace as exc:
+            self._disable_snapshots(str(exc))
+            return False
+        return True
+
+    def _disable_snapshots(self, why: str) -> None:
+        """Say once why in-memory snapshots stop, record it, drop the segment; training goes on."""
+        assert self._snapshot is not None
+        self._snapshot.remove()
+        self._snapshot = None
+        then = (f"persistent saves every {self.persist_every} steps go on (to {self.root})" if self.persist_every
+                else "persist_every is 0, so nothing protects progress now: set persist_every, or give /dev/shm "
+                     "more room (e.g. docker --shm-size)")
+        message = f"in-memory snapshots turned off on rank {self.rank}: {why}; {then}"
+        self._say(message)
+        worker_events.emit("snapshot_disabled", message)
 
     def _stable_until_optimizer_step(self) -> set[int]:
         """Storage of tensors that only ``optimizer.step()`` changes: safe to copy in the background."""
@@ -224,66 +269,6 @@ class Checkpointer:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
         return bool(flag.item())
 
-    def _restore_snapshot(self) -> int | None:
-        """Pick the step to resume from what every rank holds in shared memory, and load it.
-
-        A snapshot is *whole* once its background copy landed, *partial* before (only the rank's
-        own data position and RNG are certain). A step is *covered* when every set of peers has a
-        rank holding it whole. State resumes from the newest covered step that every rank holds at
-        least partially: a worker killed while its copy was in flight loses no finished step.
-        Failing that (a node just joined, or peers drifted apart), from the newest covered step,
-        ranks without it taking a peer's. Without peers, covered means every rank holds it whole."""
-        snap = self._snapshot
-        held = (snap.steps(), snap.steps(partial=True)) if snap is not None else ([], [])
-        every: list[tuple[list[int], list[int]]] = [([], []) for _ in range(self.world_size)]
-        dist.all_gather_object(every, held, group=self._group)
-        whole, some = [set(w) for w, _ in every], [set(p) for _, p in every]
-        covered = {step for step in set().union(*whole)
-                   if all(any(step in whole[rank] for rank in peers) for peers in self.peer_sets)}
-        candidates = set.intersection(*some) & covered or covered
-        if not candidates:
-            return None
-        step = max(candidates)
-        if all(step in w for w in whole):
-            return self._restore_own(step)
-        return self._restore_from_peer(step, [step in w for w in whole])
-
-    def _restore_own(self, step: int) -> int | None:
-        assert self._snapshot is not None
-        views = self._snapshot.read(step, copy=False)
-        if not self._fits(views, step):
-            return None
-        self._apply_snapshot(views)
-        self.restored_from = f"in-memory snapshot of step {step}"
-        self.log(f"resumed from the in-memory snapshot of step {step}")
-        return step
-
-    def _apply_snapshot(self, views: dict[str, Any]) -> None:
-        """``_apply_local`` from views into shared memory, copying each byte once: load_state_dict copies
-        the model's tensors into its parameters and buffers; extras and RNG are small and cloned; the
-        optimizer adopts empty tensors that a background thread fills while the first step computes
-        (the optimizer's pre-step hook waits for it, as it does for a snapshot's copy)."""
-        small = {key: map_leaves(views[key], torch.Tensor, torch.Tensor.clone) for key in ("extra", "shared", "rng")}
-        if self.optimizer is None:
-            self._apply_local({**views, **small})
-            return
-        saved = views["optim"].get("state", {})
-        empty = {**views["optim"], "state": map_leaves(saved, torch.Tensor, torch.empty_like)}
-        self._apply_local({"model": views["model"], "optim": empty, **small})
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        pairs = [(self.optimizer.state[params[index]][name], value) for index, param_state in saved.items()
-                 for name, value in param_state.items() if isinstance(value, torch.Tensor)]
-
-        def fill() -> None:
-            try:
-                for live, value in pairs:
-                    live.copy_(value)
-            except BaseException as exc:  # noqa: BLE001 (re-raised in the training thread)
-                self._copy_error = exc
-
-        self._copy_thread = threading.Thread(target=fill, name="convoy-restore", daemon=True)
-        self._copy_thread.start()
-
     def _fits(self, state: dict[str, Any], step: int) -> bool:
         """Every rank checks its snapshot against its model; all agree, or none uses theirs."""
         problem = shape_mismatch(self.model.state_dict(), state["model"], "model") or self._optim_mismatch(state)
@@ -292,40 +277,6 @@ class Checkpointer:
         self.log(f"in-memory snapshot of step {step} does not fit this model ({problem or 'on another rank'}); "
                  "trying persistent checkpoints")
         return False
-
-    def _restore_from_peer(self, step: int, holders: list[bool]) -> int | None:
-        """In each set of peers the lowest rank holding ``step`` whole sends model and optimizer state
-        (and ``model_state``) to the ranks without it. Those keep their own data position and RNG of
-        ``step`` where their partial snapshot has them (exact), else start them fresh (a node that
-        just joined)."""
-        snap, owner = self._snapshot, next(rank for rank in self._peers if holders[rank])
-        mine = snap.read(step) if holders[self.rank] and snap is not None else None
-        part = snap.read(step, partial=True) if mine is None and snap is not None \
-            and step in snap.steps(partial=True) else None
-        sent = {"model": mine["model"], "optim": mine["optim"], "shared": mine["shared"]} \
-            if self.rank == owner and mine else None
-        shared = [sent]
-        if not all(holders[rank] for rank in self._peers):
-            dist.broadcast_object_list(shared, src=owner, group=self._peer_group)
-        state = mine or {**shared[0], "extra": None, "rng": None}
-        if not self._fits(state, step):
-            return None
-        if mine is not None:
-            self._apply_local(mine)
-        else:
-            self.model.load_state_dict(state["model"])
-            if self.optimizer is not None:
-                self.optimizer.load_state_dict(state["optim"])
-            self._load_shared(state)
-            if part is not None:
-                for name, obj in self.extra.items():
-                    load_extra(obj, part["extra"][name])
-                set_rng_state(part["rng"])
-        source = "own" if mine is not None else f"rank {owner}'s" + (" with its own data position" if part else "")
-        self.restored_from = f"in-memory snapshot of step {step} ({source})"
-        self.log(f"resumed from the in-memory snapshot of step {step}, model and optimizer sent by a peer holding "
-                 f"it to ranks without it (rank {owner} to rank {self.rank}'s peers)")
-        return step
 
     def _optim_mismatch(self, state: dict[str, Any]) -> str | None:
         """Saved optimizer state must match the parameters it belongs to, in count and shape."""
@@ -340,40 +291,4 @@ class Checkpointer:
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != params[index].shape:
                     model = tuple(params[index].shape)
                     return f"optimizer state {index}.{name}: saved {tuple(value.shape)}, model {model}"
-        return None
-
-    def _restore_persistent(self) -> int | None:
-        if self.rank == 0:
-            persist.remove_stale_tmp(self.root)
-        listing = [persist.complete_checkpoints(self.root) if self.rank == 0 else None]
-        dist.broadcast_object_list(listing, src=0, group=self._group)
-        mismatches = []
-        for step, path in listing[0] or []:
-            problem = persist.verify(path) if self.rank == 0 else None
-            shared = [problem]
-            dist.broadcast_object_list(shared, src=0, group=self._group)
-            if shared[0] is not None:
-                self.log(f"skipping checkpoint {path}: {shared[0]}")
-                continue
-            state = self._dcp_state(step)
-            try:
-                persist.load(state, path, self._group)
-            except (Exception, CheckpointException) as exc:  # every rank gets the same error from DCP
-                mismatches.append(f"{path.name}: {persist.reason(exc)}")
-                self.log(f"skipping checkpoint {path}: cannot be loaded into this model ({mismatches[-1]})")
-                continue
-            set_state_dict(self.model, self.optimizer or [], model_state_dict=state["model"],
-                           optim_state_dict=state["optim"])
-            mine = state.get(f"rank{self.rank}")
-            if mine is not None:
-                self._load_shared(mine)
-                for name, obj in self.extra.items():
-                    load_extra(obj, mine["extra"][name])
-                set_rng_state(mine["rng"])
-            self.restored_from = f"persistent checkpoint {path}"
-            self.log(f"resumed from persistent checkpoint {path} (step {step})")
-            return step
-        if mismatches:
-            raise CheckpointError(f"no checkpoint under {self.root} fits this model ({'; '.join(mismatches)}); "
-                                  "use a new run dir or restore the model definition")
         return None

@@ -23,8 +23,11 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
+    """Set each stream ``state`` holds (a checkpoint of another setup may lack some)."""
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if "python" in state:
+        random.setstate(state["python"])
     if "numpy" in state:
         import numpy
 

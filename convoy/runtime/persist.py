@@ -3,7 +3,9 @@
 A save goes to ``checkpoints/step-N.tmp-rR``; when every rank's data and DCP's metadata are
 written, rank 0 checksums the files into ``convoy-manifest.json`` and renames the directory to
 ``step-N``. Only a directory with that name and a manifest that matches its files counts as a
-complete checkpoint, so a crash mid-write never leaves one that looks complete.
+complete checkpoint, so a crash mid-write never leaves one that looks complete. A save starts
+only if every rank's round fence allows it, and rank 0 seals it only if its own still does: a
+worker of an ended round never adds a checkpoint beside the new round's.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sys
 import threading
 import zlib
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -93,12 +95,17 @@ def remove_stale_tmp(root: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+class Fence(Protocol):
+    def allows(self, what: str) -> bool: ...
+
+
 class PersistentSaver:
     """One background DCP save at a time, on its own process group; rank 0 seals each save."""
 
     def __init__(self, root: Path, group: dist.ProcessGroup, rank: int, keep: int, round_id: int,
-                 log: Callable[[str], None]) -> None:
+                 log: Callable[[str], None], fence: Fence | None = None) -> None:
         self.root, self.group, self.rank, self.keep, self.round_id, self.log = root, group, rank, keep, round_id, log
+        self.fence = fence
         self._pending: threading.Thread | None = None
         self._staged = threading.Event()
         self._buffers: list[torch.Tensor] = []
@@ -144,13 +151,27 @@ class PersistentSaver:
         finally:
             self._staged.set()
         try:
+            if not self._all_allowed(f"persistent checkpoint of step {step}"):
+                return
             if self.rank == 0:
                 self.root.mkdir(parents=True, exist_ok=True)
             dcp.save(unflatten(skeleton, self._buffers), checkpoint_id=str(tmp), process_group=self.group)
             if self.rank == 0:
-                self._seal(step, tmp)
+                if self._allowed(f"persistent checkpoint of step {step}"):
+                    self._seal(step, tmp)
+                else:
+                    shutil.rmtree(tmp, ignore_errors=True)
         except (Exception, CheckpointException) as exc:  # a failed save is reported, training goes on
             self._failed(step, tmp, exc)
+
+    def _allowed(self, what: str) -> bool:
+        return self.fence is None or self.fence.allows(what)
+
+    def _all_allowed(self, what: str) -> bool:
+        """Every rank's fence allows the save (agreed, so that no rank waits in a save the others skip)."""
+        flag = torch.tensor([1 if self._allowed(what) else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
 
     def _seal(self, step: int, tmp: Path) -> None:
         write_manifest(tmp, step)

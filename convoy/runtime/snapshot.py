@@ -17,6 +17,7 @@ do not fit it or whose skeleton fails its checksum reads as absent (``unreadable
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import pickle
@@ -39,6 +40,10 @@ _SLOT = struct.Struct("<qqqqqI")  # sequence (0: not valid), step, data length, 
 
 class SnapshotTooSmall(CheckpointError):
     """A write would run past the end of its slot; grow the segment (``allocate``) first."""
+
+
+class SnapshotNoSpace(CheckpointError):
+    """The segment's filesystem (``/dev/shm``) has no room for it; nothing of it is left behind."""
 
 
 @dataclass(frozen=True)
@@ -127,21 +132,48 @@ class SnapshotFile:
             self._mm = None
 
     def allocate(self, slot_size: int) -> None:
-        """(Re)create the segment with two slots of ``slot_size`` bytes; old contents are dropped."""
-        self.close()
+        """(Re)create the segment with two slots of ``slot_size`` bytes; old contents are dropped.
+        Raises ``SnapshotNoSpace`` when the filesystem cannot hold it, leaving no new file behind."""
         slot_size = -(-slot_size // mmap.PAGESIZE) * mmap.PAGESIZE
+        total = HEADER_SIZE + 2 * slot_size
+        current = self.size_on_disk()
+        free = free_bytes(self.path.parent)
+        if total > free + current:
+            raise SnapshotNoSpace(f"a snapshot segment of {total / 2**20:.1f} MiB does not fit in {self.path.parent} "
+                                  f"({free / 2**20:.1f} MiB free)")
+        self.close()
+        if total > free:  # the old segment's space is needed for the new one
+            self.path.unlink(missing_ok=True)
         tmp = self.path.with_name(self.path.name + ".new")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.ftruncate(fd, HEADER_SIZE + 2 * slot_size)
-            os.posix_fallocate(fd, 0, HEADER_SIZE + 2 * slot_size)  # fail now, not with SIGBUS later
+            os.ftruncate(fd, total)
+            os.posix_fallocate(fd, 0, total)  # fail now, not with SIGBUS later
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            if exc.errno == errno.ENOSPC:
+                raise SnapshotNoSpace(f"no space for a snapshot segment of {total / 2**20:.1f} MiB in "
+                                      f"{self.path.parent}") from exc
+            raise
         finally:
             os.close(fd)
         os.replace(tmp, self.path)
-        self._mm = _mmap(self.path, HEADER_SIZE + 2 * slot_size)
+        self._mm = _mmap(self.path, total)
         _HEADER.pack_into(self._mm, 0, MAGIC, slot_size)
         self.slot_size = slot_size
         self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
+
+    def size_on_disk(self) -> int:
+        try:
+            return self.path.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def remove(self) -> None:
+        """Drop the segment (snapshots turned off): no stale snapshot may outlive newer state."""
+        self.close()
+        self.slot_size = 0
+        self.path.unlink(missing_ok=True)
 
     def slots(self) -> list[tuple[int, int, int, int, int]]:
         """``(sequence, step, data_len, meta_len, complete)`` of both slots (sequence 0: empty or torn)."""
@@ -236,6 +268,12 @@ class SnapshotFile:
                     raise KeyError(f"snapshot of step {step} in {self.path} points outside its slot")
                 return _restore(skeleton, self._bytes, base, copy, drop_pending=not done)
         raise KeyError(f"no {'' if partial else 'complete '}snapshot of step {step} in {self.path}")
+
+
+def free_bytes(directory: Path) -> int:
+    """Bytes an unprivileged writer can still allocate in ``directory``'s filesystem."""
+    stats = os.statvfs(directory)
+    return stats.f_bavail * stats.f_frsize
 
 
 def encode_meta(skeleton: Any, offsets: list[int], pending: frozenset[int] = frozenset()) -> bytes:

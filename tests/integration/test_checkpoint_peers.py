@@ -41,7 +41,7 @@ def _unfinish_newest(path: Path) -> int:
     _, slot_size = _HEADER.unpack_from(raw, 0)
     slots = [_SLOT.unpack_from(raw, _HEADER.size + i * _SLOT.size) for i in range(2)]
     index = max(range(2), key=lambda i: slots[i][0])
-    seq, step, data_len, meta_len, _ = slots[index]
+    seq, step, data_len, meta_len, _, crc = slots[index]
     base = HEADER_SIZE + index * slot_size
     skeleton = pickle.loads(bytes(raw[base + data_len : base + data_len + meta_len]))
     pending: list[TensorRef] = []
@@ -49,7 +49,7 @@ def _unfinish_newest(path: Path) -> int:
     assert pending, "the snapshot copied nothing in the background"
     for ref in pending:
         raw[base + ref.offset : base + ref.offset + ref.nbytes] = b"\xff" * ref.nbytes
-    _SLOT.pack_into(raw, _HEADER.size + index * _SLOT.size, seq, step, data_len, meta_len, 0)
+    _SLOT.pack_into(raw, _HEADER.size + index * _SLOT.size, seq, step, data_len, meta_len, 0, crc)
     path.write_bytes(raw)
     return step
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import subprocess
+import time
 import uuid
 from pathlib import Path
 from typing import Iterator
@@ -16,7 +17,11 @@ import torch.distributed as dist
 
 import convoy
 from convoy.errors import CheckpointError
+from convoy import worker_events
+from convoy.lease import LeaseWriter
+from convoy.runtime.checkpoint import SLACK
 from convoy.runtime.persist import complete_checkpoints
+from convoy.runtime.snapshot import HEADER_SIZE, SnapshotFile, free_bytes
 from convoy.shm import SHM_DIR, remove_segments
 
 
@@ -185,3 +190,115 @@ def test_full_checkpoint_dir_reports_and_leaves_nothing_complete(job: str, tmp_p
 def test_bad_arguments_are_rejected() -> None:
     with pytest.raises(CheckpointError, match="every"):
         Trainer().checkpointer(every=0)
+
+
+class IndexSampler:
+    """A sampler that keeps its whole index order in its state: a skeleton of about 2.5 MB."""
+
+    def __init__(self, size: int = 500_000) -> None:
+        self.order, self.position = list(range(size)), 0
+
+    def state_dict(self) -> dict[str, object]:
+        return {"order": list(self.order), "position": self.position}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.order, self.position = list(state["order"]), int(state["position"])  # type: ignore[call-overload]
+
+
+def test_state_far_larger_than_a_slot_reserve_snapshots_and_restores(job: str) -> None:
+    trainer, sampler = Trainer(), IndexSampler()
+    sampler.order.reverse()
+    ckpt = convoy.Checkpointer(trainer.model, trainer.optimizer, state={"data": trainer.data, "sampler": sampler})
+    for step in range(4):
+        trainer.train_step()
+        sampler.position = step
+        ckpt.step(step)
+    ckpt.close()
+    second, fresh = Trainer(), IndexSampler(size=0)
+    restored = convoy.Checkpointer(second.model, second.optimizer, state={"data": second.data, "sampler": fresh})
+    assert restored.restore() == 4 and "in-memory snapshot of step 3" in restored.restored_from
+    assert fresh.position == 3 and fresh.order == sampler.order
+
+
+def test_refused_step_leaves_the_previous_snapshot_the_newest(job: str, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    lease = LeaseWriter(tmp_path / "lease")
+    monkeypatch.setenv("CONVOY_LEASE", str(lease.path))
+    monkeypatch.setenv("CONVOY_ROUND", "3")
+    lease.grant(3, time.monotonic(), 60.0)
+    messages: list[str] = []
+    trainer = Trainer()
+    ckpt = trainer.checkpointer(persist_every=2, log=messages.append)
+    trainer.run(ckpt, 0, 2)  # snapshots of steps 0, 1 and a persistent checkpoint of step 1
+    lease.revoke()  # the agent learnt that round 3 ended
+    trainer.run(ckpt, 2, 4)  # would snapshot 2, 3 and persist 3
+    lease.close()
+    assert [step for step, _ in complete_checkpoints(tmp_path / "checkpoints")] == [1]
+    assert messages == ["round 3 is no longer current: snapshot of step 2 not committed; the agent will stop this worker"]
+    monkeypatch.delenv("CONVOY_LEASE")
+    again = Trainer().checkpointer()
+    assert again.restore() == 2 and "in-memory snapshot of step 1" in again.restored_from
+
+
+@pytest.mark.parametrize("when", ["at construction", "on growth"])
+def test_full_shared_memory_turns_snapshots_off_once_and_training_goes_on(
+        job: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        when: str) -> None:
+    mount = tmp_path / "shm"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        monkeypatch.setattr("convoy.shm.SHM_DIR", mount)
+        trainer = Trainer(width=1024)
+        model_bytes = sum(t.numel() * t.element_size() for t in trainer.model.state_dict().values())
+        first_check = HEADER_SIZE + 2 * (model_bytes + SLACK)  # the model alone, twice: Adam's state comes later
+        room = first_check - 16384 if when == "at construction" else first_check + 16384
+        (mount / "filler").write_bytes(b"\0" * (free_bytes(mount) - room))
+        messages: list[str] = []
+        trainer.run(trainer.checkpointer(persist_every=2, log=messages.append), 0, 6)
+        off = [m for m in messages if "in-memory snapshots turned off" in m]
+        assert len(off) == 1 and "persistent saves every 2 steps go on" in off[0], messages
+        assert [kind for line in capsys.readouterr().err.splitlines()
+                if (event := worker_events.parse(line)) for kind in event[:1]] == ["snapshot_disabled"]
+        assert [p.name for p in mount.iterdir()] == ["filler"], "a snapshot segment was left behind"
+        assert [step for step, _ in complete_checkpoints(tmp_path / "checkpoints")] == [5, 3]
+        again = Trainer(width=1024).checkpointer(log=messages.append)
+        assert again.restore() == 6 and "persistent checkpoint" in again.restored_from
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_without_persistence_a_full_shared_memory_says_nothing_protects_progress(
+        job: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mount = tmp_path / "shm"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        monkeypatch.setattr("convoy.shm.SHM_DIR", mount)
+        messages: list[str] = []
+        trainer = Trainer(width=1024)
+        trainer.run(trainer.checkpointer(log=messages.append), 0, 2)
+        assert [m for m in messages if "nothing protects progress now" in m], messages
+        assert not list(mount.iterdir())
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_unreadable_newest_slot_falls_back_to_the_other_with_a_message(job: str) -> None:
+    trainer = Trainer()
+    trainer.run(trainer.checkpointer(), 0, 3)  # slots hold steps 1 and 2
+    segment = next(SHM_DIR.glob(f"convoy-{job}-*"))
+    reader = SnapshotFile(segment)
+    index = max(range(2), key=lambda i: reader.slots()[i][0])
+    _, step, data_len, meta_len, _ = reader.slots()[index]
+    reader.close()
+    assert step == 2
+    with open(segment, "r+b") as handle:
+        handle.seek(HEADER_SIZE + index * SnapshotFile(segment).slot_size + data_len)
+        handle.write(b"\x07" * meta_len)  # what an overrun from the other slot would leave
+    messages: list[str] = []
+    ckpt = Trainer().checkpointer(log=messages.append)
+    assert ckpt.restore() == 2 and "in-memory snapshot of step 1" in ckpt.restored_from
+    assert any("unreadable" in m and "step 2" in m for m in messages), messages
