@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import secrets
 import signal
 import sys
@@ -198,16 +199,38 @@ class Agent:
                 self._report_failure(round_info, min(failed, key=lambda w: w.rank))
             elif len(done) == len(self.group.workers) and not reported_done:
                 reported_done = True
+                for worker in done:
+                    worker.pump.join(timeout=0.2)  # their last lines (and events) are read
+                self._forward_events(round_info, most=1000)  # before the job can end on this report
                 self.client.call("/node_done", p.NodeDone(node_id=self.config.node_id, round_id=round_info.round_id),
                                  p.Ack)
+            self._forward_events(round_info)
             if not start_failed:
                 self.group.refill_when_idle()
             self.heartbeat.changed.wait(POLL_S)
             self.heartbeat.changed.clear()
 
+    def _forward_events(self, round_info: p.RoundInfo, most: int = 20) -> None:
+        """Send the master what the workers recorded (a few per pass: training comes first)."""
+        for _ in range(most):
+            try:
+                rank, kind, message = self.group.events.get_nowait()
+            except queue.Empty:
+                return
+            event = p.WorkerEvent(node_id=self.config.node_id, round_id=round_info.round_id, rank=max(rank, 0),
+                                  kind=kind, message=message[:4096])
+            try:
+                self.client.call("/event", event, p.Ack)
+            except MasterUnreachableError:
+                raise
+            except ConvoyError as exc:  # refused (e.g. over the node's budget): the line is in the log anyway
+                print(f"convoy agent {self.config.node_id}: event {kind} not recorded: {exc}", file=sys.stderr,
+                      flush=True)
+
     def _report_failure(self, round_info: p.RoundInfo, worker: Worker) -> None:
         code = worker.returncode or 0
         worker.pump.join(timeout=0.2)  # let the last lines reach the tail
+        self._forward_events(round_info, most=1000)
         report = p.WorkerExit(
             node_id=self.config.node_id, round_id=round_info.round_id, rank=worker.rank,
             local_rank=worker.local_rank, exitcode=code if code >= 0 else None, signal=signal_name(code),

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import collections
+import errno
 import json
 import os
+import queue
 import select
 import signal
 import subprocess
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING, BinaryIO
 
 from convoy.agent.env import spawn_env, worker_env
 from convoy.agent.reap import NodeCgroup
+from convoy.worker_events import MARK, parse
 from convoy.config import WorkerConfig
 from convoy.errors import WorkerStartError
 from convoy.procs import die_with_parent
@@ -25,6 +28,10 @@ if TYPE_CHECKING:
     from convoy.control.protocol import MemberInfo, RoundInfo
 
 TAIL_LINES = 20
+HELD_LINES = 1000
+"""Lines kept from a standby that has no rank yet; older ones are dropped."""
+LOG_REOPEN_S = 1.0
+"""How often a log file that could not be opened is tried again."""
 REFILL_DELAY_S = 5.0
 
 
@@ -32,49 +39,113 @@ class LogPump(threading.Thread):
     """Copies a worker's output to its log file and, prefixed with its rank, to the console.
 
     Lines printed before the worker has a rank (e.g. import warnings) are held, then written.
+    A line that records an event (``convoy.worker_events``) is also put on ``events`` as
+    ``(rank, kind, message)`` for the agent to send to the master.
+    The pump never stops reading (a worker blocks once its pipe is full): a line the log file
+    cannot take (a full disk) is dropped from the file and counted, its console copy still goes out.
     """
 
-    def __init__(self, stream: BinaryIO, console: BinaryIO, console_lock: threading.Lock) -> None:
+    def __init__(self, stream: BinaryIO, console: BinaryIO, console_lock: threading.Lock,
+                 events: queue.SimpleQueue[tuple[int, str, str]] | None = None) -> None:
         super().__init__(name="convoy-log", daemon=True)
         self._stream, self._console, self._console_lock = stream, console, console_lock
+        self._events = events
+        self.rank = -1
         self._lock = threading.Lock()
-        self._held: list[bytes] = []
+        self._held: collections.deque[bytes] = collections.deque(maxlen=HELD_LINES)
+        self._assigned = False
         self._file: BinaryIO | None = None
         self._prefix = b""
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.log_path = ""
+        self.dropped_lines = 0
+        """Lines not written to the log file since it last took one (0 while writing works)."""
+        self._log_error = ""
+        self._next_open_at = 0.0
 
     def assign(self, rank: int, log_path: Path) -> None:
-        log_path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock:
-            self._file = open(log_path, "ab")  # noqa: SIM115 (closed when the stream ends)
             self._prefix = f"[rank{rank}]: ".encode()  # torch prefixes its own errors the same way
+            self.rank = rank
             self.log_path = str(log_path)
-            held, self._held = self._held, []
+            self._assigned = True
+            self._open()
+            held, self._held = list(self._held), collections.deque(maxlen=HELD_LINES)
             for line in held:
                 self._write(line)
 
     def run(self) -> None:
+        mark = MARK.encode()
         for line in iter(self._stream.readline, b""):
+            if self._events is not None and mark in line[:64]:
+                event = parse(line.decode(errors="replace"))
+                if event is not None:
+                    self._events.put((self.rank, *event))
             with self._lock:
-                if self._file is None:
+                if not self._assigned:
                     self._held.append(line)
                 else:
                     self._write(line)
         with self._lock:
+            if self.dropped_lines:
+                self._say(f"{self.dropped_lines} lines not written to {self.log_path} ({self._log_error})")
             if self._file is not None:
-                self._file.close()
+                self._close_file()
         self._stream.close()
 
+    def _open(self) -> None:
+        """Open the log file (unbuffered: a failed write leaves nothing behind to retry)."""
+        self._next_open_at = time.monotonic() + LOG_REOPEN_S
+        try:
+            Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.log_path, "ab", buffering=0)  # noqa: SIM115 (closed when the stream ends)
+        except OSError as exc:
+            self._log_failed(exc)
+
     def _write(self, line: bytes) -> None:
-        assert self._file is not None
-        self._file.write(line)
-        self._file.flush()
+        if self._file is None and time.monotonic() >= self._next_open_at:
+            self._open()
+        if self._file is not None:
+            try:
+                written = self._file.write(line)
+            except OSError as exc:
+                self._log_failed(exc)
+            else:
+                if written is not None and written < len(line):  # the disk filled up inside this line
+                    self._log_failed(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+                elif self.dropped_lines:
+                    self._say(f"{self.log_path} is writable again; {self.dropped_lines} lines not written to it")
+                    self.dropped_lines, self._log_error = 0, ""
+        else:
+            self.dropped_lines += 1
         self.tail.append(line.decode(errors="replace").rstrip("\n"))
-        text = line if line.startswith(self._prefix) else self._prefix + line
-        with self._console_lock:
-            self._console.write(text if text.endswith(b"\n") else text + b"\n")
-            self._console.flush()
+        self._to_console(line if line.startswith(self._prefix) else self._prefix + line)
+
+    def _log_failed(self, exc: OSError) -> None:
+        if not self.dropped_lines and not self._log_error:
+            self._log_error = exc.strerror or str(exc)
+            self._say(f"cannot write to {self.log_path} ({self._log_error}); dropping lines from the log file, "
+                      "the console copy goes on")
+        self.dropped_lines += 1
+
+    def _say(self, message: str) -> None:
+        self._to_console(self._prefix + f"convoy: {message}".encode())
+
+    def _to_console(self, text: bytes) -> None:
+        try:
+            with self._console_lock:
+                self._console.write(text if text.endswith(b"\n") else text + b"\n")
+                self._console.flush()
+        except (OSError, ValueError):
+            pass  # the agent's own output is gone or full: the worker must still not block
+
+    def _close_file(self) -> None:
+        assert self._file is not None
+        try:
+            self._file.close()
+        except OSError:
+            pass
+        self._file = None
 
 
 @dataclass
@@ -127,6 +198,8 @@ class WorkerGroup:
         """The node's round lease (``CONVOY_LEASE`` for the workers), once the agent has made it."""
         self.cgroup: NodeCgroup | None = None
         """Where this node's workers and all they start are kept, where a cgroup hierarchy is writable."""
+        self.events: queue.SimpleQueue[tuple[int, str, str]] = queue.SimpleQueue()
+        """Events the workers recorded, ``(rank, kind, message)``, for the agent to send on."""
 
     def fill_standbys(self) -> None:
         """Start standbys until there is one per local worker (call from the main thread)."""
@@ -172,7 +245,7 @@ class WorkerGroup:
         if self.cgroup is not None:
             self.cgroup.add(proc.pid)
         assert proc.stdout is not None
-        pump = LogPump(proc.stdout, self._console, self._console_lock)  # type: ignore[arg-type]
+        pump = LogPump(proc.stdout, self._console, self._console_lock, self.events)  # type: ignore[arg-type]
         pump.start()
         return Worker(proc, pump, ready_read)
 

@@ -1,0 +1,97 @@
+"""A worker of an ended round never writes state: a stopped agent's workers are fenced by the
+round lease, killed when the agent wakes, and the readmitted node resumes where the job is.
+
+Also: what workers record with ``convoy.worker_events.emit`` reaches the job's events.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+from helpers import ProcessScope, fixture, wait_for
+
+pytestmark = pytest.mark.slow
+
+FENCED = fixture("fenced_train.py")
+HEARTBEAT_TIMEOUT_S = 3.0
+
+
+def lines(run_dir: Path, round_id: int, rank: int) -> list[dict]:
+    path = run_dir / "logs" / f"round{round_id}" / f"rank{rank}.log"
+    if not path.exists():
+        return []
+    found = []
+    for line in path.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            try:
+                found.append(json.loads(line))
+            except ValueError:
+                continue
+    return found
+
+
+def events(run_dir: Path) -> list[tuple[float, str, str]]:
+    db = sqlite3.connect(f"file:{run_dir / 'state.db'}?mode=ro", uri=True)
+    try:
+        return db.execute("SELECT ts, kind, message FROM events ORDER BY id").fetchall()
+    finally:
+        db.close()
+
+
+def test_a_stopped_agents_worker_commits_nothing_after_its_node_is_lost(procs: ProcessScope, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    job = procs.start(["run", "--nnodes", "1:2", "--nproc-per-node", 1, "--rdzv-wait", 5, "--stop-grace", 1,
+                       "--heartbeat-timeout", HEARTBEAT_TIMEOUT_S, "--run-dir", run_dir,
+                       FENCED, "--steps", 320, "--sleep", 0.05])
+    wait_for(lambda: len([s for s in lines(run_dir, 1, 1) if "step" in s]) >= 10, 90, "rank 1 to train 10 steps")
+    agent = next(s["agent"] for s in lines(run_dir, 1, 1) if "agent" in s)
+    os.kill(agent, signal.SIGSTOP)
+    stopped_at = time.time()
+    try:
+        wait_for(lambda: any(kind == "regroup" and "sent no heartbeat" in message
+                             for _, kind, message in events(run_dir)), 30, "the stopped node to be declared lost")
+        lost_at = next(ts for ts, kind, message in events(run_dir) if kind == "regroup" and "sent no heartbeat" in message)
+        time.sleep(max(0.0, lost_at + 1.5 - time.time()))  # the stale worker trains on meanwhile
+    finally:
+        os.kill(agent, signal.SIGCONT)
+    result = job.wait(timeout=90)
+    assert result.returncode == 0, result.explain()
+
+    stale = [s for s in lines(run_dir, 1, 1) if "step" in s]
+    committed = [s for s in stale if not s["refused"]]
+    assert committed and committed[-1]["t"] < lost_at, "no step is committed once the node may be declared lost"
+    after = [s for s in stale if s["t"] > lost_at]
+    assert after, "the stopped agent's worker trained on after the loss (it is fenced, not frozen)"
+    assert all("lease_lapsed" in s["refused"] for s in after), after[:3]
+    assert lost_at - stopped_at >= HEARTBEAT_TIMEOUT_S - 1.0
+
+    # the node is readmitted: its snapshot holds only steps it committed before the loss, and it
+    # resumes at the step the job reached, as does rank 0, which lost no finished step
+    last_round = max(int(p.name.removeprefix("round")) for p in (run_dir / "logs").iterdir())
+    assert last_round >= 3, "lost (round 2 without the node), then readmitted (round 3)"
+    rejoined = lines(run_dir, last_round, 1)
+    holds = next(s["holds"] for s in rejoined if "holds" in s)
+    assert holds and max(holds) <= committed[-1]["step"], (holds, committed[-1])
+    resumed = {rank: next(s for s in lines(run_dir, last_round, rank) if "resumed" in s) for rank in (0, 1)}
+    before = [s for s in lines(run_dir, last_round - 1, 0) if "step" in s]
+    assert resumed[0]["resumed"] == before[-1]["step"] + 1, (resumed[0], before[-1])
+    assert resumed[1]["resumed"] == resumed[0]["resumed"], resumed
+    assert procs.wait_no_leftovers(timeout=10) == []
+
+
+def test_events_a_worker_emits_are_recorded_by_the_master(procs: ProcessScope, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    script = tmp_path / "emit.py"
+    script.write_text("import os\nfrom convoy.worker_events import emit\n"
+                      "emit('data_skew', 'shard ' + os.environ['RANK'] + ' is 3x the others')\n"
+                      "print('convoy-event {not json', flush=True)\n")
+    result = procs.run(["run", "--nnodes", 1, "--nproc-per-node", 2, "--preload", "", "--run-dir", run_dir, script])
+    assert result.returncode == 0, result.explain()
+    recorded = [message for _, kind, message in events(run_dir) if kind == "data_skew"]
+    assert sorted(recorded) == ["rank 0: shard 0 is 3x the others", "rank 1: shard 1 is 3x the others"]
