@@ -2,7 +2,8 @@
 algorithm's line at two probe sizes, the trials at real message sizes, and the job's cache of all three.
 
 Every function here that moves data is collective over the default group (or the group it is given):
-call it on every rank in the same order, as the allreduce itself is called.
+call it on every rank in the same order, as the allreduce itself is called. Buffers go on ``device``:
+the CPU where gloo reduces CPU tensors, else the GPU (``measure``'s caller picks).
 """
 
 from __future__ import annotations
@@ -13,15 +14,12 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from convoy.parallel.topology import ALGORITHMS, CostModel, Link, Topology, simplest_within
-
-if TYPE_CHECKING:
-    from convoy.parallel.collectives import HierarchicalAllreduce
+from convoy.parallel.topology import CostModel, Link, Topology, simplest_within
 
 PROBE_BYTES = (1 << 20, 32 << 20)
 PROBE_REPS = 7
@@ -42,12 +40,13 @@ def trial_rounds(round_s: float) -> int:
     return max(TRIAL_ROUNDS, min(TRIAL_MAX_ROUNDS, int(TRIAL_BUDGET_S / round_s)))
 
 
-def fit_link(run: Callable[[torch.Tensor], None], group: Any, ring_ranks: int) -> tuple[float, float]:
+def fit_link(run: Callable[[torch.Tensor], None], group: Any, ring_ranks: int,
+             device: torch.device | str = "cpu") -> tuple[float, float]:
     """(fixed s, s/byte) of a link from the fastest of ``PROBE_REPS`` ring allreduces of ``ring_ranks``
     on ``group`` at two sizes (what the link can do: a busy moment of the machine only adds)."""
     points = []
     for nbytes in PROBE_BYTES:
-        buffer = torch.ones(nbytes // 4, dtype=torch.float32)
+        buffer = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
         run(buffer)  # warm the connections
         times = []
         for _ in range(PROBE_REPS):
@@ -60,18 +59,19 @@ def fit_link(run: Callable[[torch.Tensor], None], group: Any, ring_ranks: int) -
     return link.latency_s, link.s_per_byte
 
 
-def time_algorithms(run: Callable[[torch.Tensor, str], None], usable: Sequence[str]) -> tuple[tuple[str, Link], ...]:
+def time_algorithms(run: Callable[[torch.Tensor, str], None], usable: Sequence[str],
+                    device: torch.device | str = "cpu") -> tuple[tuple[str, Link], ...]:
     """A line (fixed cost + cost per byte) per algorithm through its median time at each probe
     size. The algorithms take turns in an order drawn anew each rep (the same on every rank), so
     a slow moment of the machine, or the state one algorithm leaves behind, hits all of them
     alike; a rep counts the slowest rank, as the allreduce is done only when every rank is."""
     medians = []
     for nbytes in PROBE_BYTES:
-        buffer = torch.ones(nbytes // 4, dtype=torch.float32)
+        buffer = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
         for algorithm in usable:
             run(buffer, algorithm)  # warm the connections
         reps = SMALL_PROBE_REPS if nbytes == PROBE_BYTES[0] else PROBE_REPS
-        times = torch.zeros(len(usable), reps, dtype=torch.float64)
+        times = torch.zeros(len(usable), reps, dtype=torch.float64, device=device)
         for rep in range(reps):
             for index in random.Random(rep).sample(range(len(usable)), len(usable)):
                 dist.barrier()
@@ -79,7 +79,7 @@ def time_algorithms(run: Callable[[torch.Tensor, str], None], usable: Sequence[s
                 run(buffer, usable[index])
                 times[index, rep] = time.perf_counter() - began
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
-        medians.append(times.median(dim=1).values.tolist())
+        medians.append(times.median(dim=1).values.cpu().tolist())
     small, large = PROBE_BYTES
     return tuple((algorithm, Link.fit_line((small, medians[0][index]), (large, medians[1][index])))
                  for index, algorithm in enumerate(usable))
@@ -109,13 +109,14 @@ class Trial:
     def complete(self) -> bool:
         return self.calls == self.rounds * len(self.candidates)
 
-    def settle(self) -> str:
-        """The algorithm to keep (collective: every rank settles on the same call). A call counts
-        the slowest rank; a candidate scores the median over rounds of its time over the round's
-        fastest (a round runs every candidate back to back, so a slow moment of the machine cancels)."""
-        times = torch.tensor(self.times, dtype=torch.float64)
-        dist.all_reduce(times, op=dist.ReduceOp.MAX)
-        scores = (times / times.min(dim=0).values).median(dim=1).values.tolist()
+    def settle(self, group: Any = None, device: torch.device | str = "cpu") -> str:
+        """The algorithm to keep (collective over ``group``, the job's ranks, None: the default group;
+        every rank settles on the same call). A call counts the slowest rank; a candidate scores the
+        median over rounds of its time over the round's fastest (a round runs every candidate back to
+        back, so a slow moment of the machine cancels)."""
+        times = torch.tensor(self.times, dtype=torch.float64, device=device)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+        scores = (times / times.min(dim=0).values).median(dim=1).values.cpu().tolist()
         return simplest_within(dict(zip(self.candidates, scores, strict=True)))
 
 
@@ -155,21 +156,25 @@ def save_cache(path: Path, topology: Topology, cost: CostModel, decided: Mapping
     tmp.replace(path)
 
 
-def measure(comm: HierarchicalAllreduce) -> CostModel:
-    """Time ring allreduces of two sizes inside the first group with more than one rank and among
-    the leaders, fitting each link's latency and bandwidth; then each usable algorithm end to end
-    at the same sizes (``time_algorithms``). Every rank gets the same model."""
-    groups = comm.topology.groups
+def measure(topology: Topology, rank: int, intra_group: Any, leader_group: Any | None,
+            run: Callable[[torch.Tensor, str], None], usable: Sequence[str],
+            device: torch.device | str = "cpu") -> CostModel:
+    """Time ring allreduces of two sizes inside the first group with more than one rank (on this
+    rank's ``intra_group``) and among the leaders (``leader_group``, None off the leaders), fitting
+    each link's latency and bandwidth; then each of the ``usable`` algorithms end to end through
+    ``run`` at the same sizes (``time_algorithms``). Collective over the default group; every rank
+    gets the same model."""
+    groups = topology.groups
     local_group = next((i for i, g in enumerate(groups) if len(g) > 1), None)
-    usable = [a for a in ALGORITHMS if a != "reduce_scatter" or comm._shard is not None]
     mine = [0.0] * 4
-    if local_group is not None and comm.rank in groups[local_group]:
-        mine[:2] = fit_link(lambda b: dist.all_reduce(b, group=comm._intra), comm._intra, len(groups[local_group]))
-    if len(groups) > 1 and comm._leaders is not None:
-        mine[2:4] = fit_link(lambda b: dist.all_reduce(b, group=comm._leaders), comm._leaders, len(groups))
-    every: list[list[float]] = [[] for _ in range(comm.world_size)]
+    if local_group is not None and rank in groups[local_group]:
+        mine[:2] = fit_link(lambda b: dist.all_reduce(b, group=intra_group), intra_group, len(groups[local_group]),
+                            device)
+    if len(groups) > 1 and leader_group is not None:
+        mine[2:4] = fit_link(lambda b: dist.all_reduce(b, group=leader_group), leader_group, len(groups), device)
+    every: list[list[float]] = [[] for _ in range(topology.world_size)]
     dist.all_gather_object(every, mine)
-    inter = Link(*every[comm.topology.leaders[0]][2:4]) if len(groups) > 1 else None
+    inter = Link(*every[topology.leaders[0]][2:4]) if len(groups) > 1 else None
     intra = Link(*every[groups[local_group][0]][:2]) if local_group is not None else None
-    lines = time_algorithms(lambda buffer, algorithm: comm.allreduce(buffer, "sum", algorithm, check=False), usable)
+    lines = time_algorithms(run, usable, device)
     return CostModel(intra or inter or Link(0.0, 1e-9), inter or intra or Link(0.0, 1e-9), lines)

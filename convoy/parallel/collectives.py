@@ -10,6 +10,10 @@ hierarchical algorithms cut the tensor into chunks and pipeline them, so the fas
 phases of one chunk overlap the slow cross-group phase of another. Where a group's ranks share
 a machine, those in-group phases run through shared memory (``host_memory.py``), else on gloo;
 with ``compress``, the cross-group phase sends chunks losslessly coded (``float_codec.py``).
+
+Threads: the DDP hook reduces on a thread of its own, on a ``Lane`` (``lanes.py``) of private process
+groups and its own shared-memory segment, so its calls never pair with the main thread's on another
+rank (see ``HierarchicalAllreduce``).
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ import torch.distributed as dist
 from convoy.errors import ConfigError
 from convoy.parallel.autotune import Trial, cache_file, load_cache, measure, save_cache, trial_rounds
 from convoy.parallel.float_codec import CodedSum, codable
-from convoy.parallel.host_memory import HostSegment, chunk_sizes, host_allreduce, open_segment
+from convoy.parallel.host_memory import HOST_MEMORY, chunk_sizes, host_allreduce, reduce_path
+from convoy.parallel.lanes import Lane, open_lane, own_device
 from convoy.parallel.topology import ALGORITHMS, CostModel, Topology, check_algorithm, size_class
 
 OPS = ("sum", "avg")
@@ -55,9 +60,16 @@ class HierarchicalAllreduce:
     tries each on the first real calls of that size and keeps the fastest (``choose``).
 
     ``compress``: for two groups (more are refused), the cross-group phase sends float32, float64 and bfloat16 chunks
-    losslessly coded (``float_codec.py``: 7/8, 15/16 and 3/4 of the bytes) for about 2 ms of CPU per
-    MB. Worth it where the link between the groups is slow (64 MB over 2 x 2 ranks joined at 1 Gbit/s:
-    502 ms against 564), not on fast links; the result is the same to the bit."""
+    losslessly coded (``float_codec.py``: 7/8, 15/16 and 3/4 of the bytes) for some CPU time per
+    byte. Worth it where the link between the groups is slow (``benchmarks/allreduce.py`` compares), not
+    on fast links; the result is the same to the bit.
+
+    Threads: the calls of the thread that made the object (``allreduce``, ``allreduce_coalesced``,
+    ``choose``, ``settled``, ``measure``) run on the default group and the object's sub-groups; the DDP
+    hook's thread on private copies of all of them, with its own segment and trials (made by the first
+    ``ddp_hook()`` call). So while DDP's buckets are reduced, the main thread may call ``allreduce`` here
+    and any collective of its own, at any point. Two threads of yours calling ``allreduce`` at once
+    would share one lane: give each thread its own object."""
 
     def __init__(self, topology: Topology | None = None, *, cost: CostModel | None = None,
                  cache_dir: str | Path | None = None, chunk_bytes: int = CHUNK_BYTES, host_memory: bool = True,
@@ -76,25 +88,15 @@ class HierarchicalAllreduce:
                               f"{len(self.topology.groups)} groups (leave compress off)")
         self.chunk_bytes, self.tune = chunk_bytes, tune
         self._cost, self._cost_given = cost, cost is not None
-        self._decided: dict[int, str] = {}  # size class -> what auto runs, once a trial has settled it
-        self._trials: dict[int, Trial] = {}
+        self._cache_lock = threading.RLock()  # the lanes' settled sizes, written by both threads, saved together
+        self.device = own_device()
         run_dir = os.environ.get("CONVOY_RUN_DIR")
         self.cache_dir = Path(cache_dir) if cache_dir else (Path(run_dir) / "collectives" if run_dir else None)
-        groups = self.topology.groups
-        index = self.topology.group_of(self.rank)
-        self.members = groups[index]
-        intra = [dist.new_group(list(group)) for group in groups]
-        self._intra = intra[index]
-        leaders = dist.new_group(list(self.topology.leaders))
-        self._leaders = leaders if self.rank in self.topology.leaders else None
-        self._shard = None
-        if self.topology.is_uniform:
-            shards = [dist.new_group(list(ring)) for ring in self.topology.shard_groups()]
-            self._shard = shards[self.topology.local_index(self.rank)]
-        self._coded = compress and len(groups) == 2
-        self._segment: HostSegment | None = None
-        if host_memory:
-            self._segment = open_segment(self._intra, self.members[0], self.members, self.rank, max(chunk_bytes, 16))
+        self.members = self.topology.groups[self.topology.group_of(self.rank)]
+        self._coded = compress and len(self.topology.groups) == 2
+        self._host_memory_wanted = host_memory
+        self._main = open_lane(self.topology, self.rank, False, host_memory, max(chunk_bytes, 16))
+        self._hook_lane: Lane | None = None
         self._hook_queue: Queue[Callable[[], None] | None] | None = None
 
     # --- the public calls ---
@@ -103,27 +105,32 @@ class HierarchicalAllreduce:
         """Reduce ``tensor`` in place across all ranks; returns the algorithm used.
 
         ``check`` first compares size, dtype, op and algorithm across ranks (one small all-gather)
-        and raises ``ConfigError`` on every rank if they differ, before any data moves."""
-        self._validate(tensor, op, algorithm)
+        and raises ``ConfigError`` on every rank if they differ, before any data moves. CPU tensors
+        need gloo and go through shared memory where the group has it; CUDA tensors need nccl."""
+        return self._allreduce(self._main, tensor, op, algorithm, check)
+
+    def _allreduce(self, lane: Lane, tensor: torch.Tensor, op: str, algorithm: str, check: bool) -> str:
+        path = self._validate(tensor, op, algorithm)
         if check:
-            self._check_same(tensor, op, algorithm)
+            self._check_same(lane, tensor, op, algorithm)
         nbytes = tensor.numel() * tensor.element_size()
-        chosen, trial = self._auto(nbytes) if algorithm == "auto" else (algorithm, None)
+        chosen, trial = self._auto(lane, nbytes) if algorithm == "auto" else (algorithm, None)
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
         flat = work.view(-1)
+        host = path == HOST_MEMORY and lane.segment is not None
         if trial is not None:
-            dist.barrier()  # a trial call times the algorithm, not the ranks' arrival skew
+            dist.barrier(group=lane.world)  # a trial call times the algorithm, not the ranks' arrival skew
         began = time.perf_counter()
         if chosen == "flat" or self.world_size == 1:
-            dist.all_reduce(flat)
+            dist.all_reduce(flat, group=lane.world)
         elif chosen == "leader":
-            self._leader(flat)
+            self._leader(lane, flat, host)
         else:
-            self._reduce_scatter(flat)
+            self._reduce_scatter(lane, flat, host)
         if trial is not None:
             trial.record(chosen, time.perf_counter() - began)
             if trial.complete:
-                self._settle(nbytes, trial)
+                self._settle(lane, nbytes, trial)
         if op == "avg":
             flat.div_(self.world_size)
         if work is not tensor:
@@ -160,7 +167,7 @@ class HierarchicalAllreduce:
         stays (``autotune.Trial``): timed at the real size, in the real job, it corrects the probes."""
         if len(self.topology.groups) in (1, self.world_size):
             return "flat"
-        decided = self._decided.get(size_class(nbytes))
+        decided = self._main.decided.get(size_class(nbytes))
         return decided or self.cost_model().choose(self.topology, nbytes)
 
     def settled(self, nbytes: int) -> bool:
@@ -169,18 +176,25 @@ class HierarchicalAllreduce:
         if len(self.topology.groups) in (1, self.world_size) or not self.tune:
             return True
         kind = size_class(nbytes)
-        if kind in self._decided or kind in self._trials:
-            return kind in self._decided
+        if kind in self._main.decided or kind in self._main.trials:
+            return kind in self._main.decided
         return len(self.cost_model().candidates(self.topology, nbytes)) == 1
 
     def ddp_hook(self, algorithm: str = "auto") -> Callable[[Any, dist.GradBucket], torch.futures.Future]:
         """A DDP communication hook averaging gradients with this allreduce:
         ``model.register_comm_hook(None, comm.ddp_hook())``. Buckets are reduced one at a time on
         a background thread, in the order DDP hands them over (the same on every rank), so the
-        backward pass goes on computing while they travel."""
+        backward pass goes on computing while they travel. That thread has its own groups and
+        segment (``Lane``): the first call makes them, a collective, so call it on every rank."""
         check_algorithm(algorithm)
         if algorithm == "auto":
             self.choose(1)  # measure now, on the main thread, not inside backward
+        if self._hook_lane is None:
+            self._hook_lane = open_lane(self.topology, self.rank, True, self._host_memory_wanted,
+                                        max(self.chunk_bytes, 16))  # the same value on every rank
+            with self._cache_lock:
+                self._hook_lane.decided.update(self._main.decided)
+        lane = self._hook_lane
         queue = self._start_hook_thread()
 
         def hook(state, bucket):  # type: ignore[no-untyped-def]  (DDP rejects string annotations)
@@ -189,7 +203,7 @@ class HierarchicalAllreduce:
 
             def run() -> None:
                 try:
-                    self.allreduce(buffer, "avg", algorithm, check=False)
+                    self._allreduce(lane, buffer, "avg", algorithm, check=False)
                     future.set_result(buffer)
                 except BaseException as exc:  # noqa: BLE001 (handed to DDP through the future)
                     future.set_exception(exc)
@@ -200,37 +214,41 @@ class HierarchicalAllreduce:
         return hook
 
     def close(self) -> None:
-        """Stop the DDP hook's thread (sub-groups go with the default group)."""
+        """Stop the DDP hook's thread (its groups, like the others, go with the default group)."""
         if self._hook_queue is not None:
             self._hook_queue.put(None)
             self._hook_queue = None
 
-    def _auto(self, nbytes: int) -> tuple[str, Trial | None]:
-        """What this ``auto`` call runs, and the trial it is part of (None once settled)."""
+    def _auto(self, lane: Lane, nbytes: int) -> tuple[str, Trial | None]:
+        """What this ``auto`` call on ``lane`` runs, and the trial it is part of (None once settled)."""
         if len(self.topology.groups) in (1, self.world_size):
             return "flat", None
         kind = size_class(nbytes)
+        assert lane is self._main or self._cost is not None, "ddp_hook measures before the hook thread runs"
         cost = self.cost_model()  # first: it may load settled classes from the job's cache
-        if kind in self._decided:
-            return self._decided[kind], None
+        if kind in lane.decided:
+            return lane.decided[kind], None
         if not self.tune:
             return cost.choose(self.topology, nbytes), None
-        trial = self._trials.get(kind)
+        trial = lane.trials.get(kind)
         if trial is None:
             candidates = cost.candidates(self.topology, nbytes)
             if len(candidates) == 1:
-                self._decided[kind] = candidates[0]
+                with self._cache_lock:
+                    lane.decided[kind] = candidates[0]
                 return candidates[0], None
             rounds = trial_rounds(sum(cost.predict(self.topology, c, nbytes) for c in candidates))
-            trial = self._trials[kind] = Trial(candidates, rounds)
+            trial = lane.trials[kind] = Trial(candidates, rounds)
         return trial.next(), trial
 
-    def _settle(self, nbytes: int, trial: Trial) -> None:
-        """End a trial (collective: every rank ends it on the same call) and keep its winner."""
+    def _settle(self, lane: Lane, nbytes: int, trial: Trial) -> None:
+        """End a trial (collective over the lane: every rank ends it on the same call) and keep its winner."""
         kind = size_class(nbytes)
-        self._decided[kind] = trial.settle()
-        del self._trials[kind]
-        self._save_cache()
+        winner = trial.settle(lane.world, self.device)
+        with self._cache_lock:
+            lane.decided[kind] = winner
+            del lane.trials[kind]
+            self._save_cache()
 
     # --- the algorithms ---
 
@@ -240,36 +258,36 @@ class HierarchicalAllreduce:
 
     @property
     def host_memory(self) -> bool:
-        """Whether this rank's group runs its in-group phases through shared memory."""
-        return self._segment is not None
+        """Whether this rank's group runs its in-group phases of CPU tensors through shared memory."""
+        return self._main.segment is not None
 
-    def _through_host(self, flat: torch.Tensor, crossing: str) -> None:
-        assert self._segment is not None
-        cross = (lambda chunk: self._cross(chunk, crossing)) if len(self.topology.groups) > 1 else None
-        host_allreduce(flat, self._segment, cross, crossing, max(self.chunk_bytes // flat.element_size(), 1))
+    def _through_host(self, lane: Lane, flat: torch.Tensor, crossing: str) -> None:
+        assert lane.segment is not None
+        cross = (lambda chunk: self._cross(lane, chunk, crossing)) if len(self.topology.groups) > 1 else None
+        host_allreduce(flat, lane.segment, cross, crossing, max(self.chunk_bytes // flat.element_size(), 1))
 
-    def _cross(self, chunk: torch.Tensor, crossing: str) -> Any:
+    def _cross(self, lane: Lane, chunk: torch.Tensor, crossing: str) -> Any:
         """Start summing ``chunk`` across the groups (over the leaders, or this rank's shard ring); a handle."""
-        group = self._leaders if crossing == "leader" else self._shard
-        if self._coded and codable(chunk.dtype):
+        group = lane.leaders if crossing == "leader" else lane.shard
+        if self._coded and codable(chunk.dtype) and chunk.device.type == "cpu":
             return CodedSum(chunk, group, self.topology.partner(self.rank, crossing))
         return dist.all_reduce(chunk, group=group, async_op=True)
 
-    def _leader(self, flat: torch.Tensor) -> None:
+    def _leader(self, lane: Lane, flat: torch.Tensor, host: bool) -> None:
         """Reduce to the leader, allreduce among leaders, broadcast; chunk by chunk, pipelined."""
-        if self._segment is not None:
-            self._through_host(flat, "leader")
+        if host:
+            self._through_host(lane, flat, "leader")
             return
         leader, local = self.members[0], len(self.members) > 1
         # cut as host_allreduce cuts: a lone rank's group runs this while the others' groups use host memory
         chunks = list(flat.split(chunk_sizes(flat.numel(), max(self.chunk_bytes // flat.element_size(), 1))))
-        reduces = [dist.reduce(c, dst=leader, group=self._intra, async_op=True) for c in chunks] if local else []
+        reduces = [dist.reduce(c, dst=leader, group=lane.intra, async_op=True) for c in chunks] if local else []
         across = []
-        if self._leaders is not None and len(self.topology.groups) > 1:
+        if lane.leaders is not None and len(self.topology.groups) > 1:
             for index, chunk in enumerate(chunks):
                 if local:
                     reduces[index].wait()
-                across.append(self._cross(chunk, "leader"))
+                across.append(self._cross(lane, chunk, "leader"))
         if not local:
             for work in across:
                 work.wait()
@@ -277,25 +295,25 @@ class HierarchicalAllreduce:
         broadcasts = []
         for index, chunk in enumerate(chunks):
             (across[index] if across else reduces[index]).wait()  # a leader's across-phase began after its reduce
-            broadcasts.append(dist.broadcast(chunk, src=leader, group=self._intra, async_op=True))
+            broadcasts.append(dist.broadcast(chunk, src=leader, group=lane.intra, async_op=True))
         for work in broadcasts:
             work.wait()
 
-    def _reduce_scatter(self, flat: torch.Tensor) -> None:
+    def _reduce_scatter(self, lane: Lane, flat: torch.Tensor, host: bool) -> None:
         """Reduce-scatter in the group, allreduce each shard across groups, all-gather; pipelined."""
-        assert self._shard is not None, "_validate refuses reduce_scatter on groups of unequal size"
-        if self._segment is not None:
-            self._through_host(flat, "reduce_scatter")
+        assert lane.shard is not None, "_validate refuses reduce_scatter on groups of unequal size"
+        if host:
+            self._through_host(lane, flat, "reduce_scatter")
             return
         size = len(self.members)
         padded = -(-flat.numel() // size) * size
-        work = flat if padded == flat.numel() else torch.zeros(padded, dtype=flat.dtype)
+        work = flat if padded == flat.numel() else torch.zeros(padded, dtype=flat.dtype, device=flat.device)
         if work is not flat:
             work[: flat.numel()].copy_(flat)
         chunks = self._chunks(work, multiple=size)
-        shards = [torch.empty(c.numel() // size, dtype=c.dtype) for c in chunks]
+        shards = [torch.empty(c.numel() // size, dtype=c.dtype, device=c.device) for c in chunks]
         if size > 1:
-            scatters = [dist.reduce_scatter_single(s, c, group=self._intra, async_op=True)
+            scatters = [dist.reduce_scatter_single(s, c, group=lane.intra, async_op=True)
                         for s, c in zip(shards, chunks, strict=True)]
         else:
             shards = chunks
@@ -305,13 +323,13 @@ class HierarchicalAllreduce:
             if scatters:
                 scatters[index].wait()
             if len(self.topology.groups) > 1:
-                across.append(self._cross(shard, "reduce_scatter"))
+                across.append(self._cross(lane, shard, "reduce_scatter"))
         gathers = []
         for index, (shard, chunk) in enumerate(zip(shards, chunks, strict=True)):
             if across:
                 across[index].wait()
             if size > 1:
-                gathers.append(dist.all_gather_single(chunk, shard, group=self._intra, async_op=True))
+                gathers.append(dist.all_gather_single(chunk, shard, group=lane.intra, async_op=True))
         for handle in gathers:
             handle.wait()
         if work is not flat:
@@ -319,23 +337,25 @@ class HierarchicalAllreduce:
 
     # --- checks and measurements ---
 
-    def _validate(self, tensor: torch.Tensor, op: str, algorithm: str) -> None:
+    def _validate(self, tensor: torch.Tensor, op: str, algorithm: str) -> str:
+        """Refuse what can't be reduced; return how the in-group phases move it (``reduce_path``)."""
         if op not in OPS:
             raise ConfigError(f"unknown reduce op {op!r}; choose from {', '.join(OPS)}")
         check_algorithm(algorithm)
-        if tensor.device.type != "cpu" and dist.get_backend() == "gloo":
-            raise ConfigError(f"gloo reduces CPU tensors; this one is on {tensor.device}")
+        path = reduce_path(dist.get_backend(), tensor.device.type)
         if op == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
             raise ConfigError(f"op 'avg' needs a floating-point or complex tensor, not {tensor.dtype}; "
                               "use op 'sum' and divide")
         if algorithm == "reduce_scatter" and not self.topology.is_uniform:
             self.topology.shard_groups()  # raises the reason
+        return path
 
-    def _check_same(self, tensor: torch.Tensor, op: str, algorithm: str) -> None:
+    def _check_same(self, lane: Lane, tensor: torch.Tensor, op: str, algorithm: str) -> None:
         dtype = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
-        mine = torch.tensor([tensor.numel(), dtype, OPS.index(op), (*ALGORITHMS, "auto").index(algorithm)])
-        every = torch.empty(self.world_size * 4, dtype=torch.int64)
-        dist.all_gather_single(every, mine)
+        mine = torch.tensor([tensor.numel(), dtype, OPS.index(op), (*ALGORITHMS, "auto").index(algorithm)],
+                            device=tensor.device)
+        every = torch.empty(self.world_size * 4, dtype=torch.int64, device=tensor.device)
+        dist.all_gather_single(every, mine, group=lane.world)
         rows = every.view(self.world_size, 4).tolist()
         if any(row != rows[0] for row in rows):
             differ = [rank for rank, row in enumerate(rows) if row != rows[0]]
@@ -352,21 +372,27 @@ class HierarchicalAllreduce:
         cached = load_cache(cache_file(self.cache_dir, self.topology), self.rank)
         if cached is not None:
             self._cost = cached[0]
-            self._decided.update(cached[1])
+            with self._cache_lock:
+                self._main.decided.update(cached[1])
             return self._cost
         self._cost = self.measure()
         self._save_cache()
         return self._cost
 
     def _save_cache(self) -> None:
-        """Rank 0 writes what the job measured and settled (``autotune.save_cache``)."""
+        """Rank 0 writes what the job measured and settled on either lane (``autotune.save_cache``)."""
         path = cache_file(self.cache_dir, self.topology)
         if self.rank == 0 and path is not None and self._cost is not None and not self._cost_given:
-            save_cache(path, self.topology, self._cost, self._decided)  # a given cost model is not the job's
+            with self._cache_lock:
+                decided = {**(self._hook_lane.decided if self._hook_lane else {}), **self._main.decided}
+                save_cache(path, self.topology, self._cost, decided)  # a given cost model is not the job's
 
     def measure(self) -> CostModel:
         """Measure the links and every usable algorithm now (collective; ``autotune.measure``)."""
-        return measure(self)
+        usable = [a for a in ALGORITHMS if a != "reduce_scatter" or self._main.shard is not None]
+        return measure(self.topology, self.rank, self._main.intra, self._main.leaders,
+                       lambda buffer, algorithm: self.allreduce(buffer, "sum", algorithm, check=False), usable,
+                       self.device)
 
     def _start_hook_thread(self) -> Queue[Callable[[], None] | None]:
         if self._hook_queue is None:

@@ -20,6 +20,9 @@ The file is made by the group's leader, checked by every member (a random token:
 another machine, or with a private /dev/shm, can't read it, and every group falls back to
 gloo), and unlinked once all have mapped it, so nothing is left in /dev/shm whatever happens
 to the processes later.
+
+Only CPU tensors on gloo take this path (``reduce_path``): the segment is CPU memory, which NCCL
+can't read, so CUDA tensors keep to the process group's own calls.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from convoy.errors import ConfigError
+
 ALIGN = 64
 DEPTH = 8
 """Sum-slots: a chunk's crossing may lag its in-host reduction by up to ``DEPTH - 1`` chunks (8, not 4:
@@ -50,6 +55,40 @@ SPIN_TIMEOUT_S = 600.0
 STORE_ORDERED = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
 """x86 keeps stores in order (the data a rank wrote is visible before its counter), so the counters alone can
 order the steps; elsewhere the group's gloo barrier does (slower, a network round per step)."""
+
+
+HOST_MEMORY, GROUP = "host_memory", "group"
+"""The two ways ``reduce_path`` can send a tensor's in-group phases."""
+
+
+def device_backend(backend: str, device_type: str) -> str | None:
+    """Which backend of a process group reduces tensors on ``device_type``, from the group's backend
+    name as ``dist.get_backend`` gives it ("gloo", "nccl", "cpu:gloo,cuda:nccl"); None where none does
+    (convoy keeps gloo to CPU tensors and nccl to CUDA ones)."""
+    name = backend.lower()
+    if ":" in name:
+        pairs = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
+        return pairs.get(device_type)
+    if name == "gloo":
+        return name if device_type == "cpu" else None
+    if name == "nccl":
+        return name if device_type == "cuda" else None
+    return name
+
+
+def reduce_path(backend: str, device_type: str) -> str:
+    """How the in-group phases move a tensor on ``device_type``: ``HOST_MEMORY`` for CPU tensors on
+    gloo, ``GROUP`` (the process group's own calls) for everything else; ``ConfigError`` where the
+    group has no backend for that device (a CPU tensor under nccl)."""
+    reducer = device_backend(backend, device_type)
+    if reducer is None and device_type == "cpu":
+        raise ConfigError(f"the process group's backend {backend} reduces CUDA tensors, not CPU ones: move the "
+                          "tensor to the GPU (tensor.cuda()), or init the process group with backend "
+                          "'cpu:gloo,cuda:nccl' so that CPU tensors go through gloo")
+    if reducer is None:
+        raise ConfigError(f"the process group's backend {backend} reduces CPU tensors; this one is on "
+                          f"{device_type}: move it with tensor.cpu(), or use backend 'nccl' for CUDA tensors")
+    return HOST_MEMORY if reducer == "gloo" and device_type == "cpu" else GROUP
 
 
 class HostSegment:
@@ -101,10 +140,11 @@ class HostSegment:
 
 
 def open_segment(intra: Any, leader: int, members: tuple[int, ...], rank: int, slot_bytes: int,
-                 directory: Path = SHM_DIR) -> HostSegment | None:
-    """Collective over every rank of the job: map one segment per group with more than one rank.
-    Returns the segment on every rank, or None on every rank when any group can't share memory
-    (or ``CONVOY_ALLREDUCE_SHM=0``), so all groups run the same algorithm."""
+                 directory: Path = SHM_DIR, world: Any = None) -> HostSegment | None:
+    """Collective over every rank of ``world`` (a group of the whole job; None: the default group): map
+    one segment per group with more than one rank. Returns the segment on every rank, or None on every
+    rank when any group can't share memory (or ``CONVOY_ALLREDUCE_SHM=0``), so all groups run the same
+    algorithm. Call it only where gloo reduces CPU tensors (``reduce_path``)."""
     slot_bytes = -(-slot_bytes // ALIGN) * ALIGN
     size = HostSegment.size(len(members), slot_bytes)
     wanted = os.environ.get(DISABLE_ENV, "1") != "0" and len(members) > 1
@@ -140,7 +180,7 @@ def open_segment(intra: Any, leader: int, members: tuple[int, ...], rank: int, s
         except (OSError, ValueError):
             memory = None
     ok = torch.tensor([1 if memory is not None or len(members) == 1 else 0])
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every member has mapped (or failed) before the name goes
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=world)  # every member has mapped (or failed) before the name goes
     if made and path is not None:
         path.unlink(missing_ok=True)
     if not ok.item() or len(members) == 1:
