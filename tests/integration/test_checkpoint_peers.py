@@ -65,3 +65,22 @@ def test_rank_with_unfinished_copy_resumes_its_finished_step_from_a_peer(procs: 
     reference, resumed = torch.load(tmp_path / "reference.pt"), torch.load(tmp_path / "resumed.pt")
     for name, value in reference.items():
         assert torch.equal(value, resumed[name]), name
+
+
+def test_ranks_sharing_no_step_resume_after_the_newest_one_any_rank_holds(procs: ProcessScope, job_id: str,
+                                                                          tmp_path: Path) -> None:
+    """Rank 1's node was out of the job while rank 0 trained on alone: rank 1 holds only old steps.
+    Without replicated state the job resumes at the step rank 0 reached, each rank from its own newest."""
+    script, out = str(FIXTURES / "ckpt_apart.py"), tmp_path / "apart"
+    env = {"CONVOY_JOB_ID": job_id, "CONVOY_NODE_ID": "n0", "CONVOY_RUN_DIR": str(tmp_path)}
+    procs.gloo_ranks(script, 2, [0, 5, f"{out}.a"], env=env)  # both ranks hold steps 3 and 4
+    procs.gloo_ranks(script, 1, [5, 10, f"{out}.b"], env=env)  # rank 0 alone reaches step 9
+    outputs = procs.gloo_ranks(script, 2, [10, 12, f"{out}.c"], env=env)
+    errors = procs.launched[-2].stderr()
+    assert "the job resumes at step 10" in errors and "rank 0 from step 9, rank 1 from step 4" in errors, errors
+    assert "resumed_apart" in errors
+    assert "rank 1: in-memory snapshot of step 4 (own; the job resumes after step 9)" in outputs[1]
+    for rank, before in ((0, "b"), (1, "a")):
+        restored, saved = torch.load(f"{out}.c.rank{rank}.restored.pt"), torch.load(f"{out}.{before}.rank{rank}.final.pt")
+        for name, value in saved.items():
+            assert torch.equal(value, restored[name]), (rank, name)
