@@ -15,6 +15,8 @@ from convoy.errors import ConfigError
 
 STATE_FILE = "state.db"
 """The master's SQLite state inside the run dir."""
+RUN_DIR_PROBE_BYTES = 64 << 10
+"""What a run dir must take before a job starts: room for the token, the first state and logs."""
 
 
 def parse_nnodes(spec: str) -> tuple[int, int]:
@@ -183,7 +185,8 @@ def check_run_dir(run_dir: Path) -> None:
         raise ConfigError(f"run dir {str(run_dir)!r} is not a directory")
     probe = run_dir / f".write-test-{os.getpid()}"
     try:
-        probe.write_bytes(b"")
-        probe.unlink()
+        probe.write_bytes(b"\0" * RUN_DIR_PROBE_BYTES)  # bytes, not just a name: a full disk takes no more
     except OSError as exc:
         raise ConfigError(f"run dir {str(run_dir)!r} is not writable: {exc.strerror}") from exc
+    finally:
+        probe.unlink(missing_ok=True)

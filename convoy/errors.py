@@ -41,3 +41,7 @@ class ScheduleError(ConvoyError):
 
 class DecodingError(ConvoyError):
     """A decoding request or model cannot be served as asked (empty prompt, too long, no EOS, no KV cache)."""
+
+
+class StateWriteError(ConvoyError):
+    """The master cannot write the job's state to its run dir (e.g. the disk is full); HTTP 503."""

@@ -11,7 +11,7 @@ from typing import TypeVar
 from pydantic import BaseModel
 
 from convoy.control import protocol as p
-from convoy.errors import AuthError, ConvoyError, MasterUnreachableError
+from convoy.errors import AuthError, ConvoyError, MasterUnreachableError, StateWriteError
 
 Reply = TypeVar("Reply", bound=BaseModel)
 REPLY_GRACE_S = 3.0
@@ -59,6 +59,12 @@ class MasterClient:
                 continue
             if status == 200:
                 return reply.model_validate_json(data)
+            if status == 503 and time.monotonic() + backoff <= deadline:  # handled, not yet on disk: ask again
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+                continue
+            if status == 503:
+                raise StateWriteError(f"master at {self.host}:{self.port}: {_error_text(data)}")
             if status == 401:
                 raise AuthError(f"master at {self.host}:{self.port} rejected the token: check --token-file")
             raise ConvoyError(f"master answered {status} to {path}: {data.decode(errors='replace')}")
@@ -72,6 +78,13 @@ class MasterClient:
         self._conn.request("POST", path, body=body, headers=headers)
         response = self._conn.getresponse()
         return response.status, response.read()
+
+
+def _error_text(data: bytes) -> str:
+    try:
+        return str(p.ErrorBody.model_validate_json(data).error)
+    except ValueError:
+        return data.decode(errors="replace")
 
 
 def free_port(host: str = "") -> int:

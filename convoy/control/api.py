@@ -79,6 +79,8 @@ def openapi_schema() -> dict[str, Any]:
                                     "content": {"application/json": {"schema": schema(request)}}}
         operation["responses"].update({"400": {"description": "malformed request", **error},
                                        "409": {"description": "conflicts with the job's state", **error},
+                                       "503": {"description": "handled, but the job's state cannot be written "
+                                                              "(a full disk): retry", **error},
                                        "413": {"description": "body too large", **error}})
         paths[p.API_PREFIX + path] = {"post": operation}
     return {
@@ -137,11 +139,24 @@ class _Handler(BaseHTTPRequestHandler):
                                                       "characters"))
         kept = self.server.replies.begin(key) if key else None
         if kept is not None:  # a retry of a call already handled: the same answer, handled once
-            return self._send(*kept)
+            code, data, written = kept
+            fault = None if written else master.state_fault()
+            if fault is not None:
+                return self._unwritten(fault)
+            self.server.replies.mark_written(key)
+            return self._send(code, data)
         code, data = self._call(path, call, request)
+        unwritten = master.take_unwritten()
         if key:
-            self.server.replies.finish(key, code, data if code in KEPT_STATUSES else None)
+            self.server.replies.finish(key, code, data if code in KEPT_STATUSES else None, written=unwritten is None)
+        if unwritten is not None and code == 200:
+            return self._unwritten(unwritten)
         self._send(code, data)
+
+    def _unwritten(self, reason: str) -> None:
+        """The call was handled in memory, but its state is not on disk yet: the client retries it."""
+        self._reply(503, p.ErrorBody(error=f"{reason}; the call was handled and is kept in memory: retry it (with "
+                                           f"the same {p.IDEMPOTENCY_HEADER}) until the run dir's disk has room"))
 
     def _call(self, path: str, call: Callable[[Any], Any], request: BaseModel | None) -> tuple[int, bytes]:
         master = self.server.master

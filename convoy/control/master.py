@@ -21,9 +21,12 @@ from convoy.control.rendezvous import Membership, Rendezvous
 from convoy.control.store import Store, restore
 from convoy.control.throttle import EventBudget, budget_for
 from convoy.control.token import TOKEN_FILE, new_token, read_token, write_token
-from convoy.errors import ConflictError
+from convoy.errors import ConflictError, StateWriteError
 
 TICK_S = 0.1
+STATE_WRITE_GIVE_UP_S = 20.0
+"""How long the job may go on with its state unwritten (a full disk) before it fails; at most half
+the heartbeat timeout, and shorter than an agent waits on the master, so the job fails with this reason."""
 UNAUTHORIZED_EVERY_S = 10.0
 """At most one ``unauthorized`` event per client address this often; the rest are counted."""
 UNAUTHORIZED_CLIENTS = 1024
@@ -58,6 +61,8 @@ class JobMaster:
             write_token(token_path, self.token)
         self.store = Store(config.run_dir, config.to_json())
         self._changed = threading.Condition()
+        self._unwritten = threading.local()
+        """Per server thread: why the state of the call it is handling could not be written."""
         self._acknowledged: set[str] = set()
         self._rejected: dict[str, tuple[float, int]] = {}  # client -> (last recorded, rejected since)
         self._event_budgets: dict[str, EventBudget] = {}  # node id -> its workers' events budget
@@ -86,6 +91,12 @@ class JobMaster:
         with self._changed:
             self._changed.notify_all()
         self.api.stop()
+        with self._changed:
+            if self.store.failing_since is not None:
+                self._apply([])  # a last try
+            if self.store.failing_since is not None:
+                self.console(f"convoy: {self.store.pending} events of the job could not be written to {self.store.path} "
+                             f"({self.store.fault})")
         self.store.close()
 
     def wait_ended(self, timeout: float | None = None) -> bool:
@@ -237,13 +248,45 @@ class JobMaster:
             max_restarts=self.job.max_restarts, lease_s=self.config.heartbeat_timeout_s,
         )
 
+    def take_unwritten(self) -> str | None:
+        """Why the state of this thread's last call could not be written (None if it was); resets it."""
+        reason, self._unwritten.reason = getattr(self._unwritten, "reason", None), None
+        return reason
+
+    def state_fault(self) -> str | None:
+        """Why the job's state cannot be written now, or None when it is up to date on disk."""
+        with self._changed:
+            return self.store.fault if self.store.failing_since is not None else None
+
     def _apply(self, events: list[Event]) -> None:
-        """Record, print, and wake waiters; caller holds ``self._changed``."""
-        self.store.save(self.job, events, self.url, list(self.nodes.nodes.values()))
+        """Record, print, and wake waiters; caller holds ``self._changed``.
+
+        A write that fails (a full disk) changes nothing in memory: the events are kept and
+        written by a later save, the console still gets them, and waiters are still woken.
+        """
+        was_failing = self.store.failing_since is not None
+        try:
+            note = self.store.save(self.job, events, self.url, list(self.nodes.nodes.values()))
+        except StateWriteError as exc:
+            if not was_failing:  # one line when the writes start failing, one when they work again
+                self.console(f"convoy: {exc}; the job goes on in memory and the write is retried")
+            self._unwritten.reason = str(exc)
+        else:
+            if note is not None:
+                self.console(f"convoy: {note}")
         for event in events:
             if event.console:
                 self.console(f"convoy: {event.message}")
         self._changed.notify_all()
+
+    def _state_write_give_up(self, now: float) -> list[Event]:
+        """Fail the job once its state has gone unwritten for too long."""
+        since = self.store.failing_since
+        limit = min(STATE_WRITE_GIVE_UP_S, self.config.heartbeat_timeout_s / 2)
+        if since is None or now - since < limit:
+            return []
+        return self.job.abort(f"the job's state cannot be written to {self.store.path} for {limit:.0f} s "
+                              f"({self.store.fault}); free space in the run dir, then run the job again")
 
     def _tick_loop(self) -> None:
         while not self._stopping.wait(TICK_S):
@@ -254,5 +297,6 @@ class JobMaster:
                 events = self.job.tick(now)
                 for node_id in self.nodes.expired(now):
                     events += self.job.node_lost(node_id, f"sent no heartbeat for {self.nodes.timeout_s:.0f} s", now)
-                if events:
+                events += self._state_write_give_up(now)
+                if events or self.store.failing_since is not None:  # a failed write is retried on each tick
                     self._apply(events)

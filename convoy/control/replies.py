@@ -22,13 +22,14 @@ class ReplyCache:
 
     def __init__(self, max_replies: int = MAX_REPLIES, max_bytes: int = MAX_REPLY_BYTES) -> None:
         self.max_replies, self.max_bytes = max_replies, max_bytes
-        self._replies: collections.OrderedDict[str, tuple[int, bytes]] = collections.OrderedDict()
+        self._replies: collections.OrderedDict[str, tuple[int, bytes, bool]] = collections.OrderedDict()
         self._bytes = 0
         self._in_flight: set[str] = set()
         self._changed = threading.Condition()
 
-    def begin(self, key: str) -> tuple[int, bytes] | None:
-        """The kept answer for ``key``; else None, and the caller handles the call and must ``finish``."""
+    def begin(self, key: str) -> tuple[int, bytes, bool] | None:
+        """The kept ``(status, reply, written)`` for ``key``; else None, and the caller handles the
+        call and must ``finish``. ``written``: whether the call's state was on disk when answered."""
         with self._changed:
             self._changed.wait_for(lambda: key not in self._in_flight, IN_FLIGHT_WAIT_S)
             kept = self._replies.get(key)
@@ -37,13 +38,20 @@ class ReplyCache:
             self._in_flight.add(key)
             return None
 
-    def finish(self, key: str, status: int, data: bytes | None) -> None:
+    def finish(self, key: str, status: int, data: bytes | None, written: bool = True) -> None:
         """Keep the answer of ``key`` (None: keep nothing, a repeat runs the call again)."""
         with self._changed:
             self._in_flight.discard(key)
             if data is not None:
-                self._replies[key] = (status, data)
+                self._replies[key] = (status, data, written)
                 self._bytes += len(data)
                 while self._replies and (len(self._replies) > self.max_replies or self._bytes > self.max_bytes):
                     self._bytes -= len(self._replies.popitem(last=False)[1][1])
             self._changed.notify_all()
+
+    def mark_written(self, key: str) -> None:
+        """The state of ``key``'s call has reached the disk since it was answered."""
+        with self._changed:
+            kept = self._replies.get(key)
+            if kept is not None and not kept[2]:
+                self._replies[key] = (kept[0], kept[1], True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import sqlite3
 import threading
@@ -13,7 +14,7 @@ from convoy.control.job import Event, Job
 from convoy.control.nodes import NodeRecord
 from convoy.control.rendezvous import Member, Membership, Rendezvous
 from convoy.config import STATE_FILE, MasterConfig
-from convoy.errors import ConfigError
+from convoy.errors import ConfigError, StateWriteError
 
 
 _SCHEMA = """
@@ -33,54 +34,112 @@ CREATE TABLE IF NOT EXISTS events (
 """
 
 
+MAX_PENDING_EVENTS = 10_000
+"""Events kept in memory while the state cannot be written; beyond that the oldest are dropped (counted)."""
+
+
 class Store:
-    """Write-through state; one connection guarded by a lock (the HTTP server is threaded)."""
+    """Write-through state; one connection guarded by a lock (the HTTP server is threaded).
+
+    A write that fails (a full disk) keeps its events in memory, in order; the next save that
+    succeeds writes them first, with one ``state_written`` event that says what was kept and lost.
+    """
 
     def __init__(self, run_dir: Path, config_json: str = "") -> None:
         self.path = Path(run_dir) / STATE_FILE
         self.config_json = config_json
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
+        self._pending: collections.deque[tuple[float, Event]] = collections.deque()
+        self.lost_events = 0
+        """Events dropped from ``_pending`` because it was full, since the last good write."""
+        self.failing_since: float | None = None
+        """When (monotonic) the writes started to fail; None while they work."""
+        self.fault = ""
+        """Why the last write failed ('' while writes work)."""
+        try:
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+        except sqlite3.Error as exc:
+            raise ConfigError(f"cannot create the job's state file {str(self.path)!r}: {exc}; free space in the "
+                              "run dir or give another --run-dir") from exc
+
+    @property
+    def pending(self) -> int:
+        """Events waiting to be written."""
+        return len(self._pending)
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
 
-    def save(self, job: Job, events: list[Event], master_url: str, nodes: list[NodeRecord]) -> None:
-        """Record events and the current job, round and node rows in one transaction."""
+    def save(self, job: Job, events: list[Event], master_url: str, nodes: list[NodeRecord]) -> str | None:
+        """Record events (after any kept from failed writes) and the job, round and node rows in one
+        transaction. Returns a note when state that could not be written before now is; raises
+        StateWriteError (the events are kept) when the write fails."""
         now = time.time()
+        with self._lock:
+            for event in events:
+                if len(self._pending) >= MAX_PENDING_EVENTS:
+                    self._pending.popleft()
+                    self.lost_events += 1
+                self._pending.append((now, event))
+            try:
+                self._write(job, master_url, nodes, now)
+            except (sqlite3.Error, OSError) as exc:
+                self._roll_back()
+                if self.failing_since is None:
+                    self.failing_since = time.monotonic()
+                self.fault = str(exc)
+                raise StateWriteError(f"the job's state in {self.path} cannot be written: {exc}") from exc
+            note = self._recovery_note() if self.failing_since is not None else None
+            self._pending.clear()
+            self.failing_since, self.fault, self.lost_events = None, "", 0
+            return note
+
+    def _roll_back(self) -> None:
+        try:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass  # SQLite already rolled back what a full disk interrupted
+
+    def _recovery_note(self) -> str:
+        assert self.failing_since is not None
+        lost = f", {self.lost_events} older ones were lost" if self.lost_events else ""
+        return (f"the job's state is written again after {time.monotonic() - self.failing_since:.0f} s; "
+                f"{len(self._pending)} events kept in memory meanwhile are recorded{lost}")
+
+    def _write(self, job: Job, master_url: str, nodes: list[NodeRecord], now: float) -> None:
         to_wall = now - time.monotonic()  # node times are monotonic; the table keeps wall-clock times
         membership = job.membership
         rdzv = job.rendezvous
         ranks = {m.node_id: m.node_rank for m in membership.members} if membership else {}
-        with self._lock:
-            self._db.execute("BEGIN")
+        rows = [(ts, e.kind, e.node_id, e.round_id, e.message) for ts, e in self._pending]
+        if self.failing_since is not None:
+            rows.append((now, "state_written", None, job.round_id, self._recovery_note()))
+        self._db.execute("BEGIN")
+        self._db.execute(
+            "INSERT INTO job VALUES (?,?,?,?,?,?,?,?,?,COALESCE((SELECT created_at FROM job WHERE job_id=?),?),"
+            "?,?,?,?) ON CONFLICT(job_id) DO UPDATE SET status=excluded.status,"
+            " restart_count=excluded.restart_count, round_id=excluded.round_id, master_url=excluded.master_url,"
+            " outcome=excluded.outcome, ended_at=excluded.ended_at, regroup_count=excluded.regroup_count,"
+            " done_nodes=excluded.done_nodes, config=excluded.config",
+            (job.job_id, job.status, job.restart_count, job.max_restarts, job.round_id, rdzv.min_nodes,
+             rdzv.max_nodes, master_url, job.outcome, job.job_id, now, now if job.status != "running" else None,
+             job.regroup_count, json.dumps(sorted(job.done_nodes)), self.config_json),
+        )
+        for node in nodes:
             self._db.execute(
-                "INSERT INTO job VALUES (?,?,?,?,?,?,?,?,?,COALESCE((SELECT created_at FROM job WHERE job_id=?),?),"
-                "?,?,?,?) ON CONFLICT(job_id) DO UPDATE SET status=excluded.status,"
-                " restart_count=excluded.restart_count, round_id=excluded.round_id, master_url=excluded.master_url,"
-                " outcome=excluded.outcome, ended_at=excluded.ended_at, regroup_count=excluded.regroup_count,"
-                " done_nodes=excluded.done_nodes, config=excluded.config",
-                (job.job_id, job.status, job.restart_count, job.max_restarts, job.round_id, rdzv.min_nodes,
-                 rdzv.max_nodes, master_url, job.outcome, job.job_id, now, now if job.status != "running" else None,
-                 job.regroup_count, json.dumps(sorted(job.done_nodes)), self.config_json),
+                "INSERT OR REPLACE INTO nodes VALUES (?,?,?,?,?,?,?)",
+                (node.node_id, node.host, node.nproc, node.state, ranks.get(node.node_id),
+                 node.first_seen + to_wall, node.last_seen + to_wall),
             )
-            for node in nodes:
-                self._db.execute(
-                    "INSERT OR REPLACE INTO nodes VALUES (?,?,?,?,?,?,?)",
-                    (node.node_id, node.host, node.nproc, node.state, ranks.get(node.node_id),
-                     node.first_seen + to_wall, node.last_seen + to_wall),
-                )
-            if membership is not None:
-                self._save_round(membership, now)
-            self._db.executemany(
-                "INSERT INTO events (ts, kind, node_id, round_id, message) VALUES (?,?,?,?,?)",
-                [(now, e.kind, e.node_id, e.round_id, e.message) for e in events],
-            )
-            self._db.execute("COMMIT")
+        if membership is not None:
+            self._save_round(membership, now)
+        self._db.executemany("INSERT INTO events (ts, kind, node_id, round_id, message) VALUES (?,?,?,?,?)", rows)
+        self._db.execute("COMMIT")
 
     def _save_round(self, membership: Membership, now: float) -> None:
         members = json.dumps([[m.node_rank, m.node_id, m.host, m.nproc] for m in membership.members])

@@ -18,10 +18,15 @@ def new_token() -> str:
 def write_token(path: Path, token: str | None = None) -> str:
     """Write ``token`` (default: a fresh random one) to ``path`` with mode 0600."""
     token = token or new_token()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(token + "\n")
-    os.chmod(path, 0o600)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(token + "\n")
+        os.chmod(path, 0o600)
+    except OSError as exc:
+        path.unlink(missing_ok=True)  # no empty or partial token file is left behind
+        raise ConfigError(f"cannot write the token file {str(path)!r}: {exc.strerror}; free space there or give "
+                          "another --run-dir") from exc
     return token
 
 
