@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from helpers import REPO, Launched, ProcessScope, Result
+from convoy.runtime.persist import complete_checkpoints
 from convoy.shm import SHM_DIR
 
 pytestmark = pytest.mark.slow
@@ -29,10 +30,10 @@ def _segments(job_id: str) -> list[str]:
 
 
 def _train(procs: ProcessScope, run_dir: Path, nodes: int, nproc: int,
-           *extra: str) -> tuple[Result, dict[str, torch.Tensor]]:
+           *extra: str, persist_every: int = 0) -> tuple[Result, dict[str, torch.Tensor]]:
     out = run_dir.parent / f"{run_dir.name}-params.pt"
     result = procs.run(["run", "--nnodes", nodes, "--nproc-per-node", nproc, "--run-dir", run_dir, "--stop-grace", 2,
-                        EXAMPLE, "--steps", STEPS, "--persist-every", 0, "--out", out, *extra])
+                        EXAMPLE, "--steps", STEPS, "--persist-every", persist_every, "--out", out, *extra])
     assert result.returncode == 0, result.explain()
     assert _segments(_job_id(result.stdout)) == [], "the job's shared memory outlived it"
     return result, torch.load(out)
@@ -42,10 +43,17 @@ def _max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> f
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def test_killed_worker_resumes_at_the_next_step_bit_identical(procs: ProcessScope, tmp_path: Path) -> None:
+@pytest.mark.parametrize("persist_every", [0, 5])
+def test_killed_worker_resumes_at_the_next_step_bit_identical(procs: ProcessScope, tmp_path: Path,
+                                                              persist_every: int) -> None:
+    """With persistence on too: saves in the background change nothing, the newer snapshot wins."""
     sync = ("--grad-sync", "allreduce")
     _, uninterrupted = _train(procs, tmp_path / "clean", 2, 1, *sync)
-    result, resumed = _train(procs, tmp_path / "killed", 2, 1, *sync, "--kill-rank", "1", "--kill-at-step", KILL_AT)
+    result, resumed = _train(procs, tmp_path / "killed", 2, 1, *sync, "--kill-rank", "1", "--kill-at-step", KILL_AT,
+                             persist_every=persist_every)
+    if persist_every:
+        saved = [step for step, _ in complete_checkpoints(tmp_path / "killed" / "checkpoints")]
+        assert saved == [STEPS - 5, STEPS - 10], saved  # the newest two of steps 4, 9, 14, 19
     assert f"killing myself (rank 1) with SIGKILL in the middle of step {KILL_AT}" in result.stdout
     assert "restart 1/3" in result.stdout
     assert f"starting at step {KILL_AT} (round 2" in result.stdout, result.explain()
