@@ -58,6 +58,7 @@ class SnapshotRestore:
     peer_sets: list[tuple[int, ...]]
     restored_from: str
     log: Callable[[str], None]
+    _say: Callable[[str], None]
     _snapshot: SnapshotFile | None
     _group: dist.ProcessGroup
     _peer_group: dist.ProcessGroup
@@ -79,7 +80,7 @@ class SnapshotRestore:
         no finished step, ranks without the chosen step take a peer's (``choose_step``)."""
         snap = self._snapshot
         if snap is not None and snap.unreadable():
-            self.log(f"rank {self.rank}: ignoring unreadable in-memory snapshots: {'; '.join(snap.unreadable())}")
+            self._say(f"rank {self.rank}: ignoring unreadable in-memory snapshots: {'; '.join(snap.unreadable())}")
         held = (snap.steps(), snap.steps(partial=True)) if snap is not None else ([], [])
         newest = self._newest_persistent() if self.rank == 0 else None
         every: list[tuple[list[int], list[int], int | None]] = [([], [], None) for _ in range(self.world_size)]

@@ -302,3 +302,25 @@ def test_unreadable_newest_slot_falls_back_to_the_other_with_a_message(job: str)
     ckpt = Trainer().checkpointer(log=messages.append)
     assert ckpt.restore() == 2 and "in-memory snapshot of step 1" in ckpt.restored_from
     assert any("unreadable" in m and "step 2" in m for m in messages), messages
+
+
+class FenceThatLapsesDuringTheSave:
+    """Allows a save to start, then refuses its seal: the lease lapsed while DCP was writing
+    (scripted, since a real lease cannot lapse at that exact moment on demand)."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    def allows(self, what: str) -> bool:
+        self.asked.append(what)
+        return len(self.asked) == 1
+
+
+def test_save_whose_lease_lapses_while_writing_is_not_sealed(job: str, tmp_path: Path) -> None:
+    trainer = Trainer()
+    ckpt = trainer.checkpointer(persist_every=2)
+    ckpt._saver.fence = fence = FenceThatLapsesDuringTheSave()
+    trainer.run(ckpt, 0, 2)
+    assert fence.asked == ["persistent checkpoint of step 1"] * 2
+    assert complete_checkpoints(tmp_path / "checkpoints") == []
+    assert not list((tmp_path / "checkpoints").glob("step-*")), "the unsealed save was left behind"
