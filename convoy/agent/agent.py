@@ -5,13 +5,14 @@ from __future__ import annotations
 import queue
 import secrets
 import signal
+import socket
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from convoy.agent.client import MasterClient, free_port
+from convoy.agent.client import MasterClient, hold_port, port_taken
 from convoy.agent.reap import NodeCgroup, reap
 from convoy.agent.workers import Worker, WorkerGroup
 from convoy.config import WorkerConfig
@@ -101,6 +102,8 @@ class Agent:
         self._job_id = ""
         self._instance = secrets.token_hex(8)
         self._asked_at = 0.0
+        self._held_port: socket.socket | None = None
+        """Bound to the port this node offered as MASTER_PORT, from its join until its workers start."""
 
     def run(self) -> int:
         previous = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -144,8 +147,8 @@ class Agent:
         """
         self.group.wait_preloaded(PRELOAD_WAIT_S)
         while True:
-            join = p.JoinRequest(node_id=self.config.node_id, host=self.config.host,
-                                 nproc=self.config.workers.nproc_per_node, port=free_port(), instance=self._instance)
+            join = p.JoinRequest(node_id=self.config.node_id, host=self.config.host, port=self._hold_port(),
+                                 nproc=self.config.workers.nproc_per_node, instance=self._instance)
             joined = self.client.call("/join", join, p.JoinResponse)
             if not self._job_id:
                 self._first_joined(joined.job_id)
@@ -173,6 +176,7 @@ class Agent:
             self.heartbeat.lease.grant(round_info.round_id, self._asked_at, round_info.lease_s)
             self.heartbeat.running = round_info
         try:
+            self._release_port()  # rank 0 binds it from now on
             self.group.start(round_info, member, self.master_url)
         except WorkerStartError as exc:
             print(f"convoy agent {self.config.node_id}: {exc}", file=sys.stderr, flush=True)
@@ -235,8 +239,20 @@ class Agent:
             node_id=self.config.node_id, round_id=round_info.round_id, rank=worker.rank,
             local_rank=worker.local_rank, exitcode=code if code >= 0 else None, signal=signal_name(code),
             log_path=worker.pump.log_path, log_tail=list(worker.pump.tail),
+            port_in_use=worker.rank == 0 and port_taken(worker.pump.tail),
         )
         self.client.call("/worker_exit", report, p.Ack)
+
+    def _hold_port(self) -> int:
+        """Hold a fresh port for this join (the one held for an earlier join is let go)."""
+        self._release_port()
+        self._held_port = hold_port()
+        return int(self._held_port.getsockname()[1])
+
+    def _release_port(self) -> None:
+        if self._held_port is not None:
+            self._held_port.close()
+            self._held_port = None
 
     def _first_joined(self, job_id: str) -> None:
         """Before this node runs anything of the job: end what an earlier agent of the node left

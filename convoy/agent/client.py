@@ -6,7 +6,7 @@ import http.client
 import secrets
 import socket
 import time
-from typing import TypeVar
+from typing import Iterable, TypeVar
 
 from pydantic import BaseModel
 
@@ -85,6 +85,27 @@ def _error_text(data: bytes) -> str:
         return str(p.ErrorBody.model_validate_json(data).error)
     except ValueError:
         return data.decode(errors="replace")
+
+
+PORT_TAKEN_MARKS = ("eaddrinuse", "address already in use")
+"""How torch's TCPStore (and the OS) say that a port to listen on is taken."""
+
+
+def hold_port(host: str = "") -> socket.socket:
+    """A socket bound (not listening) to a port that is free now: no other bind gets that port until
+    it is closed, just before the workers start (the round's MASTER_PORT candidate)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def port_taken(log_lines: Iterable[str]) -> bool:
+    """Whether a worker's last lines say it could not listen because its port was taken."""
+    return any(mark in line.lower() for line in log_lines for mark in PORT_TAKEN_MARKS)
 
 
 def free_port(host: str = "") -> int:

@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     from convoy.control.protocol import WorkerExit
 
 RUNNING, SUCCEEDED, FAILED = "running", "succeeded", "failed"
+MAX_PORT_RETRIES = 3
+"""Rounds reopened with a new port because MASTER_PORT was taken before rank 0 bound it; then it is a failure."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,8 @@ class Job:
     """When each node caused a regroup, within the last window."""
     excluded: dict[str, str] = field(default_factory=dict)
     """Nodes over their regroup budget -> why their joins are refused."""
+    port_retries: int = 0
+    """Rounds reopened because their MASTER_PORT was taken (not restarts)."""
 
     @property
     def round_id(self) -> int:
@@ -64,7 +68,8 @@ class Job:
             return self.round_id, [Event("join_refused", f"refused a join of excluded node {node_id}", node_id)]
         membership = self.membership
         grows = membership is not None and membership.member(node_id) is None and not self.rendezvous.is_open
-        if grows and membership is not None and len(membership.members) < self.rendezvous.max_nodes and self._over_budget(node_id, now, 1):
+        room = membership is not None and len(membership.members) < self.rendezvous.max_nodes
+        if grows and room and self._over_budget(node_id, now, 1):
             return self.round_id, self._exclude(node_id, now, 1)
         if self.membership is not None and self.membership.member(node_id) is not None:
             events += self._restart(f"node {node_id} rejoined while its round was running", now)
@@ -106,6 +111,8 @@ class Job:
         events = [Event("worker_failed", f"{what} in round {self.round_id}", report.node_id, self.round_id, True)]
         if report.start_failed:
             return events + self._end(FAILED, f"{what}; a worker that cannot start is not retried", report)
+        if report.port_in_use and self.port_retries < MAX_PORT_RETRIES:
+            return events + self._retry_port(now)
         if self.restart_count >= self.max_restarts:
             used = f"no restarts left ({self.restart_count} of {self.max_restarts} used)"
             return events + self._end(FAILED, f"{what}; {used}", report)
@@ -175,6 +182,18 @@ class Job:
         self.rendezvous.leave(node_id, now)
         return [Event("node_excluded", f"{flapped}: excluded from the job, which goes on without it", node_id,
                       self.round_id, True)]
+
+    def _retry_port(self, now: float) -> list[Event]:
+        """Another process took MASTER_PORT between the join and rank 0's bind: the same nodes, a new round
+        (each agent picks a new port when it joins); the restart budget is not touched."""
+        assert self.membership is not None
+        taken, expected = self.membership.master_port, self.membership.node_ids()
+        self.port_retries += 1
+        self.done_nodes.clear()
+        round_id = self.rendezvous.open_next(now, expected)
+        message = (f"MASTER_PORT {taken} was taken before rank 0 could bind it: opening round {round_id} with a new "
+                   f"port (retry {self.port_retries}/{MAX_PORT_RETRIES}, not a restart)")
+        return [Event("port_retry", message, None, round_id, True)] + self._closed_events()
 
     def _regroup(self, cause: str, now: float, expected: set[str], node_id: str) -> list[Event]:
         """Open a round for a membership change (caused by ``node_id``); the restart budget is not touched."""

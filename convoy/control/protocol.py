@@ -87,6 +87,8 @@ class WorkerExit(BaseModel):
     start_failed: bool = False
     log_path: Text = ""
     log_tail: list[Text] = Field(default_factory=list, max_length=200)
+    port_in_use: bool = Field(default=False, description="the worker could not bind MASTER_PORT (EADDRINUSE): "
+                              "the round is retried with a new port, not counted as a restart")
 
     def describe(self) -> str:
         if self.start_failed:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from convoy.control.job import FAILED, RUNNING, SUCCEEDED, Event, Job
+from convoy.control.job import FAILED, MAX_PORT_RETRIES, RUNNING, SUCCEEDED, Event, Job
 from convoy.control.protocol import WorkerExit
 from convoy.control.rendezvous import Rendezvous
 
@@ -350,3 +350,25 @@ def test_excluding_a_node_below_min_fails_the_job_with_that_reason() -> None:
     events = job.node_lost("n1", "left (agent killed by SIGKILL)", 2.0)
     assert kinds(events)[-2:] == ["node_excluded", "job_failed"]
     assert job.status == FAILED and "node n1 caused 2 regroups" in job.outcome and "MIN 2" in job.outcome
+
+
+def test_rank_0_finding_its_port_taken_opens_a_new_round_without_a_restart() -> None:
+    job = make_job(max_restarts=0)
+    join_all(job, now=0.0)
+    events = job.worker_exited(failure("n0", 1, rank=0, port_in_use=True), now=1.0)
+    assert kinds(events) == ["worker_failed", "port_retry"] and job.status == RUNNING
+    assert "MASTER_PORT 29500 was taken" in events[1].message and "not a restart" in events[1].message
+    assert events[1].console and job.round_id == 2 and job.membership is None
+    assert (job.restart_count, job.port_retries) == (0, 1)
+    join_all(job, now=2.0)
+    assert job.membership is not None and job.membership.round_id == 2
+
+
+def test_port_retries_are_bounded_then_count_as_failures() -> None:
+    job = make_job(max_restarts=1)
+    join_all(job, now=0.0)
+    for round_id in range(1, MAX_PORT_RETRIES + 1):
+        assert "port_retry" in kinds(job.worker_exited(failure("n0", round_id, rank=0, port_in_use=True), now=1.0))
+        join_all(job, now=2.0)
+    events = job.worker_exited(failure("n0", job.round_id, rank=0, port_in_use=True), now=3.0)
+    assert kinds(events) == ["worker_failed", "restart"] and job.restart_count == 1

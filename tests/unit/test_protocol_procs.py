@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from convoy.agent.client import hold_port, port_taken
 from convoy.config import JobConfig, MasterConfig, WorkerConfig
 from convoy.control.schedulers.local import LocalScheduler
 from convoy.control.protocol import JoinRequest, WaitRequest, WorkerExit
@@ -59,3 +60,23 @@ def test_every_exit_of_a_relaunched_agent_is_reported_once(tmp_path: Path) -> No
         del proc
         assert scheduler.newly_exited() == [("local0", attempt % 3)], f"exit {attempt} of the relaunched agent"
         assert scheduler.newly_exited() == [], "an exit is reported once"
+
+
+def test_a_held_port_cannot_be_bound_by_another_process_until_released() -> None:
+    held = hold_port()
+    port = held.getsockname()[1]
+    taker = subprocess.run([sys.executable, "-c", f"import socket; socket.socket().bind(('', {port}))"],
+                           capture_output=True, text=True)
+    assert taker.returncode != 0 and "Address already in use" in taker.stderr
+    held.close()
+    again = subprocess.run([sys.executable, "-c", f"import socket; socket.socket().bind(('', {port}))"])
+    assert again.returncode == 0
+
+
+def test_torchs_bind_failure_reads_as_a_taken_port() -> None:
+    torch_line = ("[rank0]: torch.distributed.DistNetworkError: The server socket has failed to listen on any local "
+                  "network address. port: 29500, useIpv6: false, code: -98, name: EADDRINUSE, message: address "
+                  "already in use")
+    assert port_taken(["step 1", torch_line])
+    assert port_taken(["OSError: [Errno 98] Address already in use"])
+    assert not port_taken(["RuntimeError: injected failure in rank 0", "connection refused"])
