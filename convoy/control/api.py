@@ -45,7 +45,8 @@ ENDPOINTS: dict[str, tuple[type[BaseModel] | None, type[BaseModel] | None, str]]
 def _routes(master: JobMaster) -> dict[str, tuple[type[BaseModel] | None, Callable[[Any], Any]]]:
     calls: dict[str, Callable[[Any], Any]] = {
         "/join": master.join, "/wait": master.wait, "/heartbeat": master.heartbeat,
-        "/worker_exit": master.worker_exit, "/event": master.worker_event, "/node_done": master.node_done, "/leave": master.leave,
+        "/worker_exit": master.worker_exit, "/event": master.worker_event, "/node_done": master.node_done,
+        "/leave": master.leave,
         "/abort": lambda req: master.abort(req.reason) or p.Ack(), "/status": lambda _: master.status(),
         "/openapi.json": lambda _: openapi_schema(),
     }
@@ -74,7 +75,8 @@ def openapi_schema() -> dict[str, Any]:
             continue
         operation["parameters"] = [{"name": p.IDEMPOTENCY_HEADER, "in": "header", "required": False,
                                     "schema": {"type": "string", "maxLength": MAX_KEY_LENGTH},
-                                    "description": "the same on each retry of one call: a repeat gets the first answer"}]
+                                    "description": "the same on each retry of one call: a repeat gets the first "
+                                                   "answer"}]
         operation["requestBody"] = {"required": True,
                                     "content": {"application/json": {"schema": schema(request)}}}
         operation["responses"].update({"400": {"description": "malformed request", **error},
@@ -155,6 +157,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _unwritten(self, reason: str) -> None:
         """The call was handled in memory, but its state is not on disk yet: the client retries it."""
+        self.server.master.refused_for_disk()
         self._reply(503, p.ErrorBody(error=f"{reason}; the call was handled and is kept in memory: retry it (with "
                                            f"the same {p.IDEMPOTENCY_HEADER}) until the run dir's disk has room"))
 

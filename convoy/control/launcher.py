@@ -57,12 +57,12 @@ def run_local_job(config: JobConfig, relaunch: bool = False, console: Callable[[
         from convoy.agent.client import MasterClient  # pydantic: imported once the children are on their way
 
         client = MasterClient("127.0.0.1", port, token, give_up_after_s=2.0)
-        _supervise(scheduler, client, relaunch, config.master.rendezvous.min_nodes, console)
+        master_code = _supervise(scheduler, client, relaunch, config.master.rendezvous.min_nodes, console)
         if not scheduler.wait(config.workers.stop_grace_s + CHILD_EXIT_GRACE_S):
             scheduler.stop(CHILD_EXIT_GRACE_S)
-        job = read_status(run_dir, recent=0)["job"]
+        job = read_status(run_dir, recent=0)["job"]  # the outcome is the master's: its record may lag (a full disk)
         console(f"convoy: finished in {time.monotonic() - started:.1f} s with {job['restart_count']} restart(s)")
-        return 0 if job["status"] == "succeeded" else 1
+        return master_code
     except Interrupted as exc:
         if client is not None:
             _abort(client, f"interrupted by {exc}")  # the record names the launcher's signal
@@ -78,13 +78,13 @@ def run_local_job(config: JobConfig, relaunch: bool = False, console: Callable[[
 
 
 def _supervise(scheduler: LocalScheduler, client: MasterClient, relaunch: bool, min_nodes: int,
-               console: Callable[[str], None]) -> None:
-    """Watch the children until the master exits with the job's outcome."""
+               console: Callable[[str], None]) -> int:
+    """Watch the children until the master exits with the job's outcome (0 succeeded, 1 failed)."""
     master_restarts, aborted = 0, False
     while True:
         code = scheduler.master_exit()
         if code in (0, 1):
-            return
+            return code
         if code is not None:
             if code == EXIT_USAGE or master_restarts >= MAX_MASTER_RESTARTS:
                 raise ConvoyError(f"the master stopped {master_restarts + 1} time(s), last with {_describe(code)}; "

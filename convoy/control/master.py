@@ -63,6 +63,8 @@ class JobMaster:
         self._changed = threading.Condition()
         self._unwritten = threading.local()
         """Per server thread: why the state of the call it is handling could not be written."""
+        self._refused_since: float | None = None
+        """Since when calls are refused (503) for want of a state write: the job is stuck on the disk."""
         self._acknowledged: set[str] = set()
         self._rejected: dict[str, tuple[float, int]] = {}  # client -> (last recorded, rejected since)
         self._event_budgets: dict[str, EventBudget] = {}  # node id -> its workers' events budget
@@ -95,8 +97,8 @@ class JobMaster:
             if self.store.failing_since is not None:
                 self._apply([])  # a last try
             if self.store.failing_since is not None:
-                self.console(f"convoy: {self.store.pending} events of the job could not be written to {self.store.path} "
-                             f"({self.store.fault})")
+                self.console(f"convoy: {self.store.pending} events of the job could not be written to "
+                             f"{self.store.path} ({self.store.fault})")
         self.store.close()
 
     def wait_ended(self, timeout: float | None = None) -> bool:
@@ -258,6 +260,12 @@ class JobMaster:
         with self._changed:
             return self.store.fault if self.store.failing_since is not None else None
 
+    def refused_for_disk(self) -> None:
+        """A call was answered 503 because its state is not on disk: from now on the job waits on the disk."""
+        with self._changed:
+            if self._refused_since is None and self.store.failing_since is not None:
+                self._refused_since = time.monotonic()
+
     def _apply(self, events: list[Event]) -> None:
         """Record, print, and wake waiters; caller holds ``self._changed``.
 
@@ -273,6 +281,7 @@ class JobMaster:
             self._unwritten.reason = str(exc)
         else:
             if note is not None:
+                self._refused_since = None
                 self.console(f"convoy: {note}")
         for event in events:
             if event.console:
@@ -280,8 +289,9 @@ class JobMaster:
         self._changed.notify_all()
 
     def _state_write_give_up(self, now: float) -> list[Event]:
-        """Fail the job once its state has gone unwritten for too long."""
-        since = self.store.failing_since
+        """Fail the job once agents have waited on an unwritten state for too long (a job that only
+        trains needs no writes and goes on)."""
+        since = self._refused_since
         limit = min(STATE_WRITE_GIVE_UP_S, self.config.heartbeat_timeout_s / 2)
         if since is None or now - since < limit:
             return []

@@ -133,3 +133,18 @@ def test_a_worker_that_prints_into_a_full_disk_finishes(procs: ProcessScope, sma
     assert "convoy: job succeeded" in result.stdout
     assert re.search(r"\[rank0\]: convoy: .*\d+ lines? not written to .*rank0\.log", result.stdout) or \
         re.search(r"dropped \d+ lines", result.stdout), result.stdout[-2000:]
+
+
+def test_convoy_run_on_a_disk_that_stays_full_ends_and_says_what_was_not_written(
+        procs: ProcessScope, small_disk: Path, tmp_path: Path) -> None:
+    run_dir, go, done = small_disk / "run", tmp_path / "go", tmp_path / "done"
+    job = procs.start(["run", "--nnodes", "1", "--nproc-per-node", "1", "--preload", "", "--stop-grace", "1",
+                       "--heartbeat-timeout", "4", "--run-dir", run_dir, fixture("full_disk_printer.py"), go, done,
+                       100])
+    job.wait_output(r"printer rank 0 waiting")
+    fill(small_disk)
+    go.write_text("")
+    result = job.wait(60.0)
+    assert result.returncode == 0, result.explain()
+    assert "convoy: job succeeded: all 1 workers finished" in result.stdout, "in memory the job went on"
+    assert re.search(r"convoy: \d+ events of the job could not be written to .*state\.db", result.stdout)
