@@ -9,6 +9,7 @@ saved ranks the new world lacks are not used. Each choice is named in the log li
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -103,7 +104,7 @@ class PersistentRestore:
             return problem, []
         try:
             return None, rank_part_keys(path)
-        except (OSError, ValueError, EOFError, CheckpointException) as exc:
+        except (OSError, ValueError, EOFError, pickle.UnpicklingError, CheckpointException) as exc:
             return f"metadata unreadable: {persist.reason(exc)}", []
 
     def _load_target(self, step: int, keys: list[str]) -> tuple[dict[str, Any], str, str | None]:
