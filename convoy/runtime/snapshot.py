@@ -198,7 +198,8 @@ class SnapshotFile:
                 for problem in [self._problem(index)] if problem]
 
     def _readable(self) -> list[tuple[int, tuple[int, int, int, int, int]]]:
-        return [(index, slot) for index, slot in enumerate(self.slots()) if slot[0] > 0 and self._problem(index) is None]
+        return [(index, slot) for index, slot in enumerate(self.slots())
+                if slot[0] > 0 and self._problem(index) is None]
 
     def steps(self, partial: bool = False) -> list[int]:
         """Steps of the complete snapshots held (``partial``: and of the partial ones), newest first."""

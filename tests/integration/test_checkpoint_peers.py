@@ -81,6 +81,7 @@ def test_ranks_sharing_no_step_resume_after_the_newest_one_any_rank_holds(procs:
     assert "resumed_apart" in errors
     assert "rank 1: in-memory snapshot of step 4 (own; the job resumes after step 9)" in outputs[1]
     for rank, before in ((0, "b"), (1, "a")):
-        restored, saved = torch.load(f"{out}.c.rank{rank}.restored.pt"), torch.load(f"{out}.{before}.rank{rank}.final.pt")
+        restored = torch.load(f"{out}.c.rank{rank}.restored.pt")
+        saved = torch.load(f"{out}.{before}.rank{rank}.final.pt")
         for name, value in saved.items():
             assert torch.equal(value, restored[name]), (rank, name)

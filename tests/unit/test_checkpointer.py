@@ -234,7 +234,8 @@ def test_refused_step_leaves_the_previous_snapshot_the_newest(job: str, tmp_path
     trainer.run(ckpt, 2, 4)  # would snapshot 2, 3 and persist 3
     lease.close()
     assert [step for step, _ in complete_checkpoints(tmp_path / "checkpoints")] == [1]
-    assert messages == ["round 3 is no longer current: snapshot of step 2 not committed; the agent will stop this worker"]
+    assert messages == ["round 3 is no longer current: snapshot of step 2 not committed; "
+                        "the agent will stop this worker"]
     monkeypatch.delenv("CONVOY_LEASE")
     again = Trainer().checkpointer()
     assert again.restore() == 2 and "in-memory snapshot of step 1" in again.restored_from
