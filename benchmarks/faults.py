@@ -2,6 +2,10 @@
 
     python benchmarks/faults.py [--quick] [--runs N] [--faults worker_kill,agent_kill,...]
 
+The original five faults run 10 times each, the five of issue 22 (``scripts/fault_cases.py``:
+``stale_agent``, ``full_run_dir``, ``full_dev_shm``, ``lost_join_reply``, ``flapping_node``, each
+with its defined outcome and a time bound per run) 5 times each; ``--runs`` sets both, ``--quick`` 1.
+
 Faults (run i hits rank, or node rank, i % 2): ``worker_kill`` (SIGKILL a worker of a 2-node
 job), ``agent_kill`` (SIGKILL an agent of an elastic ``--nnodes 1:2 --relaunch`` job: it
 shrinks at once, then grows back when the relaunched agent is warm), ``master_kill`` (SIGKILL
@@ -15,8 +19,9 @@ Per fault it prints runs, recovered (the job exits 0 and trains after the fault)
 steps lost (a restart that resumes at step S while step >= S had finished: the steps redone),
 and the time to recover: fault -> the first step finished by the restarted workers; for a
 master kill (workers train through it) fault -> the restarted master answers again; 0 for
-corrupt requests that leave the job untouched. Then one ``target ...`` line per target.
-Exits 0 whether targets are met or missed; non-zero only if the benchmark itself breaks.
+corrupt requests that leave the job untouched. For the faults of issue 22, recovered means the
+outcome the fault must have, and recover the time to it. Then one ``target ...`` line per target,
+``no_leftovers`` over every run. Exits 0 whether targets are met or missed; non-zero only if the benchmark itself breaks.
 """
 
 from __future__ import annotations
@@ -37,12 +42,15 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+from fault_cases import CASES, PERSIST_EVERY, RUN, RUN_BOUND_S, CaseOutcome, case_problem
 from fault_job import LEFTOVERS, Job, LocalJob, master_serving, wait_for
-from steplog import Step
+from steplog import Step, first, steps_lost
 from fault_net import NetJob, netns_problem
 from fault_requests import barrage
 
-FAULTS = ("worker_kill", "agent_kill", "master_kill", "link_cut", "corrupt_request")
+ORIGINAL = ("worker_kill", "agent_kill", "master_kill", "link_cut", "corrupt_request")
+FAULTS = ORIGINAL + CASES
+RUNS = {"original": 10, "case": 5}
 GOAL_S = {"worker_kill": 3.0, "agent_kill": 3.0, "master_kill": 5.0}
 SEED = 1234
 STEP_SLEEP_S = 0.05
@@ -76,20 +84,6 @@ class Outcome:
     restarted: bool = False
     detail: str = ""
     answers: Counter[str] = field(default_factory=Counter)
-
-
-def first(steps: list[Step], accept: Callable[[Step], bool]) -> Step | None:
-    return next((s for s in steps if accept(s)), None)
-
-
-def steps_lost(steps: list[Step]) -> int:
-    """Finished steps done again after a restart: step numbers that a later round finished again."""
-    first_round: dict[int, int] = {}
-    redone: set[int] = set()
-    for step in steps:
-        if step.round_id > first_round.setdefault(step.step, step.round_id):
-            redone.add(step.step)
-    return len(redone)
 
 
 def longest_pause(steps: list[Step], start: float, end: float) -> float | None:
@@ -236,12 +230,16 @@ def median(values: list[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
-def report(results: dict[str, list[Outcome]], skipped: dict[str, str], runs: int, elapsed: float) -> None:
+def report(results: dict[str, list[Outcome]], skipped: dict[str, str], runs: dict[str, int], elapsed: float,
+           left: dict[str, list[str]]) -> None:
     print(f"\nfault matrix: 2 nodes x 1 worker, gloo DDP (fault_train.py, seed {SEED}, {STEP_SLEEP_S} s sleep per "
-          f"step), {runs} run(s) per fault; {elapsed:.0f} s in all")
+          f"step), {runs['original']} run(s) per original fault, {runs['case']} per fault of issue 22; "
+          f"{elapsed:.0f} s in all")
     print("recovered: exit 0 and trained after the fault; lost: finished steps redone after a restart;")
     print("recover: fault -> first step of the restarted workers (master_kill: -> master answers again;")
     print("corrupt_request: 0 when the job was untouched); pause: longest time without a finished step")
+    if any(f in results for f in CASES):
+        print("faults of issue 22: recovered = the outcome the fault must have (below), recover: fault -> it")
     print(f"{'fault':<17}{'runs':>5}{'recovered':>11}{'lost total':>11}{'lost max':>9}{'median recover (s)':>20}"
           f"{'max recover (s)':>17}{'median pause (s)':>18}")
     for fault, outcomes in results.items():
@@ -268,6 +266,10 @@ def report(results: dict[str, list[Outcome]], skipped: dict[str, str], runs: int
             answers = sum((o.answers for o in outcomes), Counter())
             print(f"  corrupt_request: {sum(answers.values())} bad requests, answered "
                   + ", ".join(f"{k} x{v}" for k, v in sorted(answers.items())))
+    for fault, outcomes in results.items():
+        if fault in CASES:
+            print(f"  {fault}: " + "; ".join(f"{count} x {what}" for what, count in
+                                             Counter(o.result for o in outcomes).most_common()))  # type: ignore[attr-defined]
     print("left behind by the jobs (processes, /dev/shm segments): " + (", ".join(LEFTOVERS) or "nothing"))
     print()
     for fault, goal in GOAL_S.items():
@@ -278,25 +280,60 @@ def report(results: dict[str, list[Outcome]], skipped: dict[str, str], runs: int
         measured = (f"{ok}/{len(outcomes)} recovered, {lost} steps lost, median {fmt(med)} s" if outcomes
                     else f"not run ({skipped.get(fault, 'not selected')})")
         print(f"target {fault}: {measured} (goal all, 0, <= {goal:.0f} s) {'met' if good else 'missed'}")
-    every = [o for outcomes in results.values() for o in outcomes]
+    every = [o for fault in ORIGINAL for o in results.get(fault, [])]
     ok, lost = sum(o.recovered for o in every), sum(o.lost for o in every)
-    missing = [f for f in FAULTS if f not in results]
+    missing = [f for f in ORIGINAL if f not in results]
     note = f"; not run: {', '.join(missing)}" if missing else ""
     good = bool(every) and ok == len(every) and lost == 0 and not missing
-    print(f"target all_faults: {ok}/{len(every)} runs recovered, {lost} steps lost{note} (goal all {len(FAULTS)} "
+    print(f"target all_faults: {ok}/{len(every)} runs recovered, {lost} steps lost{note} (goal all {len(ORIGINAL)} "
           f"faults, all recovered, 0) {'met' if good else 'missed'}")
+    report_case_targets(results, skipped, left)
+
+
+CASE_GOALS = {
+    "stale_agent": "all go on, fenced, readmitted, 0 lost",
+    "full_run_dir": "all end within the bound: finished with 0 lost, or failed with one line",
+    "full_dev_shm": "all say snapshots off and resume from the newest persistent save, 0 lost before it",
+    "lost_join_reply": "all finish, 0 extra restarts, 0 lost",
+    "flapping_node": "all exclude the node with a message and finish, 0 lost",
+}
+
+
+def report_case_targets(results: dict[str, list[Outcome]], skipped: dict[str, str], left: dict[str, list[str]]) -> None:
+    """One target line per fault of issue 22, then ``no_leftovers`` over every run of every fault."""
+    for fault in CASES:
+        outcomes: list[CaseOutcome] = results.get(fault, [])  # type: ignore[assignment]
+        if not outcomes:
+            print(f"target {fault}: not run ({skipped.get(fault, 'not selected')}) (goal {CASE_GOALS[fault]}) missed")
+            continue
+        ok, hung = sum(o.recovered for o in outcomes), sum(not o.ended for o in outcomes)
+        lost = sum(o.lost for o in outcomes)
+        lost_words = f"{lost} steps lost"
+        if fault == "full_dev_shm":
+            lost_words += (f" before the newest persistent save, max {max(o.redone for o in outcomes)} redone after "
+                           f"it (saves every {PERSIST_EVERY} steps)")
+        good = ok == len(outcomes) and hung == 0
+        print(f"target {fault}: {ok}/{len(outcomes)} as required, {hung} hung (bound {RUN_BOUND_S:.0f} s), "
+              f"{lost_words} (goal {CASE_GOALS[fault]}) {'met' if good else 'missed'}")
+    ran = sum(len(o) for o in results.values())
+    things = [thing for fault in results for thing in left.get(fault, [])]
+    per_fault = ", ".join(f"{fault} {len(left[fault])}" for fault in results if left.get(fault))
+    print(f"target no_leftovers: {len(things)} processes or /dev/shm entries left after {ran} runs"
+          + (f" ({per_fault})" if per_fault else "") + f" (goal 0) {'met' if ran and not things else 'missed'}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke-test size: 1 run per fault")
-    parser.add_argument("--runs", type=int, default=None, help="runs per fault (default 10; quick 1)")
+    parser.add_argument("--runs", type=int, default=None,
+                        help="runs per fault (default 10 for the original five, 5 for issue 22's; quick 1)")
     parser.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated subset of {','.join(FAULTS)}")
     args = parser.parse_args()
-    runs = args.runs if args.runs is not None else (1 if args.quick else 10)
+    runs = {group: args.runs if args.runs is not None else (1 if args.quick else default)
+            for group, default in RUNS.items()}
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
     unknown = [f for f in faults if f not in FAULTS]
-    if unknown or runs < 1:
+    if unknown or min(runs.values()) < 1:
         parser.error(f"unknown fault(s) {unknown}; choose from {','.join(FAULTS)}" if unknown
                      else "--runs must be >= 1")
     skipped: dict[str, str] = {}
@@ -306,22 +343,37 @@ def main() -> int:
             print(f"skipping link_cut: {problem}", flush=True)
             skipped["link_cut"] = problem
             faults.remove("link_cut")
+    for fault in [f for f in faults if f in CASES]:
+        why = case_problem(fault)
+        if why:
+            print(f"skipping {fault}: {why}", flush=True)
+            skipped[fault] = why
+            faults.remove(fault)
     tmp = Path(tempfile.mkdtemp(prefix="convoy-bench-faults-"))
     began = time.monotonic()
     results: dict[str, list[Outcome]] = {}
+    left: dict[str, list[str]] = {}
     try:
         for fault in faults:
             results[fault] = []
-            for index in range(runs):
-                outcome = run_once(fault, index, tmp / f"{fault}-{index}")
-                results[fault].append(outcome)
+            count = runs["case" if fault in CASES else "original"]
+            for index in range(count):
+                before = len(LEFTOVERS)
+                outcome: Outcome | CaseOutcome
+                if fault in CASES:
+                    outcome = RUN[fault](tmp / f"{fault}-{index}", index, STEP_SLEEP_S, SEED)
+                else:
+                    outcome = run_once(fault, index, tmp / f"{fault}-{index}")
+                results[fault].append(outcome)  # type: ignore[arg-type]
+                left.setdefault(fault, []).extend(LEFTOVERS[before:])
                 state = "recovered" if outcome.recovered else "NOT recovered"
-                print(f"  {fault} {index + 1}/{runs}: {state}, {outcome.lost} steps lost, recover "
+                what = f", {outcome.result}" if isinstance(outcome, CaseOutcome) else ""
+                print(f"  {fault} {index + 1}/{count}: {state}{what}, {outcome.lost} steps lost, recover "
                       f"{fmt(outcome.recover_s)} s, pause {fmt(outcome.pause_s)} s"
                       + (f" ({outcome.detail})" if outcome.detail else ""), flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    report(results, skipped, runs, time.monotonic() - began)
+    report(results, skipped, runs, time.monotonic() - began, left)
     return 0
 
 

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -98,7 +98,7 @@ class Job:
     """One job in its own directory; subclasses start it. ``stop()`` ends every process it started."""
 
     def __init__(self, tmp: Path, nodes: int) -> None:
-        tmp.mkdir(parents=True)
+        tmp.mkdir(parents=True, exist_ok=True)
         self.tmp, self.out, self.run_dir = tmp, tmp / "steps", tmp / "run"
         self.console = tmp / "console.log"
         self.nodes = nodes
@@ -108,8 +108,8 @@ class Job:
         self.known: dict[int, psutil.Process] = {}
         self.job_id = ""
 
-    def train_args(self, sleep_s: float, seed: int) -> list[str]:
-        return [str(TRAIN), "--out", str(self.out), "--sleep", str(sleep_s), "--seed", str(seed)]
+    def train_args(self, sleep_s: float, seed: int, extra: Sequence[str] = ()) -> list[str]:
+        return [str(TRAIN), "--out", str(self.out), "--sleep", str(sleep_s), "--seed", str(seed), *extra]
 
     def spawn(self, argv: list[str]) -> subprocess.Popen[bytes]:
         with open(self.console, "ab") as log:
@@ -212,6 +212,20 @@ class Job:
                     LEFTOVERS.append(str(path))
                 path.unlink(missing_ok=True)
 
+    def state_rows(self, query: str, *params: object) -> list[tuple[object, ...]]:
+        """Rows of a read-only query on the master's state.db ([] while it is missing or locked)."""
+        path = self.run_dir / "state.db"
+        if not path.is_file():
+            return []
+        try:
+            db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=2)
+            try:
+                return db.execute(query, params).fetchall()
+            finally:
+                db.close()
+        except sqlite3.Error:
+            return []
+
     def last_error(self) -> str:
         """The console's last line that names an error (else its last line), shortened."""
         lines = [ln.strip() for ln in self.console.read_text(errors="replace").splitlines() if ln.strip()]
@@ -220,15 +234,29 @@ class Job:
 
 
 class LocalJob(Job):
-    """``convoy run`` with N local agents of one worker each."""
+    """``convoy run`` with N local agents of one worker each: ``options`` go to ``convoy run``,
+    ``train_extra`` to fault_train.py, and ``wrap`` is a command the launcher runs under (``unshare``)."""
 
-    def __init__(self, tmp: Path, elastic: bool, sleep_s: float, seed: int) -> None:
+    def __init__(self, tmp: Path, elastic: bool, sleep_s: float, seed: int, options: Sequence[str] = (),
+                 train_extra: Sequence[str] = (), wrap: Sequence[str] = ()) -> None:
         super().__init__(tmp, nodes=2)
         nnodes = ["--nnodes", "1:2", "--relaunch", "--rdzv-wait", "30"] if elastic else ["--nnodes", "2"]
-        argv = [sys.executable, "-m", "convoy", "run", *nnodes, "--nproc-per-node", "1", "--stop-grace", "2",
-                "--max-restarts", "5", "--run-dir", str(self.run_dir), *self.train_args(sleep_s, seed)]
+        argv = [*wrap, sys.executable, "-m", "convoy", "run", *nnodes, "--nproc-per-node", "1", "--stop-grace", "2",
+                "--max-restarts", "5", *options, "--run-dir", str(self.run_dir),
+                *self.train_args(sleep_s, seed, train_extra)]
         self.main = self.spawn(argv)
-        self.launcher = self.known[self.main.pid]
+        self._launcher: psutil.Process | None = None if wrap else self.known[self.main.pid]
+
+    @property
+    def launcher(self) -> psutil.Process:
+        """The ``convoy run`` process (below the wrapper, where there is one)."""
+        if self._launcher is None:
+            try:
+                below = psutil.Process(self.main.pid).children(recursive=True) if self.main else []
+            except psutil.Error:
+                below = []
+            self._launcher = next((p for p in below if {"convoy", "run"} <= set(_cmdline(p))), None)
+        return self._launcher or self.known[self.main.pid]  # type: ignore[union-attr]
 
     def child(self, *words: str) -> psutil.Process | None:
         """The launcher's child whose command line holds every word."""

@@ -5,6 +5,8 @@ After each finished step (``ckpt.step(step)`` returned) every rank appends
 the files which steps finished when, and where each restarted worker resumed. The job ends
 at ``--steps``, or earlier at the step written to OUT/stop_at by the benchmark (each rank
 reads it before every step, and the benchmark picks a step no rank has reached yet).
+``--hidden`` widens the model (the full-/dev/shm fault needs one whose snapshots do not fit) and
+``--persist-every`` turns on persistent saves.
 """
 
 from __future__ import annotations
@@ -35,14 +37,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3000, help="the most steps the job runs")
     parser.add_argument("--sleep", type=float, default=0.05, help="seconds of 'data loading' per step")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--hidden", type=int, default=64, help="width of the model's hidden layer")
+    parser.add_argument("--persist-every", type=int, default=0, help="steps between persistent saves (0: none)")
     args = parser.parse_args()
     ctx = convoy.init()
     torch.manual_seed(args.seed)
-    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    net = torch.nn.Sequential(torch.nn.Linear(32, args.hidden), torch.nn.ReLU(),
+                              torch.nn.Linear(args.hidden, 1))
     model = DistributedDataParallel(net)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     data = torch.Generator().manual_seed(args.seed * 1000 + ctx.rank)
-    ckpt = convoy.Checkpointer(model, optimizer, state={"data": data}, every=1, persist_every=0)
+    ckpt = convoy.Checkpointer(model, optimizer, state={"data": data}, every=1,
+                               persist_every=args.persist_every)
     start = ckpt.restore()
     print(f"rank {ctx.rank} of {ctx.world_size}, round {ctx.round_id}: starting at step {start} "
           f"(restored from {ckpt.restored_from})", flush=True)

@@ -57,3 +57,17 @@ class StepLog:
     def after(self, when: float, new_since: set[int] | None = None) -> list[Step]:
         """Steps finished after ``when``, only by workers not in ``new_since`` if given."""
         return [s for s in self.steps if s.t > when and (new_since is None or s.pid not in new_since)]
+
+
+def first(steps: list[Step], accept: Callable[[Step], bool]) -> Step | None:
+    return next((s for s in steps if accept(s)), None)
+
+
+def steps_lost(steps: list[Step]) -> int:
+    """Finished steps done again after a restart: step numbers that a later round finished again."""
+    first_round: dict[int, int] = {}
+    redone: set[int] = set()
+    for step in steps:
+        if step.round_id > first_round.setdefault(step.step, step.round_id):
+            redone.add(step.step)
+    return len(redone)
