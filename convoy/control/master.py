@@ -24,6 +24,8 @@ from convoy.control.token import TOKEN_FILE, new_token, read_token, write_token
 from convoy.errors import ConflictError, StateWriteError
 
 TICK_S = 0.1
+STATE_RETRY_S = 0.5
+"""How often the ticker tries again to write a state that could not be written."""
 STATE_WRITE_GIVE_UP_S = 20.0
 """How long the job may go on with its state unwritten (a full disk) before it fails; at most half
 the heartbeat timeout, and shorter than an agent waits on the master, so the job fails with this reason."""
@@ -63,6 +65,7 @@ class JobMaster:
         self._changed = threading.Condition()
         self._unwritten = threading.local()
         """Per server thread: why the state of the call it is handling could not be written."""
+        self._last_write_try = 0.0
         self._refused_since: float | None = None
         """Since when calls are refused (503) for want of a state write: the job is stuck on the disk."""
         self._acknowledged: set[str] = set()
@@ -308,5 +311,7 @@ class JobMaster:
                 for node_id in self.nodes.expired(now):
                     events += self.job.node_lost(node_id, f"sent no heartbeat for {self.nodes.timeout_s:.0f} s", now)
                 events += self._state_write_give_up(now)
-                if events or self.store.failing_since is not None:  # a failed write is retried on each tick
+                retry = self.store.failing_since is not None and now - self._last_write_try >= STATE_RETRY_S
+                if events or retry:
+                    self._last_write_try = now
                     self._apply(events)
