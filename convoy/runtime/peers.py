@@ -32,8 +32,9 @@ def choose_step(whole: list[set[int]], some: list[set[int]], peer_sets: list[tup
                 newest_persistent: int | None) -> StepChoice | None:
     """A step is *covered* when every set of peers has a rank holding it whole. The newest covered
     step that every rank holds at least partially wins, else the newest covered one. Without
-    peers, when no step is covered, the newest step any rank holds whole (unless a persistent
-    checkpoint is as new): ranks that were out of the job for a while hold only older steps."""
+    peers, when no step is covered, the newest step any rank holds whole: ranks that were out of
+    the job for a while hold only older steps. A persistent checkpoint wins instead when it is as
+    new, or when some rank holds no snapshot at all (its own state would be lost to a fresh one)."""
     covered = {step for step in set().union(*whole)
                if all(any(step in whole[rank] for rank in peers) for peers in peer_sets)}
     candidates = set.intersection(*some) & covered or covered
@@ -41,7 +42,9 @@ def choose_step(whole: list[set[int]], some: list[set[int]], peer_sets: list[tup
         return StepChoice(max(candidates))
     held = set().union(*whole)
     alone = all(len(peers) == 1 for peers in peer_sets)
-    if not held or not alone or (newest_persistent is not None and newest_persistent >= max(held)):
+    if not held or not alone:
+        return None
+    if newest_persistent is not None and (newest_persistent >= max(held) or not all(whole)):
         return None
     return StepChoice(max(held), apart=True)
 

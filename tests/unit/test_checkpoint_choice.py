@@ -21,12 +21,17 @@ def test_with_peers_a_step_one_peer_holds_whole_is_covered() -> None:
 def test_ranks_sharing_no_step_resume_after_the_newest_any_rank_holds() -> None:
     """A node out of the job for a while holds only old steps: the job goes on from the newest."""
     assert choose_step([{138, 139}, {3, 4}], [{138, 139}, {3, 4}], ALONE, None) == StepChoice(139, apart=True)
-    assert choose_step([{139}, set()], [{139}, set()], ALONE, 99) == StepChoice(139, apart=True)
+    assert choose_step([{139}, set()], [{139}, set()], ALONE, None) == StepChoice(139, apart=True)
 
 
 def test_a_persistent_checkpoint_as_new_wins_over_ranks_apart() -> None:
     assert choose_step([{138, 139}, {3, 4}], [{138, 139}, {3, 4}], ALONE, 139) is None
     assert choose_step([{138, 139}, {3, 4}], [{138, 139}, {3, 4}], ALONE, 200) is None
+
+
+def test_a_rank_holding_no_snapshot_takes_the_persistent_checkpoint_where_there_is_one() -> None:
+    """E.g. its node's /dev/shm is full: a fresh start would lose that rank's own progress."""
+    assert choose_step([{139}, set()], [{139}, set()], ALONE, 99) is None
 
 
 def test_nothing_held_is_nothing_to_resume() -> None:
