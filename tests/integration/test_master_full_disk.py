@@ -148,3 +148,32 @@ def test_convoy_run_on_a_disk_that_stays_full_ends_and_says_what_was_not_written
     assert result.returncode == 0, result.explain()
     assert "convoy: job succeeded: all 1 workers finished" in result.stdout, "in memory the job went on"
     assert re.search(r"convoy: \d+ events of the job could not be written to .*state\.db", result.stdout)
+
+
+def test_events_kept_while_the_disk_is_full_are_bounded_written_in_order_and_the_rest_counted(
+        small_disk: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from convoy.control import store as store_module
+    from convoy.control.job import Event, Job
+    from convoy.control.rendezvous import Rendezvous
+    from convoy.errors import StateWriteError
+
+    monkeypatch.setattr(store_module, "MAX_PENDING_EVENTS", 3)
+    store = store_module.Store(small_disk)
+    job = Job("feedbeef", Rendezvous(1, 1, 0.0, opened_at=0.0), max_restarts=3, join_timeout_s=60.0)
+    try:
+        store.save(job, [Event("master_started", "up")], "127.0.0.1:1", [])
+        filler = fill(small_disk)
+        for index in range(5):
+            with pytest.raises(StateWriteError, match="cannot be written"):
+                store.save(job, [Event("chatter", f"event {index}")], "127.0.0.1:1", [])
+        assert store.pending == 3 and store.lost_events == 2
+        filler.unlink()
+        note = store.save(job, [], "127.0.0.1:1", [])
+        assert note is not None and "3 events kept in memory" in note and "2 older ones were lost" in note
+        assert store.pending == 0 and store.failing_since is None
+    finally:
+        store.close()
+    events = [(e["kind"], e["message"]) for e in read_status(small_disk, recent=100)["events"]]
+    assert events[:4] == [("master_started", "up"), ("chatter", "event 2"), ("chatter", "event 3"),
+                          ("chatter", "event 4")], "the newest are kept, in order"
+    assert events[4][0] == "state_written" and "2 older ones were lost" in events[4][1]
