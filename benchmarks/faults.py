@@ -312,6 +312,9 @@ def report_case_targets(results: dict[str, list[Outcome]], skipped: dict[str, st
         if fault == "full_dev_shm":
             lost_words += (f" before the newest persistent save, max {max(o.redone for o in outcomes)} redone after "
                            f"it (saves every {PERSIST_EVERY} steps)")
+        if fault == "full_run_dir":
+            finished = sum(o.result == "finished" for o in outcomes)
+            lost_words += f", {finished} finished, {sum(o.result.startswith('failed') for o in outcomes)} failed"
         good = ok == len(outcomes) and hung == 0
         print(f"target {fault}: {ok}/{len(outcomes)} as required, {hung} hung (bound {RUN_BOUND_S:.0f} s), "
               f"{lost_words} (goal {CASE_GOALS[fault]}) {'met' if good else 'missed'}")

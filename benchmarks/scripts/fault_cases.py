@@ -117,6 +117,19 @@ def both_ranks_after(job: Job, when: float, after_round: int) -> float | None:
     return None
 
 
+def committed_steps(job: Job, node_id: str) -> list[int]:
+    """Steps of the complete snapshots in the node's segment (its one worker's), newest first."""
+    from convoy.runtime.snapshot import SnapshotFile  # torch: only where this fault runs
+    from convoy.shm import segment_path
+
+    job.master_url()  # learns the job id
+    snapshot = SnapshotFile(segment_path(job.job_id, f"{node_id}-local0"))
+    try:
+        return snapshot.steps()
+    finally:
+        snapshot.close()
+
+
 # --- the faults: each starts its job, injects, waits for the outcome and judges it ---
 
 
@@ -142,19 +155,27 @@ def _stale_agent(job: LocalJob, index: int, began: float) -> CaseOutcome:
         wait_for(job, lambda: first(job.steps.steps, lambda s: s.t > lost_at and s.round_id > fault_round),
                  WAIT_S["train"])
         time.sleep(max(0.0, lost_at + STOPPED_PAST_LOSS_S - time.time()))
+    newest = max(committed_steps(job, node_id), default=-1)  # what the stopped node's worker committed by now
     resumed_at = time.time()
     agent.resume()
     readmitted = wait_for(job, lambda: both_ranks_after(job, resumed_at, fault_round + 1), WAIT_S["train"] * 1.5)
     code, ended = finish(job, began)
     steps = job.steps.steps
-    stale = [s for s in steps if s.pid == stale_pid and lost_at is not None and s.t > lost_at]
+    cutoff = lost_at if lost_at is not None else resumed_at
+    before = max((s.step for s in steps if s.pid == stale_pid and s.t <= cutoff), default=-1)
+    survivor = max((s.step for s in steps if s.round_id == fault_round and s.pid != stale_pid), default=-1)
+    alone = [s for s in steps if s.pid == stale_pid and s.t > cutoff and s.step > survivor]
+    stale = newest > before  # a snapshot of a step it finished only after the loss
     lost = steps_lost(steps)
-    ok = code == 0 and lost_at is not None and readmitted is not None and not stale and lost == 0
+    ok = code == 0 and lost_at is not None and readmitted is not None and not stale and not alone and lost == 0
     result = ended_text(code, job) if code != 0 else (
-        "never declared lost" if lost_at is None else "not readmitted" if readmitted is None
-        else f"{len(stale)} steps recorded by the stopped node's worker after the loss" if stale else "finished")
+        "never declared lost" if lost_at is None else
+        f"the stopped node committed the snapshot of step {newest} after the loss (at step {before})" if stale else
+        f"the stopped node's worker trained {len(alone)} steps alone after the loss" if alone else
+        "not readmitted" if readmitted is None else "finished")
     return CaseOutcome(ok, lost, None if readmitted is None else readmitted - at, None, ended, result,
-                       f"node rank {node_rank} ({node_id}), lost {fmt(lost_at and lost_at - at)} s after SIGSTOP")
+                       f"node rank {node_rank} ({node_id}), lost {fmt(lost_at and lost_at - at)} s after SIGSTOP; "
+                       f"its newest snapshot: step {newest}, its last step before the loss: {before}")
 
 
 def run_full_run_dir(tmp: Path, index: int, sleep_s: float, seed: int) -> CaseOutcome:
