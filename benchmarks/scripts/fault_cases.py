@@ -230,10 +230,13 @@ def _full_run_dir(job: LocalJob, index: int, began: float) -> CaseOutcome:
                          WAIT_S["train"])
     code, ended = finish(job, began)
     lost = steps_lost(job.steps.steps)
-    one_line = code not in (None, 0) and bool(job.last_error().strip())
+    reasons = [line for line in job.console.read_text(errors="replace").splitlines()
+               if line.startswith(("convoy: job failed:", "convoy: error:"))]
+    one_line = code not in (None, 0) and len(reasons) >= 1
     ok = ended and ((code == 0 and lost == 0) or one_line)
     recover = (restarted.t - at) if restarted is not None and code == 0 else None
-    return CaseOutcome(ok, lost if code == 0 else 0, recover, None, ended, ended_text(code, job),
+    result = ended_text(code, job) if code == 0 or not reasons else f"failed (exit {code}): {reasons[-1][:160]}"
+    return CaseOutcome(ok, lost if code == 0 else 0, recover, None, ended, result,
                        f"disk full for {freed - at:.1f} s, rank {rank} killed while full")
 
 

@@ -4,6 +4,7 @@ It passes every request and reply through unchanged until ``arm()``; then the ne
 goes to the master as usual, the master's reply is read in full and dropped (the agent's connection
 is closed unanswered, as when a reply is lost on the way), and everything passes through again. The
 agent's client must retry; whether the master handles the retry as the same join is what is measured.
+``ProxiedJob`` runs ``convoy master`` and two agents on loopback, one of them behind the proxy.
 """
 
 from __future__ import annotations
