@@ -50,6 +50,8 @@ class Store:
         self.config_json = config_json
         self._lock = threading.Lock()
         self._pending: collections.deque[tuple[float, Event]] = collections.deque()
+        self._pending_rounds: dict[int, tuple[Membership, float]] = {}
+        """Rounds that closed while writes failed (a later one may have replaced them in the job by then)."""
         self.lost_events = 0
         """Events dropped from ``_pending`` because it was full, since the last good write."""
         self.failing_since: float | None = None
@@ -85,6 +87,8 @@ class Store:
                     self._pending.popleft()
                     self.lost_events += 1
                 self._pending.append((now, event))
+            if job.membership is not None:
+                self._pending_rounds.setdefault(job.membership.round_id, (job.membership, now))
             try:
                 self._write(job, master_url, nodes, now)
             except (sqlite3.Error, OSError) as exc:
@@ -95,6 +99,7 @@ class Store:
                 raise StateWriteError(f"the job's state in {self.path} cannot be written: {exc}") from exc
             note = self._recovery_note() if self.failing_since is not None else None
             self._pending.clear()
+            self._pending_rounds.clear()
             self.failing_since, self.fault, self.lost_events = None, "", 0
             return note
 
@@ -136,8 +141,8 @@ class Store:
                 (node.node_id, node.host, node.nproc, node.state, ranks.get(node.node_id),
                  node.first_seen + to_wall, node.last_seen + to_wall),
             )
-        if membership is not None:
-            self._save_round(membership, now)
+        for closed, closed_at in self._pending_rounds.values():
+            self._save_round(closed, closed_at)
         self._db.executemany("INSERT INTO events (ts, kind, node_id, round_id, message) VALUES (?,?,?,?,?)", rows)
         self._db.execute("COMMIT")
 

@@ -177,3 +177,34 @@ def test_events_kept_while_the_disk_is_full_are_bounded_written_in_order_and_the
     assert events[:4] == [("master_started", "up"), ("chatter", "event 2"), ("chatter", "event 3"),
                           ("chatter", "event 4")], "the newest are kept, in order"
     assert events[4][0] == "state_written" and "2 older ones were lost" in events[4][1]
+
+
+def test_rounds_that_closed_while_the_disk_was_full_are_recorded(small_disk: Path) -> None:
+    from convoy.control.job import Job
+    from convoy.control.protocol import WorkerExit
+    from convoy.control.rendezvous import Rendezvous
+    from convoy.control.store import Store
+    from convoy.errors import StateWriteError
+
+    store = Store(small_disk)
+    job = Job("feedbeef", Rendezvous(1, 1, 0.0, opened_at=0.0), max_restarts=3, join_timeout_s=60.0)
+    try:
+        store.save(job, [], "127.0.0.1:1", [])
+        filler = fill(small_disk)
+        for now in (1.0, 3.0):
+            _, events = job.join("n0", "10.0.0.1", 1, 1000 + int(now), now)
+            with pytest.raises(StateWriteError):
+                store.save(job, events, "127.0.0.1:1", [])
+            if now == 1.0:
+                report = WorkerExit(node_id="n0", round_id=1, rank=0, local_rank=0, exitcode=1)
+                with pytest.raises(StateWriteError):
+                    store.save(job, job.worker_exited(report, now + 1.0), "127.0.0.1:1", [])
+        filler.unlink()
+        store.save(job, [], "127.0.0.1:1", [])
+    finally:
+        store.close()
+    import sqlite3
+    db = sqlite3.connect(small_disk / "state.db")
+    ports = db.execute("SELECT round_id, master_port FROM rounds ORDER BY round_id").fetchall()
+    db.close()
+    assert ports == [(1, 1001), (2, 1003)]
