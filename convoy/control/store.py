@@ -21,7 +21,8 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS job (
     job_id TEXT PRIMARY KEY, status TEXT, restart_count INTEGER, max_restarts INTEGER,
     round_id INTEGER, min_nodes INTEGER, max_nodes INTEGER, master_url TEXT,
-    outcome TEXT, created_at REAL, ended_at REAL, regroup_count INTEGER, done_nodes TEXT, config TEXT);
+    outcome TEXT, created_at REAL, ended_at REAL, regroup_count INTEGER, done_nodes TEXT, config TEXT,
+    excluded_nodes TEXT, port_retries INTEGER);
 CREATE TABLE IF NOT EXISTS nodes (
     node_id TEXT PRIMARY KEY, host TEXT, nproc INTEGER, state TEXT,
     node_rank INTEGER, first_seen REAL, last_seen REAL);
@@ -34,6 +35,8 @@ CREATE TABLE IF NOT EXISTS events (
 """
 
 
+NEW_JOB_COLUMNS = (("excluded_nodes", "TEXT"), ("port_retries", "INTEGER"))
+"""Job columns newer than the first state files, added to those when they are opened."""
 MAX_PENDING_EVENTS = 10_000
 """Events kept in memory while the state cannot be written; beyond that the oldest are dropped (counted)."""
 
@@ -63,9 +66,17 @@ class Store:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
+            self._add_new_columns()
         except sqlite3.Error as exc:
             raise ConfigError(f"cannot create the job's state file {str(self.path)!r}: {exc}; free space in the "
                               "run dir or give another --run-dir") from exc
+
+    def _add_new_columns(self) -> None:
+        """A state file written by an earlier version lacks the newer job columns: add them."""
+        have = {row[1] for row in self._db.execute("PRAGMA table_info(job)")}
+        for column, kind in NEW_JOB_COLUMNS:
+            if column not in have:
+                self._db.execute(f"ALTER TABLE job ADD COLUMN {column} {kind}")
 
     @property
     def pending(self) -> int:
@@ -127,13 +138,15 @@ class Store:
         self._db.execute("BEGIN")
         self._db.execute(
             "INSERT INTO job VALUES (?,?,?,?,?,?,?,?,?,COALESCE((SELECT created_at FROM job WHERE job_id=?),?),"
-            "?,?,?,?) ON CONFLICT(job_id) DO UPDATE SET status=excluded.status,"
+            "?,?,?,?,?,?) ON CONFLICT(job_id) DO UPDATE SET status=excluded.status,"
             " restart_count=excluded.restart_count, round_id=excluded.round_id, master_url=excluded.master_url,"
             " outcome=excluded.outcome, ended_at=excluded.ended_at, regroup_count=excluded.regroup_count,"
-            " done_nodes=excluded.done_nodes, config=excluded.config",
+            " done_nodes=excluded.done_nodes, config=excluded.config, excluded_nodes=excluded.excluded_nodes,"
+            " port_retries=excluded.port_retries",
             (job.job_id, job.status, job.restart_count, job.max_restarts, job.round_id, rdzv.min_nodes,
              rdzv.max_nodes, master_url, job.outcome, job.job_id, now, now if job.status != "running" else None,
-             job.regroup_count, json.dumps(sorted(job.done_nodes)), self.config_json),
+             job.regroup_count, json.dumps(sorted(job.done_nodes)), self.config_json, json.dumps(job.excluded),
+             job.port_retries),
         )
         for node in nodes:
             self._db.execute(
@@ -173,7 +186,8 @@ def restore(run_dir: Path, now: float) -> tuple[MasterConfig, Job, list[NodeReco
     last = state["round"]
     job = Job(row["job_id"], rendezvous, row["max_restarts"], rdzv_config.join_timeout_s, status=row["status"],
               restart_count=row["restart_count"], outcome=row["outcome"], regroup_count=row["regroup_count"] or 0,
-              done_nodes=set(json.loads(row["done_nodes"] or "[]")))
+              done_nodes=set(json.loads(row["done_nodes"] or "[]")),
+              excluded=json.loads(row.get("excluded_nodes") or "{}"), port_retries=row.get("port_retries") or 0)
     if last is not None:
         members, offset = [], 0
         for node_rank, node_id, host, nproc in json.loads(last["members"]):

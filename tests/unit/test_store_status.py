@@ -106,3 +106,36 @@ def test_format_status_shows_only_the_first_line_of_a_long_outcome(store: Store,
 
 def test_format_status_before_any_job_row() -> None:
     assert format_status({"job": None, "nodes": [], "round": None, "events": []}) == "no job recorded yet"
+
+
+def test_excluded_nodes_and_port_retries_survive_a_master_restart(tmp_path: Path) -> None:
+    from convoy.config import MasterConfig
+    from convoy.control.store import restore
+
+    store = Store(tmp_path, MasterConfig(run_dir=tmp_path).to_json())
+    job = Job("feedbeef", Rendezvous(1, 2, 0.0, opened_at=0.0), max_restarts=3, join_timeout_s=60.0,
+              excluded={"n1": "node n1 is excluded from job feedbeef: ..."}, port_retries=2)
+    store.save(job, [], "127.0.0.1:4000", [])
+    store.close()
+    _, again, _ = restore(tmp_path, now=0.0)
+    assert again.excluded == job.excluded and again.port_retries == 2
+    assert again.refusal("n1") is not None, "a flapping node stays out after the master restarts"
+
+
+def test_a_state_file_of_an_earlier_version_is_still_written_and_restored(tmp_path: Path) -> None:
+    import sqlite3
+
+    from convoy.config import MasterConfig
+    from convoy.control.store import restore
+
+    old = sqlite3.connect(tmp_path / "state.db")
+    old.execute("CREATE TABLE job (job_id TEXT PRIMARY KEY, status TEXT, restart_count INTEGER, max_restarts INTEGER,"
+                " round_id INTEGER, min_nodes INTEGER, max_nodes INTEGER, master_url TEXT, outcome TEXT,"
+                " created_at REAL, ended_at REAL, regroup_count INTEGER, done_nodes TEXT, config TEXT)")
+    old.commit()
+    old.close()
+    store = Store(tmp_path, MasterConfig(run_dir=tmp_path).to_json())
+    job = Job("feedbeef", Rendezvous(1, 2, 0.0, opened_at=0.0), max_restarts=3, join_timeout_s=60.0)
+    store.save(job, [], "127.0.0.1:4000", [])
+    store.close()
+    assert restore(tmp_path, now=0.0)[1].excluded == {}
