@@ -77,6 +77,7 @@ class LogPump(threading.Thread):
     def run(self) -> None:
         mark = MARK.encode()
         for line in iter(self._stream.readline, b""):
+            event = None
             if self._events is not None and mark in line[:64]:
                 event = parse(line.decode(errors="replace"))
                 if event is not None:
@@ -85,7 +86,7 @@ class LogPump(threading.Thread):
                 if not self._assigned:
                     self._held.append(line)
                 else:
-                    self._write(line)
+                    self._write(line, console=event is None)  # the master prints a recorded event itself
         with self._lock:
             if self.dropped_lines:
                 self._say(f"{self.dropped_lines} lines not written to {self.log_path} ({self._log_error})")
@@ -102,7 +103,7 @@ class LogPump(threading.Thread):
         except OSError as exc:
             self._log_failed(exc)
 
-    def _write(self, line: bytes) -> None:
+    def _write(self, line: bytes, console: bool = True) -> None:
         if self._file is None and time.monotonic() >= self._next_open_at:
             self._open()
         if self._file is not None:
@@ -119,7 +120,8 @@ class LogPump(threading.Thread):
         else:
             self.dropped_lines += 1
         self.tail.append(line.decode(errors="replace").rstrip("\n"))
-        self._to_console(line if line.startswith(self._prefix) else self._prefix + line)
+        if console:
+            self._to_console(line if line.startswith(self._prefix) else self._prefix + line)
 
     def _log_failed(self, exc: OSError) -> None:
         if not self.dropped_lines and not self._log_error:
