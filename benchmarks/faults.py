@@ -356,6 +356,7 @@ def main() -> int:
     began = time.monotonic()
     results: dict[str, list[Outcome]] = {}
     left: dict[str, list[str]] = {}
+    kept: list[Path] = []
     try:
         for fault in faults:
             results[fault] = []
@@ -374,8 +375,15 @@ def main() -> int:
                 print(f"  {fault} {index + 1}/{count}: {state}{what}, {outcome.lost} steps lost, recover "
                       f"{fmt(outcome.recover_s)} s, pause {fmt(outcome.pause_s)} s"
                       + (f" ({outcome.detail})" if outcome.detail else ""), flush=True)
+                if not outcome.recovered:
+                    kept.append(tmp / f"{fault}-{index}")
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for path in sorted(set(tmp.iterdir()) - set(kept)) if tmp.is_dir() else []:
+            shutil.rmtree(path, ignore_errors=True)
+        if kept:  # a run that went wrong keeps its run dir (logs, state.db, step files) for a look
+            print(f"kept the run dirs of {len(kept)} run(s) that went wrong: " + ", ".join(map(str, kept)), flush=True)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
     report(results, skipped, runs, time.monotonic() - began, left)
     return 0
 
