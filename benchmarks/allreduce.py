@@ -6,10 +6,10 @@ Ranks form two "hosts" of world/2 ranks each. (a) loopback: every rank on 127.0.
 equally fast. (b) two-tier: each host is a network namespace on a bridge; what a host sends to
 the other goes through ``tc netem`` (default 1 Gbit/s, 0.5 ms; ``tbf`` at that rate and no delay
 where the kernel lacks netem), while ranks of one host talk over their namespace's loopback
-and convoy's in-group phases go through shared memory (``convoy/parallel/host_memory.py``),
+and convoy's in-group phases go through shared memory (``convoy/parallel/allreduce/host_memory.py``),
 as on one machine. Gloo is pointed at each host's link as a convoy agent would.
 Each hierarchical algorithm also runs with its cross-group phase losslessly coded (``+code``:
-``compress=True``, ``convoy/parallel/float_codec.py``) on gradient-like float32 values; the plain
+``compress=True``, ``convoy/parallel/allreduce/float_codec.py``) on gradient-like float32 values; the plain
 ones can't beat the flat ring by more than its bytes across over the minimum (printed as the
 ceiling). The peer is ``torch.distributed.all_reduce`` in the same job. Bytes across the slow link are
 read from the hosts' link counters (TCP/IP headers included) and set against the analytic
@@ -120,7 +120,7 @@ def coded_share_of_real_gradients() -> str:
     after one backward pass on random tokens, in 1 MB chunks, as float32 and as bfloat16."""
     import torch
 
-    from convoy.parallel.float_codec import encode
+    from convoy.parallel.allreduce.float_codec import encode
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(1000, 256), torch.nn.TransformerEncoder(

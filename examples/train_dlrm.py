@@ -51,8 +51,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import convoy
 from convoy.errors import ConfigError, ConvoyError
-from convoy.parallel.embedding import Bags, ShardedEmbeddingBagCollection, TableSpec
-from convoy.parallel.sparse_optim import SparseRowWiseAdagrad
+from convoy.parallel.embedding.bags import Bags, ShardedEmbeddingBagCollection, TableSpec
+from convoy.parallel.embedding.sparse_optim import SparseRowWiseAdagrad
 
 CRITEO_ROWS = (1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
                5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572)

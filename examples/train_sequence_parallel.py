@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from convoy.parallel.sequence import SCHEMES, SequenceParallelAttention, shard_sequence
+from convoy.parallel.sequence.query_broadcast import SCHEMES, SequenceParallelAttention, shard_sequence
 
 
 class Block(nn.Module):

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import convoy
-from convoy.parallel.collectives import HierarchicalAllreduce
+from convoy.parallel.allreduce.collectives import HierarchicalAllreduce
 from convoy.parallel.topology import Topology
 
 ALGORITHMS = ("flat_torch", "leader", "reduce_scatter", "leader_coded", "reduce_scatter_coded", "auto")

@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from convoy.parallel.embedding import Bags, ShardedEmbeddingBagCollection, TableSpec, init_rows
-from convoy.parallel.sparse_optim import SparseSGD
+from convoy.parallel.embedding.bags import Bags, ShardedEmbeddingBagCollection, TableSpec, init_rows
+from convoy.parallel.embedding.sparse_optim import SparseSGD
 
 LR = 0.05
 

@@ -33,7 +33,7 @@ from convoy.parallel.pipeline.memory import ActivationMeter
 from convoy.parallel.pipeline.runtime import PipelineRuntime, gather_spans, split_sequential
 from convoy.parallel.pipeline.simulate import Costs
 from convoy.parallel.pipeline.schedule import Action, Kind
-from convoy.parallel.pipeline.tp import FILL_SHARE, Filler, MLPBlock
+from convoy.parallel.tensor.blocks import FILL_SHARE, Filler, MLPBlock
 
 BLOCKS = 8
 MODES = {  # width, hidden, micro-batch rows, forward ms and backward ms per block

@@ -29,8 +29,8 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from convoy.parallel import attention
-from convoy.parallel.sequence import sequence_attention
+from convoy.parallel.sequence import attention
+from convoy.parallel.sequence.query_broadcast import sequence_attention
 
 B, HEADS, HEAD_DIM = 1, 8, 64
 

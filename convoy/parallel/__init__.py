@@ -1,4 +1,5 @@
-"""The data plane: collectives, pipeline schedules, sequence parallelism, local SGD, sharded embeddings."""
+"""The data plane, one subpackage per parallelism: allreduce/, pipeline/, tensor/, sequence/, embedding/;
+beside them topology.py (groups of ranks and link costs, shared by all) and local_sgd.py."""
 
 from __future__ import annotations
 

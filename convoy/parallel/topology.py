@@ -1,6 +1,6 @@
 """Which ranks share fast links, who sends what to whom in each allreduce, and what it costs.
 
-Pure (no torch): ``collectives.py`` does the communication. Every algorithm is modelled as
+Pure (no torch): ``allreduce/collectives.py`` does the communication. Every algorithm is modelled as
 the rings gloo runs (a ring allreduce of ``k`` ranks takes ``2 (k - 1)`` steps of ``S / k``
 bytes each), on two kinds of link: inside a group (``intra``) and across groups (``inter``,
 where all the streams leaving one group share its uplink).

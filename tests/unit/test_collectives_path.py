@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from convoy.errors import ConfigError
-from convoy.parallel.host_memory import GROUP, HOST_MEMORY, device_backend, reduce_path
+from convoy.parallel.allreduce.host_memory import GROUP, HOST_MEMORY, device_backend, reduce_path
 
 
 @pytest.mark.parametrize(("backend", "device", "path"), [

@@ -8,7 +8,7 @@ import torch
 
 from convoy.errors import ConfigError
 from convoy.parallel import even_bounds
-from convoy.parallel.embedding import TableSpec, init_rows, plan_tables
+from convoy.parallel.embedding.bags import TableSpec, init_rows, plan_tables
 
 
 def test_even_bounds_cover_the_table_in_near_equal_ranges() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from convoy.parallel.float_codec import capacity, codable, decode, encode
+from convoy.parallel.allreduce.float_codec import capacity, codable, decode, encode
 
 
 def roundtrip(chunk: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ from torch import nn
 from convoy.errors import ScheduleError
 from convoy.parallel.pipeline.memory import ActivationMeter
 from convoy.parallel.pipeline.runtime import split_sequential
-from convoy.parallel.pipeline.tp import MLPBlock, _Injected, split_blocks
+from convoy.parallel.tensor.blocks import MLPBlock, _Injected, split_blocks
 
 
 def test_split_sequential_cuts_contiguous_near_equal_stages() -> None:

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from convoy.errors import ConfigError
-from convoy.parallel import attention
-from convoy.parallel.sequence import auto_micro, chunk_bounds, peers, query_broadcast_bytes, shard_sequence
+from convoy.parallel.sequence import attention
+from convoy.parallel.sequence.query_broadcast import auto_micro, chunk_bounds, peers, query_broadcast_bytes, shard_sequence
 
 
 def test_micro_sequences_cover_the_local_part_evenly() -> None:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from convoy.errors import ConfigError
-from convoy.parallel.autotune import TRIAL_BUDGET_S, TRIAL_MAX_ROUNDS, TRIAL_ROUNDS, Trial, trial_rounds
+from convoy.parallel.allreduce.autotune import TRIAL_BUDGET_S, TRIAL_MAX_ROUNDS, TRIAL_ROUNDS, Trial, trial_rounds
 from convoy.parallel.topology import (CostModel, Link, Topology, cross_bytes, min_cross_bytes, simplest_within,
                                       size_class)
 

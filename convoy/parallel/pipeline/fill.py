@@ -6,7 +6,7 @@ second) while the owner computes the rest. It pays only while the helper would o
 idle and when the compute saved beats sending the input, the partial results, and once per
 step the parameter shard. ``plan_fills`` tries each forward, in simulated start order, with
 each rank idle for its whole span, and keeps a split only if the simulated step gets
-shorter. Pure: no torch; ``tp.py`` executes the splits.
+shorter. Pure: no torch; ``parallel/tensor/blocks.py`` executes the splits.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from convoy.parallel import even_bounds
 from convoy.parallel.pipeline.memory import ActivationMeter
 from convoy.parallel.pipeline.schedule import Action, Kind, Schedule, split_microbatches
 from convoy.parallel.pipeline.simulate import Span
-from convoy.parallel.pipeline.tp import Filler, split_blocks
+from convoy.parallel.tensor.blocks import Filler, split_blocks
 from convoy.parallel.pipeline.validate import validate
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -16,7 +16,7 @@ its K and V gradients locally and returns the query gradient. Per rank a forward
 independent of the K/V width, which is why it pays when K and V are larger than Q (long cached
 context, many K/V heads) and never limits the degree by the head count.
 
-Baselines with the same signature live in ``sequence_baselines.py`` (all-gather K/V, ring
+Baselines with the same signature live in ``baselines.py`` (all-gather K/V, ring
 pass-K/V, Ulysses all-to-all); ``attention.py`` has the block math all of them share.
 """
 
@@ -28,7 +28,7 @@ from torch import nn
 
 from convoy.errors import ConfigError
 from convoy.parallel import even_bounds
-from convoy.parallel.attention import TRAFFIC, check_inputs, default_scale, merge, partial, partial_backward
+from convoy.parallel.sequence.attention import TRAFFIC, check_inputs, default_scale, merge, partial, partial_backward
 
 SCHEMES = ("query_broadcast", "allgather_kv", "ring", "ulysses")
 _TAG = 7000
@@ -236,7 +236,7 @@ def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scheme
                            micro=micro, masked=key_mask is not None)
     if scheme == "query_broadcast":
         return query_broadcast_attention(q, k, v, group, causal, key_mask, micro, scale)
-    from convoy.parallel import sequence_baselines
+    from convoy.parallel.sequence import baselines as sequence_baselines
 
     fn = {"allgather_kv": sequence_baselines.allgather_kv_attention, "ring": sequence_baselines.ring_attention,
           "ulysses": sequence_baselines.ulysses_attention}[scheme]

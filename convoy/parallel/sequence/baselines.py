@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from convoy.errors import ConfigError
-from convoy.parallel.attention import (
+from convoy.parallel.sequence.attention import (
     TRAFFIC, check_inputs, default_scale, fully_masked, merge, partial, partial_backward, reference,
 )
 

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from convoy.parallel.autotune import Trial
-from convoy.parallel.host_memory import HostSegment, device_backend, open_segment
+from convoy.parallel.allreduce.autotune import Trial
+from convoy.parallel.allreduce.host_memory import HostSegment, device_backend, open_segment
 from convoy.parallel.topology import Topology
 
 

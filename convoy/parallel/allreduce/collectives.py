@@ -30,10 +30,10 @@ import torch
 import torch.distributed as dist
 
 from convoy.errors import ConfigError
-from convoy.parallel.autotune import Trial, cache_file, load_cache, measure, save_cache, trial_rounds
-from convoy.parallel.float_codec import CodedSum, codable
-from convoy.parallel.host_memory import HOST_MEMORY, chunk_sizes, host_allreduce, reduce_path
-from convoy.parallel.lanes import Lane, open_lane, own_device
+from convoy.parallel.allreduce.autotune import Trial, cache_file, load_cache, measure, save_cache, trial_rounds
+from convoy.parallel.allreduce.float_codec import CodedSum, codable
+from convoy.parallel.allreduce.host_memory import HOST_MEMORY, chunk_sizes, host_allreduce, reduce_path
+from convoy.parallel.allreduce.lanes import Lane, open_lane, own_device
 from convoy.parallel.topology import ALGORITHMS, CostModel, Topology, check_algorithm, size_class
 
 OPS = ("sum", "avg")

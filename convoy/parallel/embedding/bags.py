@@ -13,7 +13,7 @@ model of sharded tables and a DDP dense part trains like one process on the rank
 together, with the loss averaged over the whole batch. Per-sample weights are constants (they
 get no gradient). An empty bag pools to zeros, as ``nn.EmbeddingBag`` does.
 
-``plan_tables`` (placement) is pure; ``embedding_store.py``'s ``save_sharded``/``load_sharded``
+``plan_tables`` (placement) is pure; ``store.py``'s ``save_sharded``/``load_sharded``
 write one file per rank and read back whatever the current placement needs, from any world
 size that saved them. A rank's rows are buffers of the module (``state_dict``) and the Adagrad
 accumulators are in the optimizer's ``state_dict``, so ``convoy.Checkpointer(tables, state=

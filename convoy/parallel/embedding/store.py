@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from convoy.errors import CheckpointError
-from convoy.parallel.embedding import ShardedEmbeddingBagCollection
-from convoy.parallel.sparse_optim import SparseSGD
+from convoy.parallel.embedding.bags import ShardedEmbeddingBagCollection
+from convoy.parallel.embedding.sparse_optim import SparseSGD
 
 
 def _shard_file(directory: Path, rank: int, world: int) -> Path:

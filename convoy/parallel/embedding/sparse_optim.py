@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from convoy.errors import CheckpointError, ConfigError
-from convoy.parallel.embedding import ShardedEmbeddingBagCollection
+from convoy.parallel.embedding.bags import ShardedEmbeddingBagCollection
 
 
 class SparseSGD:

@@ -1,0 +1,2 @@
+"""Tensor parallelism: Megatron-style blocks whose weights are split over ranks (blocks.py); the pipeline
+runs them to fill its bubbles (``pipeline/fill.py`` plans where)."""
