@@ -1,4 +1,5 @@
-"""The master's HTTP API: a real threaded HTTP/1.1 server that feeds a JobMaster."""
+"""The master's HTTP API: a real threaded HTTP/1.1 server that feeds the calls of a ``Routed`` service
+(``JobMaster`` is one; it composes this server, and this file does not know it)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,13 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 from pydantic import BaseModel, ValidationError
 
 from convoy.control import protocol as p
 from convoy.control.replies import MAX_KEY_LENGTH, ReplyCache
 from convoy.errors import ConfigError, ConflictError
-
-if TYPE_CHECKING:
-    from convoy.control.master import JobMaster
 
 MAX_BODY = 1 << 20
 DISCARD_S = 2.0
@@ -42,7 +40,29 @@ ENDPOINTS: dict[str, tuple[type[BaseModel] | None, type[BaseModel] | None, str]]
 }
 
 
-def _routes(master: JobMaster) -> dict[str, tuple[type[BaseModel] | None, Callable[[Any], Any]]]:
+class Routed(Protocol):
+    """What the server needs of the service behind it: the calls it routes, and where it reports what it
+    refused or could not do."""
+
+    def join(self, req: p.JoinRequest) -> p.JoinResponse: ...
+    def wait(self, req: p.WaitRequest) -> p.WaitResponse: ...
+    def heartbeat(self, req: p.HeartbeatRequest) -> p.HeartbeatResponse: ...
+    def worker_exit(self, report: p.WorkerExit) -> p.Ack: ...
+    def worker_event(self, report: p.WorkerEvent) -> p.Ack: ...
+    def node_done(self, req: p.NodeDone) -> p.Ack: ...
+    def leave(self, req: p.LeaveRequest) -> p.Ack: ...
+    def abort(self, reason: str) -> None: ...
+    def status(self) -> dict[str, Any]: ...
+    def unauthorized(self, client: str, path: str) -> None: ...
+    def api_fault(self, path: str, exc: BaseException) -> None: ...
+    def take_unwritten(self) -> str | None:
+        """Why the state of this thread's last call is not on disk (None: it is); asked once per call."""
+    def state_fault(self) -> str | None:
+        """Why the state cannot be written now (None: it can)."""
+    def refused_for_disk(self) -> None: ...
+
+
+def _routes(master: Routed) -> dict[str, tuple[type[BaseModel] | None, Callable[[Any], Any]]]:
     calls: dict[str, Callable[[Any], Any]] = {
         "/join": master.join, "/wait": master.wait, "/heartbeat": master.heartbeat,
         "/worker_exit": master.worker_exit, "/event": master.worker_event, "/node_done": master.node_done,
@@ -214,7 +234,7 @@ class _Server(ThreadingHTTPServer):
         """A client that went away mid-request (an agent killed in a long poll) is not an error."""
         if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
             super().handle_error(request, client_address)
-    master: JobMaster
+    master: Routed
     token: str
     replies: ReplyCache
     routes: dict[str, tuple[type[BaseModel] | None, Callable[[Any], Any]]]
@@ -223,7 +243,7 @@ class _Server(ThreadingHTTPServer):
 class ApiServer:
     """Binds the API (a clear ConfigError if the port is taken) and serves it on a thread."""
 
-    def __init__(self, master: JobMaster, host: str, port: int, token: str) -> None:
+    def __init__(self, master: Routed, host: str, port: int, token: str) -> None:
         try:
             self._server = _Server((host, port), _Handler)
         except OSError as exc:

@@ -5,8 +5,8 @@
     ddp.register_comm_hook(None, comm.ddp_hook())
 
 Who sends what, and the cost model, live in ``topology.py``; what ``auto`` measures (probes,
-trials, the job's cache) in ``autotune.py``; this file makes the calls. Both
-hierarchical algorithms cut the tensor into chunks and pipeline them, so the fast in-group
+trials, the job's cache) in ``autotune.py``; the checks of a call in ``agree.py``; this file makes
+the calls. Both hierarchical algorithms cut the tensor into chunks and pipeline them, so the fast in-group
 phases of one chunk overlap the slow cross-group phase of another. Where a group's ranks share
 a machine, those in-group phases run through shared memory (``host_memory.py``), else on gloo;
 with ``compress``, the cross-group phase sends chunks losslessly coded (``float_codec.py``).
@@ -30,17 +30,15 @@ import torch
 import torch.distributed as dist
 
 from convoy.errors import ConfigError
+from convoy.parallel.allreduce.agree import check_call, check_same_call
 from convoy.parallel.allreduce.autotune import Trial, cache_file, load_cache, measure, save_cache, trial_rounds
 from convoy.parallel.allreduce.float_codec import CodedSum, codable
-from convoy.parallel.allreduce.host_memory import HOST_MEMORY, chunk_sizes, host_allreduce, reduce_path
+from convoy.parallel.allreduce.host_memory import HOST_MEMORY, chunk_sizes, host_allreduce
 from convoy.parallel.allreduce.lanes import Lane, open_lane, own_device
 from convoy.parallel.topology import ALGORITHMS, CostModel, Topology, check_algorithm, size_class
 
-OPS = ("sum", "avg")
 CHUNK_BYTES = 1 << 20
 BUCKET_BYTES = 25 << 20
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-           torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool]
 
 
 class HierarchicalAllreduce:
@@ -110,9 +108,9 @@ class HierarchicalAllreduce:
         return self._allreduce(self._main, tensor, op, algorithm, check)
 
     def _allreduce(self, lane: Lane, tensor: torch.Tensor, op: str, algorithm: str, check: bool) -> str:
-        path = self._validate(tensor, op, algorithm)
+        path = check_call(tensor, op, algorithm, self.topology)
         if check:
-            self._check_same(lane, tensor, op, algorithm)
+            check_same_call(lane.world, self.world_size, tensor, op, algorithm)
         nbytes = tensor.numel() * tensor.element_size()
         chosen, trial = self._auto(lane, nbytes) if algorithm == "auto" else (algorithm, None)
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
@@ -301,7 +299,7 @@ class HierarchicalAllreduce:
 
     def _reduce_scatter(self, lane: Lane, flat: torch.Tensor, host: bool) -> None:
         """Reduce-scatter in the group, allreduce each shard across groups, all-gather; pipelined."""
-        assert lane.shard is not None, "_validate refuses reduce_scatter on groups of unequal size"
+        assert lane.shard is not None, "check_call refuses reduce_scatter on groups of unequal size"
         if host:
             self._through_host(lane, flat, "reduce_scatter")
             return
@@ -336,34 +334,6 @@ class HierarchicalAllreduce:
             flat.copy_(work[: flat.numel()])
 
     # --- checks and measurements ---
-
-    def _validate(self, tensor: torch.Tensor, op: str, algorithm: str) -> str:
-        """Refuse what can't be reduced; return how the in-group phases move it (``reduce_path``)."""
-        if op not in OPS:
-            raise ConfigError(f"unknown reduce op {op!r}; choose from {', '.join(OPS)}")
-        check_algorithm(algorithm)
-        path = reduce_path(dist.get_backend(), tensor.device.type)
-        if op == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
-            raise ConfigError(f"op 'avg' needs a floating-point or complex tensor, not {tensor.dtype}; "
-                              "use op 'sum' and divide")
-        if algorithm == "reduce_scatter" and not self.topology.is_uniform:
-            self.topology.shard_groups()  # raises the reason
-        return path
-
-    def _check_same(self, lane: Lane, tensor: torch.Tensor, op: str, algorithm: str) -> None:
-        dtype = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
-        mine = torch.tensor([tensor.numel(), dtype, OPS.index(op), (*ALGORITHMS, "auto").index(algorithm)],
-                            device=tensor.device)
-        every = torch.empty(self.world_size * 4, dtype=torch.int64, device=tensor.device)
-        dist.all_gather_single(every, mine, group=lane.world)
-        rows = every.view(self.world_size, 4).tolist()
-        if any(row != rows[0] for row in rows):
-            differ = [rank for rank, row in enumerate(rows) if row != rows[0]]
-            described = [f"rank {r}: {row[0]} elements of {_dtype_name(row[1])}, op {OPS[row[2]]}, "
-                         f"algorithm {(*ALGORITHMS, 'auto')[row[3]]}" for r, row in enumerate(rows)
-                         if r == 0 or r in differ][:4]
-            raise ConfigError("allreduce called with different tensors or settings on different ranks ("
-                              + "; ".join(described) + "); every rank must pass the same size, dtype, op and algorithm")
 
     def cost_model(self) -> CostModel:
         """The links' costs: given, cached for this job and topology, or measured now (collective)."""
@@ -405,10 +375,6 @@ class HierarchicalAllreduce:
             threading.Thread(target=serve, name="convoy-allreduce-hook", daemon=True).start()
             self._hook_queue = queue
         return self._hook_queue
-
-
-def _dtype_name(index: int) -> str:
-    return str(_DTYPES[index]).removeprefix("torch.") if index < len(_DTYPES) else "another dtype"
 
 
 _CACHED: dict[str, HierarchicalAllreduce] = {}

@@ -9,6 +9,7 @@ and then ``learners_per_drift`` new orthogonal trees are grown on the next ``gro
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import numpy as np
 from convoy.workloads.gbdt.data import binary_labels, check_features, check_labels, check_target
 from convoy.workloads.gbdt.drift import PageHinkley
 from convoy.workloads.gbdt.errors import GBDTError, GBDTModelError
+from convoy.workloads.gbdt.io import read_document, write_document
 from convoy.workloads.gbdt.losses import LOSSES
 from convoy.workloads.gbdt.online import GrowthWindow, OnlineWeights
 from convoy.workloads.gbdt.orthogonal import boost, fit_weights, select_ridge
@@ -206,17 +208,65 @@ class OrthogonalBoosting:
         return gains / total if total > 0 else gains
 
     def save(self, path: str | Path) -> None:
-        """Write the model, online state included, as one JSON file (format: io.py)."""
-        from convoy.workloads.gbdt.io import save_model
-
-        save_model(self, Path(path))
+        """Write the model, online state included, as one JSON file (its format and fields: io.py)."""
+        write_document(self.to_dict(), Path(path))
 
     @staticmethod
     def load(path: str | Path) -> OrthogonalBoosting:
         """Read a model written by ``save`` (a regressor or a classifier, whichever was saved)."""
-        from convoy.workloads.gbdt.io import load_model
+        document = read_document(Path(path))
+        try:
+            return OrthogonalBoosting.from_dict(document)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise GBDTModelError(f"{str(path)!r} is a damaged convoy gbdt model ({type(exc).__name__}: {exc})") from exc
 
-        return load_model(Path(path))
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-ready description of the fitted model (fields: io.py's docstring)."""
+        self._check_fitted()
+        classes = getattr(self, "classes_", None)
+        if self.window_.num_rows:
+            features, target, _ = self.window_.arrays()
+            window = {"features": features.tolist(), "target": target.tolist()}
+        else:
+            window = {"features": [], "target": []}
+        return {
+            "estimator": type(self).__name__, "params": self.get_params(),
+            "classes": None if classes is None else classes.tolist(), "num_features": self.n_features_in_,
+            "ridge": self.ridge_, "reference_loss": self.reference_loss_, "rows_seen": self.rows_seen_,
+            "drifts": self.drifts_, "collecting": self.collecting_, "online": self.online_.state(),
+            "drift": self.detector_.state(), "window": window, "trees": self.trees_.to_strings(),
+        }
+
+    @staticmethod
+    def from_dict(document: dict[str, Any]) -> OrthogonalBoosting:
+        """The model ``to_dict`` described; KeyError, TypeError or ValueError where the document is damaged."""
+        estimators = {cls.__name__: cls for cls in (OrthogonalBoostingRegressor, OrthogonalBoostingClassifier)}
+        if document["estimator"] not in estimators:
+            raise ValueError(f"unknown estimator {document['estimator']!r}")
+        model = estimators[document["estimator"]](**document["params"])
+        num_features = int(document["num_features"])
+        model.trees_ = TreeEnsemble.from_strings(num_features, list(document["trees"]))
+        model.online_ = OnlineWeights.from_state(document["online"])
+        if len(model.online_.weights) != model.trees_.num_trees + 1:
+            raise ValueError(f"{len(model.online_.weights)} weights for {model.trees_.num_trees} trees")
+        if document["classes"] is not None:
+            model.classes_ = np.asarray(document["classes"])
+        model.n_features_in_ = num_features
+        model.ridge_ = float(document["ridge"])
+        model.reference_loss_ = float(document["reference_loss"])
+        if not math.isfinite(model.reference_loss_) or model.reference_loss_ <= 0:
+            raise ValueError("reference_loss must be a positive number")
+        model.rows_seen_ = int(document["rows_seen"])
+        model.drifts_ = int(document["drifts"])
+        model.collecting_ = bool(document["collecting"])
+        model.detector_ = PageHinkley(**document["drift"])
+        model.window_ = GrowthWindow()
+        window = document["window"]
+        if window["target"]:
+            features = np.asarray(window["features"], dtype=np.float64).reshape(-1, num_features)
+            outputs = np.column_stack([np.ones(len(features)), model.trees_.outputs(features)])
+            model.window_.add(features, np.asarray(window["target"], dtype=np.float64), outputs)
+        return model
 
     # -- helpers --------------------------------------------------------------------------------------------
 

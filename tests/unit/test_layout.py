@@ -1,0 +1,94 @@
+"""The layout's rules, checked on the source: imports run one way (no file imports a file that imports it
+back, function-level imports included), and files stay small (DESIGN.md: under ~400 lines)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "convoy"
+MAX_LINES = 400
+
+
+def module_files() -> dict[str, Path]:
+    files = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        files[".".join(parts)] = path
+    return files
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The convoy modules ``name`` imports anywhere in its file (``from a import b`` names module ``a.b``
+    where that is a module, else ``a``)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in known)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                target = f"{base}.{alias.name}"
+                found.add(target if target in known else base)
+    return {module for module in found if module in known and module != name}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected parts with more than one module (an iterative Tarjan walk)."""
+    order, low, stack, on_stack, found = {}, {}, [], set(), []
+    for start in graph:
+        if start in order:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        order[start] = low[start] = len(order)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == order[node]:
+                    part = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        part.append(member)
+                        if member == node:
+                            break
+                    if len(part) > 1:
+                        found.append(sorted(part))
+            elif child not in order:
+                order[child] = low[child] = len(order)
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(graph[child]))))
+            elif child in on_stack:
+                low[node] = min(low[node], order[child])
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_imports_one_that_imports_it_back() -> None:
+    files = module_files()
+    graph = {name: imports_of(name, path, set(files)) for name, path in files.items()}
+    assert graph["convoy.control.master"] >= {"convoy.control.api"}, "the import reader missed a known import"
+    assert cycles(graph) == []
+
+
+def test_every_file_stays_small() -> None:
+    long = {str(path.relative_to(PACKAGE.parent)): count for path in PACKAGE.rglob("*.py")
+            if (count := len(path.read_text().splitlines())) > MAX_LINES}
+    assert long == {}, f"files past {MAX_LINES} lines hold two concerns: split them"
