@@ -1,4 +1,5 @@
-"""One exception hierarchy for everything a user can get wrong or a job can hit."""
+"""One exception hierarchy for everything a user can get wrong or a job can hit; each workload adds its own
+subclasses in its package (``workloads/*/errors.py``)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ class ConvoyError(Exception):
     """Base class: the CLI prints the message on one line and exits with code 2."""
 
 
-class ConfigError(ConvoyError):
-    """A job setting or command-line value is invalid."""
+class ConfigError(ConvoyError, ValueError):
+    """A job setting, argument or command-line value is invalid (also a ``ValueError``, as callers of a library
+    expect from a bad argument)."""
 
 
 class RendezvousError(ConvoyError):
@@ -37,10 +39,6 @@ class ConflictError(ConvoyError):
 
 class ScheduleError(ConvoyError):
     """A pipeline schedule or stage split is invalid; the message names the first offending action."""
-
-
-class DecodingError(ConvoyError):
-    """A decoding request or model cannot be served as asked (empty prompt, too long, no EOS, no KV cache)."""
 
 
 class StateWriteError(ConvoyError):

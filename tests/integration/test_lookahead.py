@@ -10,7 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from convoy.errors import DecodingError  # noqa: E402
+from convoy.workloads.lookahead.errors import DecodingError  # noqa: E402
 from convoy.workloads.lookahead.generator import LookaheadGenerator  # noqa: E402
 
 EOS = 3

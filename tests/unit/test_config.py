@@ -38,6 +38,12 @@ def test_config_errors_are_convoy_errors() -> None:
     assert issubclass(ConfigError, ConvoyError)
 
 
+def test_a_bad_argument_is_also_a_value_error() -> None:
+    """Library callers catch ValueError for a bad argument, as they do with torch and torchtitan."""
+    with pytest.raises(ValueError, match="--nnodes"):
+        parse_nnodes("3:1")
+
+
 @pytest.mark.parametrize(("spec", "expected"), [
     ("10.0.0.5:29400", ("10.0.0.5", 29400)),
     ("localhost:1", ("localhost", 1)),

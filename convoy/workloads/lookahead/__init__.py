@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from convoy.workloads.lookahead.draft import DraftTree, build_draft
+from convoy.workloads.lookahead.errors import DecodingError
 from convoy.workloads.lookahead.trie import TokenTrie
 
-__all__ = ["DraftTree", "LookaheadGenerator", "TokenTrie", "build_draft"]
+__all__ = ["DecodingError", "DraftTree", "LookaheadGenerator", "TokenTrie", "build_draft"]
 
 
 def __getattr__(name: str):  # the generator imports torch; the trie and drafts do not

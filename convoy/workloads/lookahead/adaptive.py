@@ -34,9 +34,9 @@ class _Pending:
 @dataclass
 class DraftSizer:
     """Chooses the draft size per pass. ``cost_slope`` is the prior extra cost of one draft token relative to a
-    plain pass (on CPU, 8-16 extra tokens cost ~1.5-2.5x), used until a size has been timed; ``settle_after``: see
-    :meth:`observe`. One sizer serves one batch size (the cost of a pass depends on it); the rows of a batch share
-    the acceptance estimates."""
+    plain pass (on a CPU a draft token costs a large share of a pass), used until a size has been timed;
+    ``settle_after``: see :meth:`observe`. One sizer serves one batch size (the cost of a pass depends on it);
+    the rows of a batch share the acceptance estimates."""
 
     max_size: int = 32
     smoothing: float = 0.2

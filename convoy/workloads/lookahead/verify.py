@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import torch
 
-from convoy.errors import DecodingError
+from convoy.workloads.lookahead.errors import DecodingError
 from convoy.workloads.lookahead.draft import DraftTree
 
 
