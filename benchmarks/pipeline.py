@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks" / "scripts"))
-from convoy.agent.client import free_port  # noqa: E402
+from convoy.ports import free_port  # noqa: E402
 from convoy.parallel.pipeline import schedule as plans  # noqa: E402
 from convoy.parallel.pipeline.fill import plan_fills  # noqa: E402
 from convoy.parallel.pipeline.schedule import Action, Kind  # noqa: E402

@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks" / "scripts"))
-from convoy.agent.client import free_port  # noqa: E402
+from convoy.ports import free_port  # noqa: E402
 from convoy.testing.netns import HostNetwork, netns_problem  # noqa: E402
 from ranks import rank_env, run_ranks  # noqa: E402
 

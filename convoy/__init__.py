@@ -10,12 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["Checkpointer", "Context", "init"]
+__all__ = ["Checkpointer", "Context", "exit_without_teardown", "init"]
 
 _LAZY = {
     "init": "convoy.runtime.init",
     "Context": "convoy.runtime.init",
     "Checkpointer": "convoy.runtime.checkpoint",
+    "exit_without_teardown": "convoy.procs",
 }
 
 

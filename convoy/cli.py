@@ -186,7 +186,7 @@ def _agent(args: argparse.Namespace) -> int:
         raise ConfigError(f"--token-file {str(args.token_file)!r} cannot be read: {exc.strerror}") from exc
     run_dir = args.run_dir or args.token_file.parent
     check_run_dir(run_dir)
-    from convoy.agent.client import local_address_towards
+    from convoy.ports import local_address_towards
     from convoy.agent.workers import WorkerGroup
 
     address = args.host or local_address_towards(host, port)

@@ -1,10 +1,15 @@
-"""Process helpers shared by the launcher and the agent (no torch, no third-party imports)."""
+"""Process helpers shared by the launcher, the agent and the workers (no torch, no third-party imports)."""
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import gc
+import os
 import signal
 import sys
+import threading
+from typing import NoReturn
 
 _PR_SET_PDEATHSIG = 1
 
@@ -42,3 +47,23 @@ def raise_interrupted(signum: int, frame: object) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise Interrupted(signum)
+
+
+def exit_without_teardown(code: int = 0) -> NoReturn:
+    """Exit as the interpreter does (threads joined, atexit run, output flushed), minus its teardown.
+
+    Tearing down a process that still holds a gloo process group can abort or deadlock in torch 2.13 (a
+    group's destructor joins a gloo thread while holding the GIL that thread needs), so a worker whose work
+    is done (results written, peers past their last barrier) ends here; convoy's standbys end the same way.
+    """
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    gc.collect()  # the script's objects (open files included) are finalized as usual
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

@@ -1,4 +1,5 @@
-"""Names of the job's shared-memory snapshot segments; torch-free so the agent can clean them."""
+"""Where shared memory lives, and the names of a job's segments (snapshots, leases); torch-free so the agent
+can clean them."""
 
 from __future__ import annotations
 

@@ -330,8 +330,7 @@ def main() -> int:
                 "click_rate": rate, "train_losses": losses, "memory_bytes": memory, "replicated_bytes": replicated,
                 "step_s": wall / max(1, args.steps - start), "wall_s": wall, "sent_bytes_rank0": sent}))
     dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)  # gloo teardown in torch 2.13 can abort at exit
+    convoy.exit_without_teardown()
 
 
 if __name__ == "__main__":

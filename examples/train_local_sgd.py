@@ -285,8 +285,7 @@ def main() -> int:
                 "params": sum(p.numel() for p in model.parameters()), "held_out_loss": held_loss,
                 "cross_bytes_rank0": sent_bytes, "wall_s": wall, "identical": identical, "curves": by_group}))
     dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)  # gloo teardown in torch 2.13 can abort at exit
+    convoy.exit_without_teardown()
 
 
 @torch.no_grad()

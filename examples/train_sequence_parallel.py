@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+import convoy
 from convoy.parallel.sequence.query_broadcast import SCHEMES, SequenceParallelAttention, shard_sequence
 
 
@@ -94,8 +94,7 @@ def main() -> None:
         print(f"{args.scheme}, {world} ranks x {args.length // world} positions: copy loss {first:.3f} -> {loss:.3f} "
               f"(chance {math.log(args.vocab):.3f})", flush=True)
     dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)  # tearing down gloo can abort the process at exit in torch 2.13; all work is done here
+    convoy.exit_without_teardown()
 
 
 if __name__ == "__main__":

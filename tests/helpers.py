@@ -156,7 +156,7 @@ class ProcessScope:
                    timeout: float = JOB_TIMEOUT_S * 2) -> list[str]:
         """Run ``script`` as ``world_size`` ranks of one gloo job on loopback (torchrun's variables,
         one node); fail the test unless every rank exits 0. Returns each rank's stdout."""
-        from convoy.agent.client import free_port
+        from convoy.ports import free_port
 
         port = str(free_port())
         launched = [self.start(args, command=[sys.executable, script], env={

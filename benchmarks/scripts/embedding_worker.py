@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import sys
 import time
@@ -24,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+import convoy
 from convoy.parallel.embedding.bags import Bags, ShardedEmbeddingBagCollection, TableSpec, init_rows
 from convoy.parallel.embedding.sparse_optim import SparseSGD
 
@@ -135,8 +135,7 @@ def main() -> int:
                        "rows_bytes": rows_bytes, "grad_bytes": grad_bytes, "peak_rss": peak_rss}, out)
     if world > 1:
         dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)  # gloo teardown in torch 2.13 can abort at exit
+    convoy.exit_without_teardown()
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 from fault_job import Job, read_state
 
-from convoy.agent.client import free_port
+from convoy.ports import free_port
 
 JOIN_PATH = b"/v1/join"
 HEAD_LIMIT = 64 * 1024

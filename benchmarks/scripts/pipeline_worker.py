@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
 import sys
 import time
@@ -27,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+import convoy
 from convoy.parallel.pipeline import schedule as plans
 from convoy.parallel.pipeline.fill import plan_fills
 from convoy.parallel.pipeline.memory import ActivationMeter
@@ -225,8 +225,7 @@ def main() -> int:
         args.out.write_text(json.dumps({"mode": args.mode, "world": world, "microbatches": m, "costs": found,
                                         "configs": record}))
     dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)  # torch 2.13's gloo teardown can abort at exit; the results are written
+    convoy.exit_without_teardown()
 
 
 if __name__ == "__main__":

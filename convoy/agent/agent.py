@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from convoy.agent.client import MasterClient, hold_port, port_taken
+from convoy.agent.client import MasterClient
 from convoy.agent.reap import NodeCgroup, reap
 from convoy.agent.workers import Worker, WorkerGroup
 from convoy.config import WorkerConfig
@@ -20,6 +20,7 @@ from convoy.control import protocol as p
 from convoy.errors import ConvoyError, MasterUnreachableError, WorkerStartError
 from convoy.lease import LeaseWriter, lease_path
 from convoy.procs import Interrupted, raise_interrupted, signal_name
+from convoy.ports import hold_port, port_taken
 from convoy.shm import remove_segments
 
 POLL_S = 0.02

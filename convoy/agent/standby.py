@@ -9,16 +9,15 @@ runs as it would under ``python script.py`` (``__name__ == "__main__"``, ``sys.a
 
 from __future__ import annotations
 
-import atexit
 import gc
 import importlib
 import json
 import os
 import runpy
 import sys
-import threading
 import traceback
-from typing import NoReturn
+
+from convoy.procs import exit_without_teardown
 
 
 def _read_order() -> dict[str, object] | None:
@@ -48,7 +47,7 @@ def _keep_process_groups() -> None:
     Freeing a gloo process group joins its worker thread while the GIL is held; that thread may
     need the GIL to free the last work item, and the process hangs (seen in torch 2.13 when DDP
     drops the last reference after ``destroy_process_group()``, often with torch._dynamo
-    preloaded). The standby ends with ``os._exit``, so the groups are never torn down at all.
+    preloaded). The standby ends with ``exit_without_teardown``, so the groups are never torn down at all.
     """
     c10d = sys.modules.get("torch.distributed.distributed_c10d")
     create = getattr(c10d, "_new_process_group_helper", None)
@@ -68,7 +67,7 @@ def main() -> int:
     preload, ready_fd = sys.argv[1], int(sys.argv[2])
     _preload(preload)
     _keep_process_groups()
-    gc.freeze()  # preloaded objects live for good: later collections and the exit skip them (~1 s less)
+    gc.freeze()  # preloaded objects live for good: later collections and the exit skip them
     os.write(ready_fd, b"R")  # tells the agent this standby is warm
     os.close(ready_fd)
     order = _read_order()
@@ -79,7 +78,7 @@ def main() -> int:
     os.close(devnull)
     os.environ.update(order["env"])  # type: ignore[arg-type]
     sys.argv = list(order["argv"])  # type: ignore[call-overload]
-    _exit(_run_script(str(order["entrypoint"]), bool(order["module"])))
+    exit_without_teardown(_run_script(str(order["entrypoint"]), bool(order["module"])))
 
 
 def _run_script(entrypoint: str, module: bool) -> int:
@@ -99,26 +98,6 @@ def _run_script(entrypoint: str, module: bool) -> int:
         _print_script_traceback(exc)
         return 1
     return 0
-
-
-def _exit(code: int) -> NoReturn:
-    """Exit as the interpreter does (threads joined, atexit run, output flushed), minus its teardown.
-
-    Tearing down a process that still holds a gloo process group can deadlock in torch (its
-    destructor joins a gloo thread while holding the GIL that thread needs); skipping the
-    teardown also saves up to a second per worker.
-    """
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-    gc.collect()  # the script's objects (open files included) are finalized as usual
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
 
 
 def _print_script_traceback(exc: BaseException) -> None:

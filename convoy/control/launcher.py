@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import secrets
 import signal
-import socket
 import time
 from typing import TYPE_CHECKING, Callable
 
@@ -19,6 +18,7 @@ from convoy.control.schedulers.local import LocalScheduler
 from convoy.control.store import read_status
 from convoy.control.token import TOKEN_FILE, write_token
 from convoy.errors import ConfigError, ConvoyError
+from convoy.ports import free_port
 from convoy.procs import Interrupted, raise_interrupted, signal_name
 from convoy.shm import remove_segments
 
@@ -111,12 +111,10 @@ def _supervise(scheduler: LocalScheduler, client: MasterClient, relaunch: bool, 
 
 def _usable_port(port: int) -> int:
     """``port`` if it is free on 127.0.0.1 (any free port for 0); a clear error if it is taken."""
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError as exc:
-            raise ConfigError(f"port {port} on 127.0.0.1 is already in use: pick another --port or 0 for any") from exc
-        return int(sock.getsockname()[1])
+    try:
+        return free_port("127.0.0.1", port)
+    except OSError as exc:
+        raise ConfigError(f"port {port} on 127.0.0.1 is already in use: pick another --port or 0 for any") from exc
 
 
 def _report_lost(client: MasterClient, node_id: str, why: str) -> None:

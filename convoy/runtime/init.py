@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from convoy.errors import ConfigError
+from convoy.ports import free_port
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -50,12 +50,6 @@ def _env_int(name: str, default: int) -> int:
         raise ConfigError(f"environment variable {name}={value!r} is not a whole number") from exc
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Context:
     """Set up the default process group (gloo on CPU, nccl on GPU) and return the job context.
 
@@ -64,7 +58,7 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Co
     """
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port("127.0.0.1")))
     rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
     use_cuda = torch.cuda.is_available() and backend != "gloo"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from convoy.agent.client import hold_port, port_taken
+from convoy.ports import hold_port, port_taken
 from convoy.config import JobConfig, MasterConfig, WorkerConfig
 from convoy.control.schedulers.local import LocalScheduler
 from convoy.control.protocol import JoinRequest, WaitRequest, WorkerExit

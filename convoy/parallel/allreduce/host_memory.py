@@ -12,9 +12,8 @@ cores that drive the slow link. Here the ranks of a group map one shared file in
 A chunk's crossing overlaps the in-host work on the next ``D - 1`` chunks; two barriers of the
 group per chunk order the steps (slot reuse is safe because a slot's readers all passed the
 barrier before its next writer). A barrier is a counter per rank in the file that each rank
-bumps and then waits, yielding the CPU, until every counter has caught up: a few microseconds,
-where a gloo barrier takes a network round (measured: 16 MB over 2 x 4 ranks on loopback,
-56 ms against 80 ms with gloo barriers and 107 ms with gloo's reduce and broadcast).
+bumps and then waits, yielding the CPU, until every counter has caught up: no network round, where
+a gloo barrier takes one (benchmarks/allreduce.py measures both).
 
 The file is made by the group's leader, checked by every member (a random token: members on
 another machine, or with a private /dev/shm, can't read it, and every group falls back to
@@ -40,15 +39,14 @@ import torch
 import torch.distributed as dist
 
 from convoy.errors import ConfigError
+from convoy.shm import SHM_DIR
 
 ALIGN = 64
 DEPTH = 8
 """Sum-slots: a chunk's crossing may lag its in-host reduction by up to ``DEPTH - 1`` chunks (8, not 4:
-a coded crossing has CPU work at both ends, and 64 MB over 2 x 2 ranks at 1 Gbit/s took 514 ms
-instead of 543; plain crossings are unchanged)."""
+a coded crossing has CPU work at both ends, which a deeper lag hides; plain crossings are unchanged)."""
 RAMP_FROM_CHUNKS = 4
 """Tensors longer than this many chunks start with smaller ones (``chunk_sizes``)."""
-SHM_DIR = Path("/dev/shm")
 DISABLE_ENV = "CONVOY_ALLREDUCE_SHM"
 """Set to ``0`` to keep the in-group phases on gloo."""
 SPIN_TIMEOUT_S = 600.0
