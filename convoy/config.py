@@ -77,7 +77,8 @@ class WorkerConfig:
     preload: tuple[str, ...] = ("torch", "torch._dynamo")
     """Modules a standby worker imports before it is given a rank (empty: none).
 
-    torch._dynamo is in the default because DistributedDataParallel imports it on construction (~3 s).
+    torch._dynamo is in the default because DistributedDataParallel imports it on construction, and that
+    import is one of the slowest parts of a worker's start.
     """
 
     def validate(self) -> None:

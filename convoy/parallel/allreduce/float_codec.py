@@ -49,9 +49,8 @@ def capacity(count: int, dtype: torch.dtype) -> int:
 def encode(chunk: torch.Tensor) -> torch.Tensor:
     """The payload (uint8) that carries the contiguous 1-D ``chunk``; ``decode`` gives it back bit for bit.
 
-    Elementwise steps are uint8 arithmetic (a comparison costs several times more on CPU): 1 MB of
-    normal float32 values codes in about 1.2 ms and decodes in 0.7 ms on one core of this machine
-    (1.7 and 1.1 ms when 1% of them fall outside the window)."""
+    Elementwise steps are uint8 arithmetic: a comparison costs several times more on a CPU, and coding
+    must stay cheaper than the bytes it saves on the link (benchmarks/allreduce.py measures both)."""
     if not codable(chunk.dtype):
         raise ValueError(f"float_codec codes {', '.join(str(d) for d in CODED_DTYPES)}, not {chunk.dtype}")
     count, width = chunk.numel(), chunk.element_size()
@@ -142,7 +141,7 @@ class CodedSum:
 
 _BLOCK = 1024
 """Escapes are looked for block by block, and only blocks that hold one are searched: a comparison over a
-whole 1 MB chunk alone costs about 0.15 ms, an eighth of coding it."""
+whole chunk alone would cost a sizeable share of coding it."""
 
 
 def _escape_flags(codes: torch.Tensor) -> torch.Tensor:
@@ -163,7 +162,7 @@ _INTS = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
 def _planes(chunk: torch.Tensor) -> list[torch.Tensor]:
     """Every byte of each element but the top one, as strided views of whole ints (bytes 0-1 and 2 of a
     float32; 0-3, 4-5 and 6 of a float64; 0 of a bfloat16): fewer, wider elements copy faster than
-    the same bytes one by one (0.44 against 0.62 ms for 1 MB of float32)."""
+    the same bytes one by one."""
     width, planes, offset = chunk.element_size(), [], 0
     for size in (4, 2, 1):
         if width - 1 - offset >= size:

@@ -10,8 +10,8 @@ log-sum-exp (the softmax normaliser); ``merge`` combines partials exactly; ``par
 is the flash-attention backward of one block given the merged log-sum-exp, so any scheme can
 split the backward the way it split the forward. A query that sees no key at all (fully
 masked) gets output 0 and gradient 0. Both run torch's fused CPU flash-attention kernels (float32
-and float64, one head dim for q, k and v), which tile the block and never hold its scores, 3-4x
-faster than the einsum form they fall back to otherwise; ``reference`` stays plain autograd.
+and float64, one head dim for q, k and v), which tile the block and never hold its scores, and are
+much faster than the einsum form they fall back to otherwise; ``reference`` stays plain autograd.
 """
 
 from __future__ import annotations

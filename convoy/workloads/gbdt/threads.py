@@ -1,11 +1,11 @@
 """Keep numpy's BLAS to one thread while LightGBM's OpenMP threads work between its calls.
 
 On two cores, OpenBLAS threads that spin after a matrix product and LightGBM's OpenMP threads
-starting a histogram pass take the CPUs from each other; measured, that made each tree 10-50x
-slower. The products here are small (rows x learners), so one BLAS thread loses little. LightGBM is
+starting a histogram pass take the CPUs from each other, and every tree takes many times
+longer. The products here are small (rows x learners), so one BLAS thread loses little. LightGBM is
 loaded through ``lightgbm_module()``, which first asks OpenMP to let idle threads sleep
 (``OMP_WAIT_POLICY=passive``, unless the variable is already set): OpenMP reads it once, when it
-loads, and spinning idle threads made the unit tests 10x slower on a busy 2-core machine.
+loads, and spinning idle threads slow everything else on a busy machine.
 """
 
 from __future__ import annotations
