@@ -119,7 +119,7 @@ def both_ranks_after(job: Job, when: float, after_round: int) -> float | None:
 
 def committed_steps(job: Job, node_id: str) -> list[int]:
     """Steps of the complete snapshots in the node's segment (its one worker's), newest first."""
-    from convoy.runtime.snapshot import SnapshotFile  # torch: only where this fault runs
+    from convoy.runtime.slots import SnapshotFile  # torch: only where this fault runs
     from convoy.shm import segment_path
 
     job.master_url()  # learns the job id

@@ -1,12 +1,15 @@
-"""What a ``convoy.Checkpointer`` snapshot captures besides the model and optimizer (RNG streams, extra
-stateful objects), which ranks hold interchangeable copies, and how a saved state is checked against the live one."""
+"""What a ``convoy.Checkpointer`` saves and loads, shared by its three protocols: the trained objects
+(``TrainingState``: model, optimizer, RNG streams, extra stateful objects), which ranks hold interchangeable
+copies, how a saved state is checked against the live one, and the background copy the optimizer waits for."""
 
 from __future__ import annotations
 
 import random
 import sys
+import threading
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -77,3 +80,122 @@ def shape_mismatch(live: Any, saved: Any, where: str) -> str | None:
             if problem:
                 return problem
     return None
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What a restore loaded: the finished ``step`` to resume after, and ``source`` in words."""
+
+    step: int
+    source: str
+
+
+@dataclass
+class TrainingState:
+    """The objects a checkpoint holds: ``extra`` is each rank's own (data position, generators);
+    ``shared`` belongs with the model and optimizer, so a rank that takes a peer's model takes it too."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    shared: dict[str, Any] = field(default_factory=dict)
+
+    def capture(self, step: int) -> dict[str, Any]:
+        """The whole live state of ``step``, tensors not copied (a snapshot copies them)."""
+        return {
+            "step": step,
+            "model": self.model.state_dict(),
+            "optim": self.optimizer.state_dict() if self.optimizer is not None else {},
+            **self.rank_part(),
+        }
+
+    def rank_part(self) -> dict[str, Any]:
+        """What only this rank holds, beside the model and optimizer state: extras, ``shared``, RNG streams."""
+        return {"extra": {name: extra_state(obj) for name, obj in self.extra.items()},
+                "shared": {name: extra_state(obj) for name, obj in self.shared.items()}, "rng": rng_state()}
+
+    def apply(self, state: dict[str, Any]) -> None:
+        """Load a state ``capture`` made: the replicated part, then this rank's extras and RNG."""
+        self.apply_replicated(state)
+        self.apply_own(state)
+
+    def apply_replicated(self, state: dict[str, Any]) -> None:
+        """Model, optimizer and ``shared``: what a peer holding the same step can supply."""
+        self.model.load_state_dict(state["model"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optim"])
+        self.load_shared(state)
+
+    def load_shared(self, state: dict[str, Any]) -> None:
+        for name, obj in self.shared.items():
+            load_extra(obj, state["shared"][name])
+
+    def apply_own(self, state: dict[str, Any]) -> None:
+        """This rank's data position and RNG streams."""
+        for name, obj in self.extra.items():
+            load_extra(obj, state["extra"][name])
+        set_rng_state(state["rng"])
+
+    def mismatch(self, state: dict[str, Any]) -> str | None:
+        """Why a saved state does not fit the live model and optimizer (structure, shapes), or None."""
+        return shape_mismatch(self.model.state_dict(), state["model"], "model") or self._optim_mismatch(state)
+
+    def _optim_mismatch(self, state: dict[str, Any]) -> str | None:
+        """Saved optimizer state must match the parameters it belongs to, in count and shape."""
+        if self.optimizer is None:
+            return None
+        params = self.optimizer_params()
+        saved_groups = state["optim"].get("param_groups", [])
+        if sum(len(g["params"]) for g in saved_groups) != len(params):
+            return "optimizer: saved a different number of parameters"
+        for index, param_state in state["optim"].get("state", {}).items():
+            for name, value in param_state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != params[index].shape:
+                    model = tuple(params[index].shape)
+                    return f"optimizer state {index}.{name}: saved {tuple(value.shape)}, model {model}"
+        return None
+
+    def optimizer_params(self) -> list[torch.Tensor]:
+        """The optimizer's parameters in the order its ``state_dict`` numbers them."""
+        assert self.optimizer is not None
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def stable_storage(self) -> set[int]:
+        """Storage of tensors that only ``optimizer.step()`` changes: safe to copy in the background."""
+        if self.optimizer is None:
+            return set()
+        ptrs = {p.data_ptr() for p in self.model.parameters()}
+        for param_state in self.optimizer.state.values():
+            ptrs.update(v.data_ptr() for v in param_state.values() if isinstance(v, torch.Tensor))
+        return ptrs
+
+    def model_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.model.state_dict().values()
+                   if isinstance(t, torch.Tensor))
+
+
+class BackgroundCopy:
+    """A copy into or out of shared memory that runs while the next step computes; ``wait`` (before
+    ``optimizer.step()`` changes what it reads or fills) joins it and raises its error in the training thread."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self, copy: Callable[[], None], name: str) -> None:
+        def run() -> None:
+            try:
+                copy()
+            except BaseException as exc:  # noqa: BLE001 (re-raised in the training thread)
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, name=name, daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointError(f"in-memory snapshot failed: {error}") from error

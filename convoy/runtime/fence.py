@@ -11,10 +11,16 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 from convoy import worker_events
 from convoy.lease import LEASE_ENV, read_lease
+
+
+class Fence(Protocol):
+    """What the snapshot and persistent protocols ask before they commit (``RoundFence``, or a test's script)."""
+
+    def allows(self, what: str) -> bool: ...
 
 
 class RoundFence:

@@ -6,26 +6,39 @@ written, rank 0 checksums the files into ``convoy-manifest.json`` and renames th
 complete checkpoint, so a crash mid-write never leaves one that looks complete. A save starts
 only if every rank's round fence allows it, and rank 0 seals it only if its own still does: a
 worker of an ended round never adds a checkpoint beside the new round's.
+
+A restore (``PersistentRestore``) works in a world of any size. Model and optimizer state are
+resharded by DCP. The per-rank parts (``rank<N>``: data position, RNG, ``model_state``) follow the
+rank number: rank r of the new world loads rank r's part where the checkpoint has one; a rank
+without one keeps its freshly constructed data position and RNG and takes ``model_state`` from
+the lowest saved rank of its own set of peers (if any). Parts of saved ranks the new world lacks
+are not used. Each choice is named in the log line.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 import sys
 import threading
 import zlib
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from convoy.runtime.snapshot import flatten, unflatten
+from convoy.errors import CheckpointError
+from convoy.runtime.checkpoint_state import Restored, TrainingState, load_extra, set_rng_state
+from convoy.runtime.fence import Fence
+from convoy.runtime.slots import flatten, unflatten
 
 MANIFEST = "convoy-manifest.json"
 _COMPLETE = re.compile(r"^step-(\d+)$")
@@ -93,10 +106,6 @@ def remove_stale_tmp(root: Path) -> None:
     if root.is_dir():
         for path in root.glob("step-*.tmp-*"):
             shutil.rmtree(path, ignore_errors=True)
-
-
-class Fence(Protocol):
-    def allows(self, what: str) -> bool: ...
 
 
 class PersistentSaver:
@@ -192,9 +201,137 @@ class PersistentSaver:
                      f"in-memory snapshots continue; newest complete checkpoint: {kept}")
 
 
+def dcp_state(state: TrainingState, step: int, rank: int) -> dict[str, Any]:
+    """What a save holds: model and optimizer as DCP shards them, and this rank's own part as ``rank<N>``."""
+    model_sd, optim_sd = get_state_dict(state.model, state.optimizer or [])
+    return {"step": step, "model": model_sd, "optim": optim_sd, f"rank{rank}": state.rank_part()}
+
+
 def load(state: dict[str, Any], path: Path, group: dist.ProcessGroup) -> None:
     """Load a checkpoint into ``state`` in place (collective over ``group``)."""
     dcp.load(state, checkpoint_id=str(path), process_group=group)
+
+
+def rank_part_keys(path: Path) -> list[str]:
+    """The saved keys of the checkpoint's per-rank parts (``rank<N>.…``), from DCP's metadata."""
+    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return sorted(key for key in keys if key.startswith("rank"))
+
+
+def saved_ranks(keys: list[str]) -> list[int]:
+    return sorted({int(key.split(".", 1)[0][4:]) for key in keys if key.split(".", 1)[0][4:].isdigit()})
+
+
+def prune_to_saved(state: Any, path: str, keys: set[str]) -> Any:
+    """The part of ``state`` (nested mappings) that the checkpoint holds under ``path``; None if none."""
+    if isinstance(state, Mapping):
+        kept = {name: part for name, value in state.items()
+                if (part := prune_to_saved(value, f"{path}.{name}", keys)) is not None}
+        return kept or None
+    prefix = path + "."
+    return state if path in keys or any(key.startswith(prefix) for key in keys) else None
+
+
+class PersistentRestore:
+    """Resumes from the newest persistent checkpoint under ``root`` that verifies and fits (collective
+    over ``group``; rank 0 reads the directory and verifies, every rank loads). ``peers``: this rank's
+    set of interchangeable ranks, whose lowest saved rank donates ``model_state`` to a rank not saved."""
+
+    def __init__(self, root: Path, state: TrainingState, *, rank: int, world_size: int, peers: tuple[int, ...],
+                 group: dist.ProcessGroup, log: Callable[[str], None]) -> None:
+        self.root, self.state, self.rank, self.world_size, self.peers = root, state, rank, world_size, peers
+        self.group, self.log = group, log
+
+    def newest(self) -> int | None:
+        """Step of the newest complete-looking checkpoint (not yet verified), or None."""
+        found = complete_checkpoints(self.root)
+        return found[0][0] if found else None
+
+    def restore(self) -> Restored | None:
+        if self.rank == 0:
+            remove_stale_tmp(self.root)
+        listing = [complete_checkpoints(self.root) if self.rank == 0 else None]
+        dist.broadcast_object_list(listing, src=0, group=self.group)
+        mismatches = []
+        for step, path in listing[0] or []:
+            checked = [self._check(path) if self.rank == 0 else None]
+            dist.broadcast_object_list(checked, src=0, group=self.group)
+            problem, keys = checked[0]  # type: ignore[misc]
+            if problem is not None:
+                self.log(f"skipping checkpoint {path}: {problem}")
+                continue
+            target, own, donor = self._load_target(step, keys)
+            try:
+                load(target, path, self.group)
+            except (Exception, CheckpointException) as exc:  # every rank gets the same error from DCP
+                mismatches.append(f"{path.name}: {reason(exc)}")
+                self.log(f"skipping checkpoint {path}: cannot be loaded into this model ({mismatches[-1]})")
+                continue
+            set_state_dict(self.state.model, self.state.optimizer or [], model_state_dict=target["model"],
+                           optim_state_dict=target["optim"])
+            donated = target.get(donor, {}) if donor is not None else {}
+            self._apply_rank_part(target.get(own, {}), donated)
+            self.log(f"resumed from persistent checkpoint {path} (step {step}){self._describe_parts(keys)}")
+            return Restored(step, f"persistent checkpoint {path}")
+        if mismatches:
+            raise CheckpointError(f"no checkpoint under {self.root} fits this model ({'; '.join(mismatches)}); "
+                                  "use a new run dir or restore the model definition")
+        return None
+
+    @staticmethod
+    def _check(path: Path) -> tuple[str | None, list[str]]:
+        """Rank 0: why the checkpoint cannot be used (or None), and its per-rank keys."""
+        problem = verify(path)
+        if problem is not None:
+            return problem, []
+        try:
+            return None, rank_part_keys(path)
+        except (OSError, ValueError, EOFError, pickle.UnpicklingError, CheckpointException) as exc:
+            return f"metadata unreadable: {reason(exc)}", []
+
+    def _load_target(self, step: int, keys: list[str]) -> tuple[dict[str, Any], str, str | None]:
+        """The state to load in place: model and optimizer (resharded), and only the per-rank parts the
+        checkpoint holds: this rank's own, else ``model_state`` from a saved peer (the donor)."""
+        model_sd, optim_sd = get_state_dict(self.state.model, self.state.optimizer or [])
+        target: dict[str, Any] = {"step": step, "model": model_sd, "optim": optim_sd}
+        live = self.state.rank_part()
+        saved, key_set, own = saved_ranks(keys), set(keys), f"rank{self.rank}"
+        if self.rank in saved:
+            part = prune_to_saved(live, own, key_set)
+            if part:
+                target[own] = part
+            return target, own, None
+        donor_rank = next((rank for rank in self.peers if rank in saved), None)
+        if donor_rank is None or not self.state.shared:
+            return target, own, None
+        donor = f"rank{donor_rank}"
+        part = prune_to_saved({"shared": live["shared"]}, donor, key_set)
+        if part:
+            target[donor] = part
+        return target, own, donor
+
+    def _apply_rank_part(self, mine: dict[str, Any], donated: dict[str, Any]) -> None:
+        for name, value in (mine.get("shared") or donated.get("shared") or {}).items():
+            load_extra(self.state.shared[name], value)
+        for name, value in (mine.get("extra") or {}).items():
+            load_extra(self.state.extra[name], value)
+        if mine.get("rng"):
+            set_rng_state(mine["rng"])
+
+    def _describe_parts(self, keys: list[str]) -> str:
+        """How the per-rank parts of a checkpoint from another world size were given out."""
+        saved = saved_ranks(keys)
+        if saved == list(range(self.world_size)):
+            return ""
+        fresh = [rank for rank in range(self.world_size) if rank not in saved]
+        unused = [rank for rank in saved if rank >= self.world_size]
+        said = [f"saved by ranks {saved}, restored on {self.world_size}"]
+        if fresh:
+            said.append(f"ranks {fresh} have no saved data position or RNG and keep their fresh ones"
+                        + (" (model_state from the lowest saved rank of their peers)" if self.state.shared else ""))
+        if unused:
+            said.append(f"the data position and RNG saved by ranks {unused} are not used")
+        return "; " + "; ".join(said)
 
 
 def stderr_log(message: str) -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers import FIXTURES, ProcessScope
-from convoy.runtime.snapshot import _HEADER, _SLOT, HEADER_SIZE, TensorRef, map_leaves
+from convoy.runtime.slots import _HEADER, _SLOT, HEADER_SIZE, TensorRef, map_leaves
 from convoy.shm import remove_segments, segment_path
 
 pytestmark = pytest.mark.slow

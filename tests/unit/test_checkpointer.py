@@ -19,9 +19,9 @@ import convoy
 from convoy.errors import CheckpointError
 from convoy import worker_events
 from convoy.lease import LeaseWriter
-from convoy.runtime.checkpoint import SLACK
+from convoy.runtime.snapshot import SLACK
 from convoy.runtime.persist import complete_checkpoints
-from convoy.runtime.snapshot import HEADER_SIZE, SnapshotFile, free_bytes
+from convoy.runtime.slots import HEADER_SIZE, SnapshotFile, free_bytes
 from convoy.shm import SHM_DIR, remove_segments
 
 

@@ -9,7 +9,7 @@ from typing import Iterator
 import pytest
 import torch
 
-from convoy.runtime.snapshot import (
+from convoy.runtime.slots import (
     _HEADER, _SLOT, HEADER_SIZE, SnapshotFile, SnapshotTooSmall, flatten, layout, unflatten,
 )
 from convoy.shm import SHM_DIR, remove_segments, segment_path
