@@ -1,7 +1,8 @@
-"""SnapshotRestore alone, in a real one-rank gloo group: which step it takes and what it loads."""
+"""SnapshotRestore alone, in real gloo groups of one rank and of two: which step it takes and what it loads."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -29,15 +30,14 @@ class AllowAll:
         return True
 
 
-class Refuse:
-    """Allows a slot's commit, then refuses to mark it complete (the lease lapsed during the copy)."""
+class Scripted:
+    """Answers each ask in turn, then allows (``True, False``: the lease lapsed during a slot's copy)."""
 
-    def __init__(self) -> None:
-        self.asked = 0
+    def __init__(self, *answers: bool) -> None:
+        self.answers = list(answers)
 
     def allows(self, what: str) -> bool:
-        self.asked += 1
-        return self.asked == 1
+        return self.answers.pop(0) if self.answers else True
 
 
 def _trained(width: int = 8, steps: int = 2) -> TrainingState:
@@ -68,9 +68,10 @@ class Rig:
 
 
 def _rig(path: Path, state: TrainingState, group: dist.ProcessGroup, fence: object = None,
-         asked: list[str] | None = None) -> Rig:
+         asked: list[str] | None = None, rank: int = 0, peer_sets: list[tuple[int, ...]] | None = None) -> Rig:
+    peer_sets = peer_sets or [(0,)]
     copies, logged = BackgroundCopy(), []
-    snapshots = RankSnapshots(SnapshotFile(path), rank=0, capture=state.capture, stable=state.stable_storage,
+    snapshots = RankSnapshots(SnapshotFile(path), rank=rank, capture=state.capture, stable=state.stable_storage,
                               copies=copies, fence=fence or AllowAll(), say=logged.append, fallback="-")
 
     def newest_persistent() -> int | None:
@@ -78,7 +79,8 @@ def _rig(path: Path, state: TrainingState, group: dist.ProcessGroup, fence: obje
             asked.append("newest persistent")
         return None
 
-    restore = SnapshotRestore(snapshots, state, rank=0, world_size=1, peer_sets=[(0,)], group=group,
+    world_size = sum(len(peers) for peers in peer_sets)
+    restore = SnapshotRestore(snapshots, state, rank=rank, world_size=world_size, peer_sets=peer_sets, group=group,
                               peer_group=group, copies=copies, log=logged.append, newest_persistent=newest_persistent)
     return Rig(snapshots, restore, copies, logged)
 
@@ -124,7 +126,7 @@ def test_a_snapshot_of_another_shape_is_not_used(tmp_path: Path, group: dist.Pro
 
 
 def test_a_partial_snapshot_alone_is_not_restored(tmp_path: Path, group: dist.ProcessGroup) -> None:
-    rig = _rig(tmp_path / "segment", _trained(), group, fence=Refuse())
+    rig = _rig(tmp_path / "segment", _trained(), group, fence=Scripted(True, False))
     rig.take(0)
     assert rig.snapshots.held() == ([], [0])
     assert rig.restore.restore() is None
@@ -135,3 +137,56 @@ def test_snapshots_turned_off_restore_nothing(tmp_path: Path, group: dist.Proces
     rig.take(0)
     rig.snapshots.disable("test")
     assert rig.restore.restore() is None
+
+
+def _two_ranks(rank: int, store: str, segments: str, results: str) -> None:
+    """One rank of a two-rank world: a peer's step (rank 1's copy of step 1 never landed), then ranks
+    apart (no step held by both)."""
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    try:
+        group, said = dist.new_group(backend="gloo"), dict[str, object]()
+        saved = _trained()
+        fence = Scripted(True, True, True, False) if rank == 1 else AllowAll()
+        together, alone = [(0, 1)], [(0,), (1,)]
+        writer = _rig(Path(segments) / f"peer{rank}", saved, group, fence=fence, rank=rank, peer_sets=together)
+        writer.take(0)
+        with torch.no_grad():
+            for param in saved.model.parameters():
+                param.add_(1.0)
+        saved.extra["data"].manual_seed(100 + rank)  # this rank's data position of step 1
+        writer.take(1)
+        want_data = saved.extra["data"].get_state()
+        fresh = _trained(steps=0)
+        rig = _rig(Path(segments) / f"peer{rank}", fresh, group, rank=rank, peer_sets=together)
+        restored = rig.restore.restore()
+        rig.copies.wait()
+        said["peer"] = restored.source if restored else None
+        said["peer_model"] = all(torch.equal(a, b) for a, b in zip(fresh.model.state_dict().values(),
+                                                                 saved.model.state_dict().values(), strict=True))
+        said["peer_data"] = torch.equal(fresh.extra["data"].get_state(), want_data)
+        writer = _rig(Path(segments) / f"apart{rank}", _trained(), group, rank=rank, peer_sets=alone)
+        writer.take(2 - rank)  # rank 0 holds step 2, rank 1 step 1
+        again = _rig(Path(segments) / f"apart{rank}", _trained(steps=0), group, rank=rank, peer_sets=alone)
+        restored = again.restore.restore()
+        said["apart"] = restored.step if restored else None
+        said["apart_source"] = restored.source if restored else None
+        said["apart_logged"] = again.logged
+        (Path(results) / f"rank{rank}.json").write_text(json.dumps(said))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_take_a_peers_step_and_resume_apart(tmp_path: Path) -> None:
+    (tmp_path / "results").mkdir()
+    torch.multiprocessing.spawn(_two_ranks, args=(str(tmp_path / "store"), str(tmp_path), str(tmp_path / "results")),
+                                nprocs=2)
+    first, second = (json.loads((tmp_path / "results" / f"rank{r}.json").read_text()) for r in range(2))
+    assert first["peer"] == "in-memory snapshot of step 1 (own)"
+    assert second["peer"] == "in-memory snapshot of step 1 (rank 0's with its own data position)"
+    assert first["peer_model"] and second["peer_model"] and first["peer_data"] and second["peer_data"]
+    assert first["apart"] == second["apart"] == 2
+    assert first["apart_source"] == "in-memory snapshot of step 2 (own; the job resumes after step 2)"
+    assert second["apart_source"] == "in-memory snapshot of step 1 (own; the job resumes after step 2)"
+    assert first["apart_logged"] == ["the ranks share no in-memory snapshot step: the job resumes at step 3, after "
+                                     "the newest step any rank holds (rank 0 from step 2, rank 1 from step 1)"]
+    assert second["apart_logged"] == []
