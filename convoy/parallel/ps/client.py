@@ -1,0 +1,213 @@
+"""The worker's side of parameter-server training: pull what a batch needs (the dense tensors and only the rows
+of the batch's ids), push gradients without waiting for them to be applied, and wait only when a staleness bound
+says so: a pull returns once each server has applied all but ``staleness`` of this worker's pushes (0: every
+push, so one worker trains as one process would)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from convoy.errors import ConfigError
+from convoy.parallel.ps.optimizers import OptimizerSpec
+from convoy.parallel.ps.placement import Placement
+from convoy.parallel.ps.server import shard_of
+from convoy.parallel.ps.transport import Connection, Message, TransportError
+
+
+@dataclass
+class Pulled:
+    """What one pull brought: whole dense tensors, and per table the distinct ids asked for with their rows."""
+
+    dense: dict[str, torch.Tensor]
+    ids: dict[str, torch.Tensor]
+    """Per table, the batch's distinct row ids, sorted; ``rows[table][i]`` is row ``ids[table][i]``."""
+    rows: dict[str, torch.Tensor]
+    versions: list[int]
+    """Each server's version (pushes applied from all workers) when it answered."""
+    applied: list[int]
+    """This worker's pushes each server had applied when it answered."""
+    pushed: list[int]
+    """This worker's pushes sent (or queued) to each server when it pulled; ``pushed[s] - applied[s] <= staleness``."""
+
+
+class _Pusher:
+    """Sends one server's pushes in order from a background thread, so that ``push`` returns at once."""
+
+    def __init__(self, address: str) -> None:
+        self.connection = Connection(address)
+        self.pending: queue.Queue[Message | None] = queue.Queue()
+        self.failure: Exception | None = None
+        self.thread = threading.Thread(target=self._run, name="ps-push", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            message = self.pending.get()
+            try:
+                if message is None:
+                    return
+                if self.failure is None:
+                    self.connection.request(message)
+            except (TransportError, ConfigError) as exc:
+                self.failure = exc
+            finally:
+                self.pending.task_done()
+
+    def stop(self) -> None:
+        self.pending.put(None)
+        self.thread.join()
+        self.connection.close()
+
+
+class PSClient:
+    """One worker's links to every parameter server of ``placement`` (``addresses[s]`` is server ``s``)."""
+
+    def __init__(self, placement: Placement, addresses: list[str], worker: str, staleness: int = 0) -> None:
+        if staleness < 0:
+            raise ConfigError(f"parameter-server staleness bound must be >= 0 (got {staleness}); use 0 for "
+                              f"synchronous training or s > 0 to let a worker run s pushes ahead")
+        if len(addresses) != placement.num_servers:
+            raise ConfigError(f"the placement has {placement.num_servers} parameter servers but "
+                              f"{len(addresses)} addresses were given; pass one address per server")
+        self.placement, self.worker, self.staleness = placement, worker, staleness
+        self.requests = [Connection(address) for address in addresses]
+        self.pushers = [_Pusher(address) for address in addresses]
+        self.pushed = 0
+        self.pushed_to = [0] * placement.num_servers
+        """Pushes each server should have from this worker (a restored server may have fewer than ``pushed``)."""
+        self.pool = ThreadPoolExecutor(max_workers=placement.num_servers, thread_name_prefix="ps-pull")
+
+    def _all(self, messages: list[Message]) -> list[Message]:
+        """Send ``messages[s]`` to server ``s``, all at once, and return the replies in order."""
+        self._raise_push_failure()
+        return list(self.pool.map(lambda pair: pair[0].request(pair[1]), zip(self.requests, messages, strict=True)))
+
+    def _raise_push_failure(self) -> None:
+        for pusher in self.pushers:
+            if pusher.failure is not None:
+                raise pusher.failure
+
+    def setup(self, optimizer: OptimizerSpec, dense: Mapping[str, torch.Tensor],
+              tables: Mapping[str, torch.Tensor]) -> None:
+        """Give every server its shard of a whole model (the chief does this once, before training)."""
+        optimizer.validate()
+        messages = []
+        for index in range(self.placement.num_servers):
+            mine, rows = shard_of(self.placement, index, dense, tables)
+            tensors = {f"dense/{n}": t for n, t in mine.items()} | {f"rows/{n}": t for n, t in rows.items()}
+            messages.append(Message("setup", {"index": index, "placement": self.placement.to_dict(),
+                                              "optimizer": optimizer.to_dict()}, tensors))
+        self._all(messages)
+
+    def pull(self, ids: Mapping[str, torch.Tensor]) -> Pulled:
+        """The dense tensors and the rows of ``ids`` (per table, any shape, repeats allowed)."""
+        unique = {}
+        for table, wanted in ids.items():
+            spec = self.placement.check_table(table)
+            flat = wanted.reshape(-1).to(torch.int64)
+            if len(flat) and (int(flat.min()) < 0 or int(flat.max()) >= spec.num_rows):
+                bad = flat[(flat < 0) | (flat >= spec.num_rows)][0]
+                raise ConfigError(f"row id {int(bad)} of table {table!r} is outside 0..{spec.num_rows - 1}; "
+                                  f"map the feature's values into the table first")
+            unique[table] = torch.unique(flat)
+        messages = []
+        for server in range(self.placement.num_servers):
+            tensors = {f"ids/{t}": self.placement.local_rows(u[self.placement.owner_of_rows(u) == server])
+                       for t, u in unique.items()}
+            at_least = self.pushed_to[server] - self.staleness
+            messages.append(Message("pull", {"worker": self.worker, "at_least": at_least}, tensors))
+        replies = self._all(messages)
+        dense: dict[str, torch.Tensor] = {}
+        rows = {t: torch.empty(len(u), self.placement.tables[t].dim) for t, u in unique.items()}
+        for server, reply in enumerate(replies):
+            for name, tensor in reply.tensors.items():
+                kind, _, key = name.partition("/")
+                if kind == "dense":
+                    dense[key] = tensor
+                else:
+                    rows[key][self.placement.owner_of_rows(unique[key]) == server] = tensor
+        return Pulled(dense, unique, rows, [r.meta["version"] for r in replies],
+                      [r.meta["applied"] for r in replies], list(self.pushed_to))
+
+    def push(self, dense_grads: Mapping[str, torch.Tensor],
+             row_grads: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Queue one step's gradients (dense by name; per table, row ids and one gradient row each) to every
+        server and return without waiting for them to be applied."""
+        self._raise_push_failure()
+        for name, grad in dense_grads.items():
+            if name not in self.placement.dense:
+                raise ConfigError(f"no dense tensor {name!r} on the parameter servers (they hold "
+                                  f"{sorted(self.placement.dense)}); push gradients of placed tensors only")
+            want = self.placement.dense[name].shape
+            if tuple(grad.shape) != want:
+                raise ConfigError(f"gradient of {name!r} has shape {list(grad.shape)}, the tensor is {list(want)};"
+                                  f" push the gradient of that tensor")
+        split: list[dict[str, torch.Tensor]] = [{} for _ in range(self.placement.num_servers)]
+        for name, grad in dense_grads.items():
+            split[self.placement.dense_owner[name]][f"dense/{name}"] = grad
+        for table, (ids, grads) in row_grads.items():
+            spec = self.placement.check_table(table)
+            ids = ids.to(torch.int64)
+            if tuple(grads.shape) != (len(ids), spec.dim):
+                raise ConfigError(f"gradient rows of table {table!r} have shape {list(grads.shape)}, expected "
+                                  f"[{len(ids)}, {spec.dim}] (one row of width {spec.dim} per id)")
+            if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= spec.num_rows):
+                raise ConfigError(f"a gradient row of table {table!r} names a row outside 0..{spec.num_rows - 1};"
+                                  f" push gradients only for rows that were pulled")
+            owner = self.placement.owner_of_rows(ids)
+            for server in range(self.placement.num_servers):
+                mask = owner == server
+                split[server][f"ids/{table}"] = self.placement.local_rows(ids[mask])
+                split[server][f"grads/{table}"] = grads[mask]
+        for server, tensors in enumerate(split):
+            tensors = {name: t.detach().clone() for name, t in tensors.items()}
+            self.pushers[server].pending.put(Message("push", {"worker": self.worker}, tensors))
+            self.pushed_to[server] += 1
+        self.pushed += 1
+
+    def flush(self) -> None:
+        """Wait until every queued push has been applied."""
+        for pusher in self.pushers:
+            pusher.pending.join()
+        self._raise_push_failure()
+
+    def save(self, directory: Path) -> None:
+        """Each server writes its shard to ``directory/ps-<index>.pt`` (after this worker's pushes so far)."""
+        self.flush()
+        self._all([Message("save", {"path": str(directory / f"ps-{index}.pt")})
+                   for index in range(self.placement.num_servers)])
+
+    def server_pids(self) -> list[int]:
+        return [reply.meta["pid"] for reply in self._all([Message("status", {"worker": self.worker})
+                                                           for _ in self.requests])]
+
+    def reconnect(self, server: int, address: str, restore_from: Path | None = None) -> None:
+        """Point at server ``server``'s new process (optionally telling it to load its shard file), and count
+        this worker's pushes as the restored shard does."""
+        self.requests[server].close()
+        self.pushers[server].stop()
+        self.requests[server] = Connection(address)
+        self.pushers[server] = _Pusher(address)
+        if restore_from is not None:
+            self.requests[server].request(Message("restore", {"path": str(restore_from)}))
+        status = self.requests[server].request(Message("status", {"worker": self.worker}))
+        self.pushed_to[server] = int(status.meta["applied"])
+
+    def shutdown_servers(self) -> None:
+        """Stop every server process (the last worker does this at the end of training)."""
+        self.flush()
+        self._all([Message("shutdown") for _ in self.requests])
+
+    def close(self) -> None:
+        for pusher in self.pushers:
+            pusher.stop()
+        for connection in self.requests:
+            connection.close()
+        self.pool.shutdown()
