@@ -9,13 +9,15 @@ import signal
 import socket
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from convoy.config import (
     STATE_FILE, JobConfig, MasterConfig, RendezvousConfig, WorkerConfig, check_run_dir, default_run_dir, parse_address,
     parse_nnodes,
 )
 from convoy.errors import ConfigError, ConvoyError
+from convoy.jobfile import JOB_FILE_SUFFIX, load_job_file
+from convoy.roles_config import ROLE_FLAGS, RoleCount, apply_role_counts, parse_count, parse_role_flag
 from convoy.procs import Interrupted, raise_interrupted
 
 EXIT_USAGE = 2
@@ -31,7 +33,21 @@ WORKLOAD_COMMANDS = {
 command runs, and then loads only the standard library until ``run``, so every other command starts fast."""
 
 
-def _add_worker_options(parser: argparse.ArgumentParser) -> None:
+class _ExplicitOnly:
+    """Adds each option with no default, so that a parse holds only the options a command line names (what
+    overrides a job file)."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+
+    def add_argument(self, *names: str, **options: Any) -> argparse.Action:
+        return self.parser.add_argument(*names, **{**options, "default": argparse.SUPPRESS})
+
+
+Options = argparse.ArgumentParser | _ExplicitOnly
+
+
+def _add_worker_options(parser: Options) -> None:
     parser.add_argument("--nproc-per-node", type=int, default=_WORKERS.nproc_per_node, help="worker processes per node")
     parser.add_argument("--stop-grace", type=float, default=_WORKERS.stop_grace_s,
                         help="seconds from SIGTERM to SIGKILL (default %(default)s)")
@@ -39,11 +55,13 @@ def _add_worker_options(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated modules standby workers import ahead of time ('' for none; "
                              "default %(default)s)")
     parser.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")
-    parser.add_argument("script", metavar="SCRIPT", nargs="?", default="", help="training script (or module with -m)")
+    parser.add_argument("script", metavar="SCRIPT", nargs="?", default="",
+                        help="training script (or module with -m); for `convoy run`, a path ending in .toml is a job "
+                             "file of options and [roles.NAME] tables, and flags before or after it override it")
     parser.add_argument("args", metavar="ARGS", nargs=argparse.REMAINDER, help="arguments for the script")
 
 
-def _add_master_options(parser: argparse.ArgumentParser, host: str) -> None:
+def _add_master_options(parser: Options, host: str) -> None:
     parser.add_argument("--nnodes", default="1", help="N or MIN:MAX nodes (default 1)")
     parser.add_argument("--max-restarts", type=int, default=_MASTER.max_restarts,
                         help="worker failures to survive (default %(default)s)")
@@ -66,10 +84,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The whole parser; workload commands get their options only when ``command`` names them."""
     parser = argparse.ArgumentParser(prog="convoy", description="Elastic distributed training for PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="run a job on this machine: a master and N local agents")
-    _add_master_options(run, "127.0.0.1")
-    run.add_argument("--relaunch", action="store_true", help="start an agent again when it dies")
-    _add_worker_options(run)
+    run = commands.add_parser("run", help="run a job on this machine: a master and N local agents",
+                              description=RUN_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_run_options(run)
     master = commands.add_parser("master", help="serve the control plane for agents on other hosts")
     _add_master_options(master, "0.0.0.0")
     master.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
@@ -92,6 +109,35 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         if name == command:
             importlib.import_module(module).add_arguments(workload)
     return parser
+
+
+RUN_DESCRIPTION = """\
+Run a job on this machine: a master and N local agents.
+
+  convoy run [OPTIONS] SCRIPT [ARGS...]         a script (or -m MODULE) and its arguments
+  convoy run [OPTIONS] JOB.toml [OPTIONS] [SCRIPT [ARGS...]]
+                                                 a job file: every option below, by its name with '_'
+                                                 for '-' (nproc_per_node = 2, nnodes = "1:2"), the
+                                                 script as entrypoint = "train.py" and args = [...],
+                                                 and the roles as [roles.NAME] tables (entrypoint, args,
+                                                 module, count, memory, cpus, failure_policy); a flag
+                                                 given on the command line wins over the file, and a
+                                                 SCRIPT after the file replaces its entrypoint and args.
+                                                 Paths in the file are relative to the file.
+"""
+
+
+def _add_run_options(parser: Options) -> None:
+    _add_master_options(parser, "127.0.0.1")
+    parser.add_argument("--relaunch", action="store_true", help="start an agent again when it dies")
+    parser.add_argument("--ps", default=None, metavar="N|MIN:MAX",
+                        help="parameter-server processes (the role 'ps'; default: no such role)")
+    parser.add_argument("--workers", default=None, metavar="N|MIN:MAX|auto",
+                        help="worker processes (the role 'worker'; auto: as many as fit the memory one measured "
+                             "iteration needs)")
+    parser.add_argument("--role", action="append", default=[], metavar="NAME=COUNT",
+                        help="a role and its count (N, MIN:MAX or auto), e.g. --role actor=4; repeatable")
+    _add_worker_options(parser)
 
 
 def _add_pipeline_commands(pipeline: argparse.ArgumentParser) -> None:
@@ -135,10 +181,50 @@ def _master_config(args: argparse.Namespace) -> MasterConfig:
     )
 
 
-def _run(args: argparse.Namespace) -> int:
+def _role_counts(args: argparse.Namespace) -> list[tuple[str, RoleCount, str]]:
+    """The roles the command line counts: ``--ps``, ``--workers`` and each ``--role``, with the flag as given."""
+    counts = []
+    for dest, role in ROLE_FLAGS.items():
+        value = getattr(args, dest)
+        if value is not None:
+            try:
+                counts.append((role, parse_count(value), f"--{dest} {value}"))
+            except ConfigError as exc:
+                raise ConfigError(f"--{dest} {value!r}: {exc}") from None
+    counts += [(*parse_role_flag(spec), f"--role {spec}") for spec in args.role]
+    return counts
+
+
+def _job_config(args: argparse.Namespace, run_argv: Sequence[str]) -> tuple[JobConfig, argparse.Namespace]:
+    """The job of ``convoy run``; with a job file, its options under those the command line gives."""
+    roles: tuple = ()
+    if args.script.endswith(JOB_FILE_SUFFIX) and not args.module:
+        job_file = load_job_file(Path(args.script))
+        before = _given(run_argv)  # the options before the job file; those after it come as its ARGS
+        after = _given(before.pop("args"))
+        before.pop("script")
+        if "script" not in after:
+            after.pop("args")
+        reset = {"script": "", "args": [], "ps": None, "workers": None, "role": []}  # the file's, then the flags'
+        args = argparse.Namespace(**{**vars(args), **reset, **job_file.options})
+        for given in (before, after):
+            for dest, value in given.items():
+                setattr(args, dest, [*args.role, *value] if dest == "role" else value)
+        roles = job_file.roles
+    roles = apply_role_counts(roles, _role_counts(args), job_has_script=bool(args.script))
+    return JobConfig(master=_master_config(args), workers=_worker_config(args), roles=roles), args
+
+
+def _given(argv: Sequence[str]) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="convoy run")
+    _add_run_options(_ExplicitOnly(parser))
+    return vars(parser.parse_args(argv))
+
+
+def _run(args: argparse.Namespace, run_argv: Sequence[str]) -> int:
     from convoy.control.launcher import run_local_job
 
-    config = JobConfig(master=_master_config(args), workers=_worker_config(args))
+    config, args = _job_config(args, run_argv)
     return run_local_job(config, relaunch=args.relaunch, console=_console)
 
 
@@ -256,7 +342,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((arg for arg in argv if not arg.startswith("-")), None)
     args = build_parser(command).parse_args(argv)
-    handlers = {"run": _run, "master": _master, "agent": _agent, "status": _status, "pipeline": _pipeline}
+    run_argv = argv[argv.index(command) + 1:] if command == "run" else []
+    handlers = {"run": lambda args: _run(args, run_argv), "master": _master, "agent": _agent, "status": _status,
+                "pipeline": _pipeline}
     try:
         if args.command in WORKLOAD_COMMANDS:
             return importlib.import_module(WORKLOAD_COMMANDS[args.command][0]).run(args)

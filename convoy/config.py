@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from convoy.errors import ConfigError
+from convoy.roles_config import RoleSpec, check_roles
 
 STATE_FILE = "state.db"
 """The master's SQLite state inside the run dir."""
@@ -81,31 +82,38 @@ class WorkerConfig:
     import is one of the slowest parts of a worker's start.
     """
 
-    def validate(self) -> None:
+    def validate(self, need_entrypoint: bool = True) -> None:
+        """``need_entrypoint`` False: every role of the job has its own script, so the job's may be empty."""
         if self.nproc_per_node < 1:
             raise ConfigError(f"--nproc-per-node {self.nproc_per_node}: need at least 1 worker per node")
         if self.stop_grace_s < 0:
             raise ConfigError(f"--stop-grace {self.stop_grace_s}: need seconds >= 0")
-        if not self.entrypoint:
-            raise ConfigError("no training script given: convoy run [options] SCRIPT [ARGS...]")
-        if self.module:
-            sys.path.insert(0, os.getcwd())  # where `python -m` looks first, whatever started convoy
-            try:
-                found = importlib.util.find_spec(self.entrypoint) is not None
-            except (ImportError, ValueError):
-                found = False
-            finally:
-                sys.path.remove(os.getcwd())
-            if not found:
-                raise ConfigError(f"module {self.entrypoint!r} not found: check the name and PYTHONPATH")
-            return
-        path = Path(self.entrypoint)
-        if not path.exists():
-            raise ConfigError(f"script {self.entrypoint!r} not found: give the path of a Python file")
-        if path.is_dir() and not (path / "__main__.py").is_file():
-            raise ConfigError(f"script {self.entrypoint!r} is a directory without __main__.py")
-        if path.is_file() and not os.access(path, os.R_OK):
-            raise ConfigError(f"script {self.entrypoint!r} is not readable")
+        if self.entrypoint or need_entrypoint:
+            check_entrypoint(self.entrypoint, self.module)
+
+
+def check_entrypoint(entrypoint: str, module: bool) -> None:
+    """The script (a file, or a directory with __main__.py) or module exists, before any process starts."""
+    if not entrypoint:
+        raise ConfigError("no training script given: convoy run [options] SCRIPT [ARGS...]")
+    if module:
+        sys.path.insert(0, os.getcwd())  # where `python -m` looks first, whatever started convoy
+        try:
+            found = importlib.util.find_spec(entrypoint) is not None
+        except (ImportError, ValueError):
+            found = False
+        finally:
+            sys.path.remove(os.getcwd())
+        if not found:
+            raise ConfigError(f"module {entrypoint!r} not found: check the name and PYTHONPATH")
+        return
+    path = Path(entrypoint)
+    if not path.exists():
+        raise ConfigError(f"script {entrypoint!r} not found: give the path of a Python file")
+    if path.is_dir() and not (path / "__main__.py").is_file():
+        raise ConfigError(f"script {entrypoint!r} is a directory without __main__.py")
+    if path.is_file() and not os.access(path, os.R_OK):
+        raise ConfigError(f"script {entrypoint!r} is not readable")
 
 
 @dataclass
@@ -166,13 +174,22 @@ class JobConfig:
 
     master: MasterConfig = field(default_factory=MasterConfig)
     workers: WorkerConfig = field(default_factory=WorkerConfig)
+    roles: tuple[RoleSpec, ...] = ()
+    """The job's roles; empty: one role (DEFAULT_ROLE) of every worker process, as before roles existed."""
 
     @property
     def num_agents(self) -> int:
         return self.master.rendezvous.max_nodes
 
     def validate(self) -> None:
-        self.workers.validate()
+        self.workers.validate(need_entrypoint=not self.roles or not all(role.entrypoint for role in self.roles))
+        check_roles(self.roles, job_has_script=bool(self.workers.entrypoint))
+        for role in self.roles:
+            if role.entrypoint:
+                try:
+                    check_entrypoint(role.entrypoint, role.module)
+                except ConfigError as exc:
+                    raise ConfigError(f"role {role.name!r}: {exc}") from None
         self.master.validate()
 
 
@@ -191,3 +208,4 @@ def check_run_dir(run_dir: Path) -> None:
         raise ConfigError(f"run dir {str(run_dir)!r} is not writable: {exc.strerror}") from exc
     finally:
         probe.unlink(missing_ok=True)
+
