@@ -1,0 +1,167 @@
+"""A process tree's memory, sampled every few milliseconds on a thread, and its peak kept.
+
+The peak is what the sizing model needs: USS, PSS and RSS summed over the tree, because a worker's data
+loaders and helpers count too. The limits that use these readings are in ``memory_limits.py``. Torch-free,
+no third-party imports.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+SAMPLE_INTERVAL_S = 0.005
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+_ROLLUP_FIELDS = {"Rss:": "rss", "Pss:": "pss", "Private_Clean:": "private", "Private_Dirty:": "private"}
+
+
+@dataclass(frozen=True)
+class TreeMemory:
+    """One sample of a process tree: RSS (shared pages counted in every process that maps them), USS (pages
+    only one process maps) and PSS (shared pages split among their mappers), each summed over the tree."""
+
+    rss_bytes: int = 0
+    uss_bytes: int = 0
+    pss_bytes: int = 0
+    num_processes: int = 0
+
+
+@dataclass(frozen=True)
+class MemoryPeak:
+    """The highest value of each measure over a sampling window (each measure's own maximum)."""
+
+    rss_bytes: int
+    uss_bytes: int
+    pss_bytes: int
+    num_samples: int
+    duration_s: float
+
+
+def tree_pids(root_pid: int) -> list[int]:
+    """``root_pid`` and all its descendants that are alive now (empty if the root is gone)."""
+    if not Path(f"/proc/{root_pid}").exists():
+        return []
+    found, frontier = [root_pid], [root_pid]
+    while frontier:
+        pid = frontier.pop()
+        for child in _children(pid):
+            if child not in found:
+                found.append(child)
+                frontier.append(child)
+    return found
+
+
+def _children(pid: int) -> list[int]:
+    children: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return children
+    for task in tasks:
+        try:
+            children += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+        except (OSError, ValueError):
+            continue
+    return children
+
+
+def process_memory(pid: int) -> TreeMemory:
+    """One process's RSS, USS and PSS from ``/proc/PID/smaps_rollup`` (zeros if it is gone)."""
+    totals = {"rss": 0, "pss": 0, "private": 0}
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return TreeMemory()
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0] in _ROLLUP_FIELDS:
+            totals[_ROLLUP_FIELDS[parts[0]]] += int(parts[1]) * 1024
+    return TreeMemory(totals["rss"], totals["private"], totals["pss"], 1)
+
+
+def process_rss(pid: int) -> int:
+    """One process's resident bytes from ``/proc/PID/statm`` (cheaper than smaps; 0 if it is gone)."""
+    try:
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE_BYTES
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def sample_tree(root_pid: int) -> TreeMemory:
+    """The tree's memory now: each measure summed over ``root_pid`` and its descendants."""
+    rss = uss = pss = count = 0
+    for pid in tree_pids(root_pid):
+        one = process_memory(pid)
+        rss, uss, pss, count = rss + one.rss_bytes, uss + one.uss_bytes, pss + one.pss_bytes, count + one.num_processes
+    return TreeMemory(rss, uss, pss, count)
+
+
+class TreeSampler:
+    """Samples a process tree on a thread of its own and keeps the peak of each measure.
+
+    ``window()`` returns the peak since the last call and starts a new window, so the agent can measure
+    exactly one iteration: call it when the iteration starts and again when it ends.
+    """
+
+    def __init__(self, root_pid: int, interval_s: float = SAMPLE_INTERVAL_S) -> None:
+        self.root_pid, self.interval_s = root_pid, interval_s
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.latest = TreeMemory()
+        self._reset_window()
+
+    def _reset_window(self) -> None:
+        self._rss = self._uss = self._pss = self._samples = 0
+        self._window_start = time.monotonic()
+
+    def start(self) -> TreeSampler:
+        self._thread = threading.Thread(target=self._run, name=f"memory-sampler-{self.root_pid}", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample_once()
+            self._stop.wait(self.interval_s)
+
+    def sample_once(self) -> TreeMemory:
+        """Take one sample now (the thread calls this; a caller may too, e.g. right before reading a peak)."""
+        sample = sample_tree(self.root_pid)
+        with self._lock:
+            self.latest = sample
+            if sample.num_processes:
+                self._rss, self._uss = max(self._rss, sample.rss_bytes), max(self._uss, sample.uss_bytes)
+                self._pss = max(self._pss, sample.pss_bytes)
+                self._samples += 1
+        return sample
+
+    @property
+    def alive(self) -> bool:
+        return self.latest.num_processes > 0 or Path(f"/proc/{self.root_pid}").exists()
+
+    def peak(self) -> MemoryPeak:
+        with self._lock:
+            return MemoryPeak(self._rss, self._uss, self._pss, self._samples, time.monotonic() - self._window_start)
+
+    def window(self) -> MemoryPeak:
+        """The peak of the window that ends now; a new window starts."""
+        with self._lock:
+            peak = MemoryPeak(self._rss, self._uss, self._pss, self._samples, time.monotonic() - self._window_start)
+            self._reset_window()
+        return peak
+
+    def stop(self) -> MemoryPeak:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        return self.peak()
+
+    def __enter__(self) -> TreeSampler:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
