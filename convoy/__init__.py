@@ -10,13 +10,15 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["Checkpointer", "Context", "exit_without_teardown", "init"]
+__all__ = ["Checkpointer", "Context", "RoleInfo", "exit_without_teardown", "init", "role"]
 
 _LAZY = {
     "init": "convoy.runtime.init",
     "Context": "convoy.runtime.init",
     "Checkpointer": "convoy.runtime.checkpoint",
     "exit_without_teardown": "convoy.procs",
+    "role": "convoy.role_env",
+    "RoleInfo": "convoy.role_env",
 }
 
 

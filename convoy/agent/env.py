@@ -9,6 +9,8 @@ import socket
 import struct
 from typing import TYPE_CHECKING
 
+from convoy.role_env import DEFAULT_ROLE, role_env
+
 if TYPE_CHECKING:
     from convoy.control.protocol import MemberInfo, RoundInfo
 
@@ -65,9 +67,7 @@ def worker_env(
         "LOCAL_WORLD_SIZE": str(member.nproc),
         "GROUP_RANK": str(member.node_rank),
         "GROUP_WORLD_SIZE": str(len(round_info.members)),
-        "ROLE_NAME": "default",
-        "ROLE_RANK": str(rank),
-        "ROLE_WORLD_SIZE": str(round_info.world_size),
+        **role_env(DEFAULT_ROLE, rank, round_info.world_size, {}),
         "MASTER_ADDR": round_info.master_addr,
         "MASTER_PORT": str(round_info.master_port),
         "TORCHELASTIC_RESTART_COUNT": restart_count,
