@@ -77,6 +77,7 @@ class PSClient:
             raise ConfigError(f"the placement has {placement.num_servers} parameter servers but "
                               f"{len(addresses)} addresses were given; pass one address per server")
         self.placement, self.worker, self.staleness = placement, worker, staleness
+        self.addresses = list(addresses)
         self.requests = [Connection(address) for address in addresses]
         self.pushers = [_Pusher(address) for address in addresses]
         self.pushed = 0
@@ -191,6 +192,7 @@ class PSClient:
     def reconnect(self, server: int, address: str, restore_from: Path | None = None) -> None:
         """Point at server ``server``'s new process (optionally telling it to load its shard file), and count
         this worker's pushes as the restored shard does."""
+        self.addresses[server] = address
         self.requests[server].close()
         self.pushers[server].stop()
         self.requests[server] = Connection(address)
