@@ -114,16 +114,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 RUN_DESCRIPTION = """\
 Run a job on this machine: a master and N local agents.
 
-  convoy run [OPTIONS] SCRIPT [ARGS...]         a script (or -m MODULE) and its arguments
+  convoy run [OPTIONS] SCRIPT [ARGS...]
   convoy run [OPTIONS] JOB.toml [OPTIONS] [SCRIPT [ARGS...]]
-                                                 a job file: every option below, by its name with '_'
-                                                 for '-' (nproc_per_node = 2, nnodes = "1:2"), the
-                                                 script as entrypoint = "train.py" and args = [...],
-                                                 and the roles as [roles.NAME] tables (entrypoint, args,
-                                                 module, count, memory, cpus, failure_policy); a flag
-                                                 given on the command line wins over the file, and a
-                                                 SCRIPT after the file replaces its entrypoint and args.
-                                                 Paths in the file are relative to the file.
+
+A SCRIPT whose name ends in .toml (without -m) is a job file: the options below by their names with
+'_' for '-' (nproc_per_node = 2, nnodes = "1:2", ps = 2, workers = "auto"), the script as
+entrypoint = "train.py" with args = [...], and the roles as [roles.NAME] tables (entrypoint, args,
+module, count, memory, cpus, failure_policy). Flags before or after the file override it, and a
+SCRIPT after it replaces its entrypoint and args. Paths in the file are relative to the file.
+--ps, --workers and --role set a role's count (N, MIN:MAX or auto), over the file's.
 """
 
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
 
-from convoy.cli import _master_config, _worker_config, build_parser, main
+from convoy.cli import _job_config, _master_config, _worker_config, build_parser, main
+from convoy.config import JobConfig
+from convoy.errors import ConfigError
+from convoy.roles_config import RoleCount, RoleSpec
 
 
 def test_everything_after_the_script_belongs_to_the_script() -> None:
@@ -57,3 +61,97 @@ def test_a_bad_regroup_budget_is_one_error_line_naming_the_flag(capsys: pytest.C
     assert main(["run", "--max-regroups", "0", "--run-dir", str(tmp_path / "r"), str(script)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("convoy: error: --max-regroups 0")
+
+
+def job_file(tmp_path: Path, text: str) -> Path:
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "other.py").write_text("")
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return path
+
+
+def job_config(argv: list[str]) -> tuple[JobConfig, argparse.Namespace]:
+    return _job_config(build_parser("run").parse_args(argv), argv[1:])
+
+
+JOB = """\
+entrypoint = "train.py"
+args = ["--lr", "0.1"]
+nnodes = "1:2"
+nproc_per_node = 2
+max_restarts = 3
+relaunch = true
+
+[roles.worker]
+count = 2
+memory = "1GiB"
+"""
+
+
+def test_a_job_file_gives_the_options_and_roles(tmp_path: Path) -> None:
+    config, args = job_config(["run", str(job_file(tmp_path, JOB))])
+    assert (config.workers.entrypoint, config.workers.args) == (str(tmp_path / "train.py"), ["--lr", "0.1"])
+    assert (config.master.rendezvous.min_nodes, config.master.rendezvous.max_nodes) == (1, 2)
+    assert (config.workers.nproc_per_node, config.master.max_restarts, args.relaunch) == (2, 3, True)
+    assert config.roles == (RoleSpec("worker", count=RoleCount(2, 2), memory_bytes=1 << 30),)
+
+
+def test_flags_before_and_after_the_job_file_override_it(tmp_path: Path) -> None:
+    path = str(job_file(tmp_path, JOB))
+    config, _ = job_config(["run", "--nnodes", "1", "--max-restarts", "9", path, "--nproc-per-node", "4",
+                            "--max-restarts", "7", "--workers", "auto", "--role", "ps=2"])
+    assert (config.master.rendezvous.min_nodes, config.master.rendezvous.max_nodes) == (1, 1), "--nnodes 1 is given"
+    assert (config.workers.nproc_per_node, config.master.max_restarts) == (4, 7), "the later flag wins"
+    assert config.workers.entrypoint == str(tmp_path / "train.py")
+    assert [(role.name, str(role.count), role.memory_bytes) for role in config.roles] == [
+        ("worker", "auto", 1 << 30), ("ps", "2", None)], "a flag changes a declared role's count only"
+
+
+def test_a_script_after_the_job_file_replaces_its_entrypoint_and_args(tmp_path: Path) -> None:
+    path = str(job_file(tmp_path, JOB))
+    config, _ = job_config(["run", path, "--stop-grace", "1", str(tmp_path / "other.py"), "--epochs", "2"])
+    assert (config.workers.entrypoint, config.workers.args) == (str(tmp_path / "other.py"), ["--epochs", "2"])
+    assert config.workers.stop_grace_s == 1.0
+
+
+def test_role_flags_without_a_job_file() -> None:
+    config, _ = job_config(["run", "--ps", "2", "--workers", "auto", "--role", "evaluator=1", "train.py"])
+    assert [(role.name, str(role.count), role.failure_policy) for role in config.roles] == [
+        ("ps", "2", "restore-one"), ("worker", "auto", "restart-one"), ("evaluator", "1", "restart-job")]
+
+
+def test_a_job_without_roles_is_as_before() -> None:
+    config, args = job_config(["run", "--nnodes", "2", "--nproc-per-node", "2", "--run-dir", "r", "train.py", "--x"])
+    assert config.roles == ()
+    assert config == JobConfig(master=_master_config(args), workers=_worker_config(args))
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["run", "--ps", "0", "s.py"], "--ps '0': count 0: need at least 1"),
+    (["run", "--workers", "4:2", "s.py"], "--workers '4:2': count 4:2: MIN 4 > MAX 2"),
+    (["run", "--role", "actor", "s.py"], "--role 'actor' is not NAME=COUNT"),
+    (["run", "--workers", "2", "--role", "worker=3", "s.py"], "role 'worker' given twice: by --workers 2 and by "
+                                                              "--role worker=3"),
+    (["run", "--workers", "4"], "--workers 4: no worker role possible"),
+])
+def test_bad_role_flags_name_the_flag(argv: list[str], expected: str) -> None:
+    with pytest.raises(ConfigError, match=expected):
+        job_config(argv)
+
+
+def test_a_bad_job_file_is_one_line_naming_file_line_and_key(capsys: pytest.CaptureFixture[str],
+                                                            tmp_path: Path) -> None:
+    path = job_file(tmp_path, 'entrypoint = "train.py"\n\n[roles.worker]\nmem = "1GiB"\n')
+    assert main(["run", "--run-dir", str(tmp_path / "r"), str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"convoy: error: {path}:4: unknown key 'mem' in [roles.worker]: did you mean 'memory'? " \
+                  "a role takes entrypoint, args, module, count, memory, cpus, failure_policy\n"
+    assert not (tmp_path / "r").exists(), "nothing started, not even the run dir"
+
+
+def test_the_run_help_tells_how_to_give_a_job_file(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    out = capsys.readouterr().out
+    assert "JOB.toml" in out and "[roles.NAME]" in out and "--workers" in out and "--role" in out

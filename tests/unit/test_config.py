@@ -12,12 +12,14 @@ from convoy.config import (
     MasterConfig,
     RendezvousConfig,
     WorkerConfig,
+    check_entrypoint,
     check_run_dir,
     default_run_dir,
     parse_address,
     parse_nnodes,
 )
 from convoy.errors import ConfigError, ConvoyError
+from convoy.roles_config import RoleCount, RoleSpec
 
 
 @pytest.mark.parametrize(("spec", "expected"), [
@@ -172,3 +174,45 @@ def test_control_plane_does_not_import_torch() -> None:
             "convoy.agent.workers; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_job_declares_no_roles_unless_asked() -> None:
+    assert JobConfig().roles == (), "no roles: every worker is one of today's single default role"
+
+
+def test_roles_with_their_own_scripts_need_no_job_script(tmp_path: Path) -> None:
+    (tmp_path / "ps.py").write_text("")
+    (tmp_path / "worker.py").write_text("")
+    roles = (RoleSpec("ps", entrypoint=str(tmp_path / "ps.py")),
+             RoleSpec("worker", entrypoint=str(tmp_path / "worker.py")))
+    JobConfig(master=master_config(tmp_path), workers=WorkerConfig(), roles=roles).validate()
+
+
+@pytest.mark.parametrize(("roles", "expected"), [
+    ((RoleSpec("ps", entrypoint="/nonexistent/ps.py"),), "role 'ps': script '/nonexistent/ps.py' not found"),
+    ((RoleSpec("ps", entrypoint="no_such_module_xyz", module=True),), "role 'ps': module 'no_such_module_xyz'"),
+    ((RoleSpec("ps"), RoleSpec("ps")), "role 'ps' given twice"),
+    ((RoleSpec("worker", count=RoleCount(0, 0)),), "role 'worker': count 0"),
+    ((RoleSpec("worker", cpus=-1.0),), "role 'worker': cpus -1.0"),
+])
+def test_job_config_checks_its_roles(tmp_path: Path, roles: tuple[RoleSpec, ...], expected: str) -> None:
+    with pytest.raises(ConfigError, match=expected):
+        JobConfig(master=master_config(tmp_path), workers=worker_config(tmp_path), roles=roles).validate()
+
+
+def test_a_role_without_a_script_needs_the_jobs(tmp_path: Path) -> None:
+    (tmp_path / "ps.py").write_text("")
+    roles = (RoleSpec("ps", entrypoint=str(tmp_path / "ps.py")), RoleSpec("worker"))
+    with pytest.raises(ConfigError, match="no training script given"):
+        JobConfig(master=master_config(tmp_path), workers=WorkerConfig(), roles=roles).validate()
+    JobConfig(master=master_config(tmp_path), workers=worker_config(tmp_path), roles=roles).validate()
+
+
+@pytest.mark.parametrize(("entrypoint", "module", "expected"), [
+    ("", False, "no training script given"), ("/nonexistent/x.py", False, "script '/nonexistent/x.py' not found"),
+    ("no_such_module_xyz", True, "module 'no_such_module_xyz' not found"),
+])
+def test_check_entrypoint_is_the_one_check_of_every_script(entrypoint: str, module: bool, expected: str) -> None:
+    with pytest.raises(ConfigError, match=expected):
+        check_entrypoint(entrypoint, module)
+    check_entrypoint("json.tool", True)
