@@ -28,7 +28,8 @@ class RankSnapshots:
 
     ``capture(step)`` gives the state to save, ``stable()`` the storage that only ``optimizer.step()``
     changes (copied in the background when ``background``), ``fallback`` what protects progress once
-    snapshots are off (said with the reason)."""
+    snapshots are off (said with the reason). The caller waits for ``copies`` before each call that
+    writes or drops the segment (``take``, ``check_space``, ``disable``): the background copy writes into it."""
 
     def __init__(self, file: SnapshotFile | None, *, rank: int, capture: Callable[[int], dict[str, Any]],
                  stable: Callable[[], set[int]], copies: BackgroundCopy, fence: Fence, say: Callable[[str], None],

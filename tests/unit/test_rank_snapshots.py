@@ -112,9 +112,10 @@ def test_a_larger_state_grows_the_slots(tmp_path: Path) -> None:
 
 def test_no_room_for_the_model_turns_snapshots_off_once_with_the_reason(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    live, said = Weights(), []
-    snapshots = _snapshots(tmp_path / "segment", live, said=said)
+    live, said, copies = Weights(), [], BackgroundCopy()
+    snapshots = _snapshots(tmp_path / "segment", live, said=said, copies=copies)
     snapshots.take(0)
+    copies.wait()  # as the Checkpointer does before it touches the segment again
     assert (tmp_path / "segment").exists()
     snapshots.check_space(1 << 60)
     assert not snapshots.enabled and not (tmp_path / "segment").exists()

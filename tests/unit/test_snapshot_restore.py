@@ -114,6 +114,7 @@ def test_the_newest_whole_step_wins(tmp_path: Path, group: dist.ProcessGroup) ->
     for step in (3, 4):
         rig.take(step)
     assert rig.restore.restore() == Restored(4, "in-memory snapshot of step 4")
+    rig.copies.wait()
 
 
 def test_a_snapshot_of_another_shape_is_not_used(tmp_path: Path, group: dist.ProcessGroup) -> None:
@@ -168,6 +169,7 @@ def _two_ranks(rank: int, store: str, segments: str, results: str) -> None:
         writer.take(2 - rank)  # rank 0 holds step 2, rank 1 step 1
         again = _rig(Path(segments) / f"apart{rank}", _trained(steps=0), group, rank=rank, peer_sets=alone)
         restored = again.restore.restore()
+        again.copies.wait()
         said["apart"] = restored.step if restored else None
         said["apart_source"] = restored.source if restored else None
         said["apart_logged"] = again.logged
