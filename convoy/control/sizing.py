@@ -1,11 +1,15 @@
 """A worker's memory predicted from ONE measured iteration of the chief, with a margin learnt from the errors.
 
-The model: a worker's peak memory is its process baseline (interpreter, imports, data pipeline, measured on the
-chief's tree before the model was built) + the model state it holds (parameters, gradients, optimizer state) +
-the activations and temporaries of one iteration, which grow with the bytes of the batch (batch size x bytes
-per sample). One iteration of the chief gives the activation bytes per batch byte:
-``(peak - baseline - chief state) / (chief batch bytes)``; a worker's prediction scales that by its own batch
-bytes. The limit adds a margin learnt from how far measured peaks have missed earlier predictions
+The model: a worker's peak is its process baseline (interpreter, imports, data pipeline: the chief's tree
+sampled before the model was built) + the model state it holds (parameters, gradients, optimizer state) + a
+runtime overhead that does not depend on the batch (kernels' code pages, allocator arenas, lazy buffers) + the
+activations and temporaries of an iteration, which grow with the batch's bytes (batch size x bytes per
+sample). The chief's iteration gives ``rest = peak - baseline - chief state``. Where the runtime also measured
+the batch-dependent bytes of that iteration (``activation_bytes``), the rest splits into overhead and
+activations and only the activations scale to the worker's batch; where it did not, one iteration cannot
+split them, so the rest scales up for a larger batch and is kept whole for a smaller one (the safe side of
+each). A worker with the chief's batch is predicted at the chief's peak either way. The limit adds a margin
+learnt from how far measured peaks (the chief's own later iterations included) missed their predictions
 (``MarginModel``), not a fixed percentage. Pure: no I/O.
 """
 
@@ -62,9 +66,14 @@ class MeasuredIteration:
     peak_uss_bytes: int
     baseline_rss_bytes: int
     baseline_uss_bytes: int
+    activation_bytes: int | None = None
+    """The iteration's bytes that grow with the batch, where the runtime measured them; None: unknown."""
 
     def validate(self) -> None:
         self.shape.validate("the measured iteration")
+        if self.activation_bytes is not None and self.activation_bytes < 0:
+            raise ConfigError(f"the measured iteration: activation_bytes is {self.activation_bytes}; it cannot be "
+                              "negative")
         for name in ("peak_rss_bytes", "peak_uss_bytes", "baseline_rss_bytes", "baseline_uss_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"the measured iteration: {name} is {getattr(self, name)}; it cannot be negative")
@@ -88,6 +97,7 @@ class MemoryPrediction:
     """The chief's measured peak this prediction scales (quoted when a limit is refused)."""
     baseline_rss_bytes: int
     state_bytes: int
+    overhead_rss_bytes: int
     activation_rss_bytes: int
 
 
@@ -97,14 +107,26 @@ def predict(measured: MeasuredIteration, worker: IterationShape, margin: float) 
     worker.validate("the worker")
     if margin < 0:
         raise ConfigError(f"margin is {margin}; it cannot be negative")
-    chief, scale = measured.shape, worker.batch_bytes / measured.shape.batch_bytes
-    activation_rss = max(0, measured.peak_rss_bytes - measured.baseline_rss_bytes - chief.state_bytes)
-    activation_uss = max(0, measured.peak_uss_bytes - measured.baseline_uss_bytes - chief.state_bytes)
+    scale = worker.batch_bytes / measured.shape.batch_bytes
+    overhead_rss, activation_rss = _split(measured, measured.peak_rss_bytes - measured.baseline_rss_bytes)
+    overhead_uss, activation_uss = _split(measured, measured.peak_uss_bytes - measured.baseline_uss_bytes)
+    if measured.activation_bytes is None:
+        scale = max(1.0, scale)
     worker_activation_rss = math.ceil(activation_rss * scale)
-    rss = measured.baseline_rss_bytes + worker.state_bytes + worker_activation_rss
-    uss = measured.baseline_uss_bytes + worker.state_bytes + math.ceil(activation_uss * scale)
+    rss = measured.baseline_rss_bytes + worker.state_bytes + overhead_rss + worker_activation_rss
+    uss = measured.baseline_uss_bytes + worker.state_bytes + overhead_uss + math.ceil(activation_uss * scale)
     return MemoryPrediction(rss, uss, margin, _pages(rss * (1 + margin)), measured.peak_rss_bytes,
-                            measured.baseline_rss_bytes, worker.state_bytes, worker_activation_rss)
+                            measured.baseline_rss_bytes, worker.state_bytes, overhead_rss, worker_activation_rss)
+
+
+def _split(measured: MeasuredIteration, above_baseline: int) -> tuple[int, int]:
+    """The chief's memory above its baseline and state, as (overhead, activations); all activations where the
+    runtime did not measure them."""
+    rest = max(0, above_baseline - measured.shape.state_bytes)
+    if measured.activation_bytes is None:
+        return 0, rest
+    activations = min(measured.activation_bytes, rest)
+    return rest - activations, activations
 
 
 @dataclass

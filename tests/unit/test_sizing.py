@@ -25,17 +25,32 @@ def test_a_worker_like_the_chief_is_predicted_at_the_chiefs_peak() -> None:
     assert prediction.activation_rss_bytes == 200 * MIB and prediction.baseline_rss_bytes == 300 * MIB
 
 
-def test_activations_scale_with_the_batch_bytes_and_state_is_the_workers_own() -> None:
+def test_measured_activations_scale_with_the_batch_bytes_and_the_overhead_does_not() -> None:
+    measured = MeasuredIteration(CHIEF, 900 * MIB, 700 * MIB, 300 * MIB, 150 * MIB, activation_bytes=50 * MIB)
     bigger = IterationShape(state_bytes=100 * MIB, batch_size=1024, sample_bytes=512)  # twice the batch bytes
-    prediction = predict(MEASURED, bigger, margin=0.1)
-    assert prediction.rss_bytes == (300 + 100 + 400) * MIB
-    assert prediction.uss_bytes == (150 + 100 + 300) * MIB
+    prediction = predict(measured, bigger, margin=0.1)
+    assert prediction.overhead_rss_bytes == 150 * MIB and prediction.activation_rss_bytes == 100 * MIB
+    assert prediction.rss_bytes == (300 + 100 + 150 + 100) * MIB
+    assert prediction.uss_bytes == (150 + 100 + 100 + 100) * MIB
     assert prediction.limit_bytes >= prediction.rss_bytes * 1.1 and prediction.limit_bytes % 4096 == 0
+    smaller = IterationShape(state_bytes=400 * MIB, batch_size=64, sample_bytes=1024)
+    assert predict(measured, smaller, 0.0).rss_bytes == (300 + 400 + 150) * MIB + 50 * MIB // 4
+
+
+def test_without_measured_activations_the_rest_scales_up_never_down() -> None:
+    bigger = IterationShape(state_bytes=100 * MIB, batch_size=1024, sample_bytes=512)
+    assert predict(MEASURED, bigger, 0.0).rss_bytes == (300 + 100 + 400) * MIB
+    smaller = IterationShape(state_bytes=400 * MIB, batch_size=16, sample_bytes=1024)
+    assert predict(MEASURED, smaller, 0.0).rss_bytes == 900 * MIB, "a smaller batch keeps the chief's peak"
 
 
 def test_a_peak_below_baseline_plus_state_predicts_no_activations() -> None:
     odd = MeasuredIteration(CHIEF, 500 * MIB, 400 * MIB, 300 * MIB, 150 * MIB)
     assert predict(odd, CHIEF, 0.0).rss_bytes == 700 * MIB
+
+
+EXACT = MeasuredIteration(CHIEF, 900 * MIB, 700 * MIB, 300 * MIB, 150 * MIB, activation_bytes=200 * MIB)
+"""The chief's iteration of the stand-in process below, its activations measured."""
 
 
 def _true_peak(shape: IterationShape, rng: random.Random, noise: float) -> int:
@@ -50,7 +65,7 @@ def test_the_margin_starts_from_a_small_prior_and_learns_the_measured_spread() -
     assert model.margin() < 0.5, "not DLRover's fixed +50%"
     for _ in range(200):
         shape = IterationShape(rng.randint(50, 800) * MIB, rng.choice([64, 256, 1024, 4096]), 1024)
-        model.record(predict(MEASURED, shape, model.margin()).rss_bytes, _true_peak(shape, rng, noise=0.005))
+        model.record(predict(EXACT, shape, model.margin()).rss_bytes, _true_peak(shape, rng, noise=0.005))
     assert MIN_MARGIN <= model.margin() < 0.03, "precise predictions shrink the margin"
     model.record(1000 * MIB, 1200 * MIB)
     assert model.margin() >= 0.2 - 1e-9, "never below the worst underestimate seen"
@@ -61,7 +76,7 @@ def test_a_noisier_process_gets_a_wider_margin_and_limits_cover_its_peaks() -> N
     covered = 0
     for _ in range(300):
         shape = IterationShape(rng.randint(50, 800) * MIB, rng.choice([64, 512, 4096]), 2048)
-        prediction = predict(MEASURED, shape, model.margin())
+        prediction = predict(EXACT, shape, model.margin())
         peak = _true_peak(shape, rng, noise=0.03)
         covered += peak <= prediction.limit_bytes
         model.record(prediction.rss_bytes, peak)
@@ -115,6 +130,7 @@ def test_workers_are_placed_where_they_fit() -> None:
     (MeasuredIteration(CHIEF, 0, 0, 0, 0), CHIEF, "no memory sample"),
     (MeasuredIteration(CHIEF, 10, 20, 0, 0), CHIEF, "inconsistent"),
     (MeasuredIteration(CHIEF, 10, 5, -1, 0), CHIEF, "negative"),
+    (MeasuredIteration(CHIEF, 10, 5, 0, 0, activation_bytes=-3), CHIEF, "activation_bytes"),
 ])
 def test_bad_measurements_and_shapes_are_refused(measured, worker, words: str) -> None:
     with pytest.raises(ConfigError, match=words):
