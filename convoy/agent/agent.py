@@ -14,6 +14,7 @@ from pathlib import Path
 
 from convoy.agent.client import MasterClient
 from convoy.agent.reap import NodeCgroup, reap
+from convoy.agent.role_procs import JobContext, RoleProcesses
 from convoy.agent.workers import Worker, WorkerGroup
 from convoy.config import WorkerConfig
 from convoy.control import protocol as p
@@ -57,6 +58,8 @@ class _Heartbeat(threading.Thread):
         self.lease: LeaseWriter | None = None
         self.running: p.RoundInfo | None = None
         """The round this node's workers run in; each heartbeat of it renews their lease."""
+        self.orders: queue.SimpleQueue[tuple[list[p.RoleAssignment], list[p.RoleStop]]] = queue.SimpleQueue()
+        """What the master's replies asked of a job of roles, for the main loop to carry out."""
 
     def run(self) -> None:
         while not self.stopping.is_set():
@@ -71,6 +74,9 @@ class _Heartbeat(threading.Thread):
                 self.changed.set()
                 return
             self._renew(reply, sent_at)
+            if reply.assignments or reply.stops:
+                self.orders.put((reply.assignments, reply.stops))
+                self.changed.set()
             known = (self.latest.round_id, self.latest.job_status) if self.latest else None
             if known != (reply.round_id, reply.job_status):
                 self.latest = reply
@@ -105,6 +111,7 @@ class Agent:
         self._asked_at = 0.0
         self._held_port: socket.socket | None = None
         """Bound to the port this node offered as MASTER_PORT, from its join until its workers start."""
+        self._role_processes: RoleProcesses | None = None
 
     def run(self) -> int:
         previous = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -122,6 +129,8 @@ class Agent:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             self.heartbeat.stopping.set()
             self._revoke()
+            if self._role_processes is not None:
+                self._role_processes.stop_all()
             self.group.close()
             if self.heartbeat.lease is not None:
                 self.heartbeat.lease.close()
@@ -136,7 +145,7 @@ class Agent:
             round_info = self._rendezvous()
             if round_info is None:
                 return self._job_exit_code()
-            ended = self._run_round(round_info)
+            ended = self._run_roles() if round_info.roles else self._run_round(round_info)
             if ended:
                 return self._job_exit_code()
 
@@ -214,6 +223,50 @@ class Agent:
                 self.group.refill_when_idle()
             self.heartbeat.changed.wait(POLL_S)
             self.heartbeat.changed.clear()
+
+    def _run_roles(self) -> bool:
+        """A job of roles: run the processes the master assigns until the job ends (its round only gathered
+        the nodes; the roles share no torch.distributed world)."""
+        self._release_port()
+        self.group.close()  # no worker per local rank: the standbys are not needed
+        context = JobContext(self._job_id, self.config.node_id, self.config.host, self.config.run_dir, self.master_url)
+        processes = self._role_processes = RoleProcesses(self.config.workers, context, self.group.cgroup)
+        while True:
+            if self.heartbeat.error is not None:
+                raise self.heartbeat.error
+            latest = self.heartbeat.latest
+            if latest is not None and latest.job_status != "running":
+                self._final_status = latest.job_status
+                processes.stop_all()
+                return True
+            self._carry_out_orders(processes)
+            for _, report in processes.poll():
+                self.client.call("/role_report", report, p.Ack)
+            self.heartbeat.changed.wait(POLL_S)
+            self.heartbeat.changed.clear()
+
+    def _carry_out_orders(self, processes: RoleProcesses) -> None:
+        """Stops first (a rank's old process may hold the port its new one gets), then starts, each reported."""
+        while True:
+            try:
+                assignments, stops = self.heartbeat.orders.get_nowait()
+            except queue.Empty:
+                return
+            for stop in stops:
+                processes.stop(stop)
+            for assignment in assignments:
+                report = p.RoleReport(node_id=self.config.node_id, role=assignment.role, rank=assignment.rank,
+                                      incarnation=assignment.incarnation, state="started")
+                try:
+                    process = processes.start(assignment)
+                except (WorkerStartError, OSError) as exc:
+                    print(f"convoy agent {self.config.node_id}: {exc}", file=sys.stderr, flush=True)
+                    report.state, report.start_failed, report.log_tail = "exited", True, [str(exc)]
+                else:
+                    if process is None:
+                        continue  # started already: this was a repeat of the assignment
+                    report.address = process.address
+                self.client.call("/role_report", report, p.Ack)
 
     def _forward_events(self, round_info: p.RoundInfo, most: int = 20) -> None:
         """Send the master what the workers recorded (a few per pass: training comes first)."""

@@ -63,9 +63,10 @@ class LogPump(threading.Thread):
         self._log_error = ""
         self._next_open_at = 0.0
 
-    def assign(self, rank: int, log_path: Path) -> None:
+    def assign(self, rank: int, log_path: Path, label: str = "") -> None:
+        """``label``: the console prefix's name (a role process's ``ps0``); default ``rank<N>``."""
         with self._lock:
-            self._prefix = f"[rank{rank}]: ".encode()  # torch prefixes its own errors the same way
+            self._prefix = f"[{label or f'rank{rank}'}]: ".encode()  # torch prefixes its own errors the same way
             self.rank = rank
             self.log_path = str(log_path)
             self._assigned = True

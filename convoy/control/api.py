@@ -34,6 +34,8 @@ ENDPOINTS: dict[str, tuple[type[BaseModel] | None, type[BaseModel] | None, str]]
     "/event": (p.WorkerEvent, p.Ack, "a worker recorded an event"),
     "/node_done": (p.NodeDone, p.Ack, "all workers of a node finished"),
     "/leave": (p.LeaveRequest, p.Ack, "a node leaves the job"),
+    "/role_report": (p.RoleReport, p.Ack, "a role process started (its address) or exited (its code)"),
+    "/scale": (p.ScaleRequest, p.Ack, "run COUNT processes of a role (409 if the role cannot take it)"),
     "/abort": (p.AbortRequest, p.Ack, "end the job as failed"),
     "/status": (None, None, "the job's status"),
     "/openapi.json": (None, None, "this API's OpenAPI schema"),
@@ -51,6 +53,8 @@ class Routed(Protocol):
     def worker_event(self, report: p.WorkerEvent) -> p.Ack: ...
     def node_done(self, req: p.NodeDone) -> p.Ack: ...
     def leave(self, req: p.LeaveRequest) -> p.Ack: ...
+    def role_report(self, report: p.RoleReport) -> p.Ack: ...
+    def scale(self, req: p.ScaleRequest) -> p.Ack: ...
     def abort(self, reason: str) -> None: ...
     def status(self) -> dict[str, Any]: ...
     def unauthorized(self, client: str, path: str) -> None: ...
@@ -66,7 +70,7 @@ def _routes(master: Routed) -> dict[str, tuple[type[BaseModel] | None, Callable[
     calls: dict[str, Callable[[Any], Any]] = {
         "/join": master.join, "/wait": master.wait, "/heartbeat": master.heartbeat,
         "/worker_exit": master.worker_exit, "/event": master.worker_event, "/node_done": master.node_done,
-        "/leave": master.leave,
+        "/leave": master.leave, "/role_report": master.role_report, "/scale": master.scale,
         "/abort": lambda req: master.abort(req.reason) or p.Ack(), "/status": lambda _: master.status(),
         "/openapi.json": lambda _: openapi_schema(),
     }

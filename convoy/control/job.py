@@ -144,6 +144,10 @@ class Job:
         self.rendezvous.leave(node_id, now)
         return [Event("node_left", f"node {node_id} {why}", node_id, self.round_id)]
 
+    def succeed(self, outcome: str) -> list[Event]:
+        """End a running job as succeeded on another part's word (a job of roles: every role finished)."""
+        return self._end(SUCCEEDED, outcome) if self.status == RUNNING else []
+
     def abort(self, reason: str) -> list[Event]:
         """End a running job from outside (Ctrl-C, every agent gone)."""
         return self._end(FAILED, reason) if self.status == RUNNING else []

@@ -29,6 +29,7 @@ CHILD_EXIT_GRACE_S = 5.0
 MAX_MASTER_RESTARTS = 5
 EXIT_USAGE = 2
 POLL_S = 0.05
+MASTER_END_WAIT_S = 1.0
 
 
 def _describe(returncode: int) -> str:
@@ -49,8 +50,17 @@ def run_local_job(config: JobConfig, relaunch: bool = False, console: Callable[[
     previous = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
     started = time.monotonic()
     try:
-        console(f"convoy: job {config.master.job_id}: {config.num_agents} nodes x {config.workers.nproc_per_node} "
-                f"workers, max restarts {config.master.max_restarts}, run dir {run_dir}")
+        if config.roles:  # the master runs them; it ends the job when every role has finished
+            from convoy.control.role_master import save_roles
+
+            save_roles(run_dir, config.roles)
+            roles = ", ".join(f"{role.name} x{role.count}" for role in config.roles)
+            console(f"convoy: job {config.master.job_id}: roles {roles} on {config.num_agents} node(s), max restarts "
+                    f"{config.master.max_restarts} per role, run dir {run_dir}")
+        else:
+            console(f"convoy: job {config.master.job_id}: {config.num_agents} nodes x "
+                    f"{config.workers.nproc_per_node} workers, max restarts {config.master.max_restarts}, "
+                    f"run dir {run_dir}")
         scheduler.start_master(resume=False)
         for index in range(config.num_agents):
             scheduler.start_node(f"local{index}")
@@ -95,6 +105,8 @@ def _supervise(scheduler: LocalScheduler, client: MasterClient, relaunch: bool, 
             scheduler.start_master(resume=has_state)
         for node_id, agent_code in scheduler.newly_exited():
             reap(scheduler.config.master.job_id, node_id)  # an agent killed outright leaves its workers' children
+            if agent_code in (0, 1) and _master_ends(scheduler):
+                continue  # it heard the job's end (a master on its way out would only be retried in vain)
             _report_lost(client, node_id, _describe(agent_code))
             if relaunch and agent_code == EXIT_USAGE:  # refused (e.g. excluded): starting it again cannot help
                 console(f"convoy: agent of node {node_id} exited with a usage error; not relaunching it")
@@ -107,6 +119,14 @@ def _supervise(scheduler: LocalScheduler, client: MasterClient, relaunch: bool, 
             left = "every agent exited before the job ended" if running == 0 else f"only {running} node(s) left"
             _abort(client, f"{left}, fewer than --nnodes MIN={min_nodes}, and --relaunch is off; see the lines above")
         time.sleep(POLL_S)
+
+
+def _master_ends(scheduler: LocalScheduler) -> bool:
+    """Whether the master exits within a moment (an agent that exited 0 or 1 may have heard the job end)."""
+    deadline = time.monotonic() + MASTER_END_WAIT_S
+    while scheduler.master_exit() is None and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    return scheduler.master_exit() in (0, 1)
 
 
 def _usable_port(port: int) -> int:

@@ -17,11 +17,12 @@ from convoy.control import protocol as p
 from convoy.control.api import ApiServer
 from convoy.control.job import RUNNING, Event, Job
 from convoy.control.nodes import NodeRegistry
+from convoy.control.role_master import RoleMaster, load_roles
 from convoy.control.rendezvous import Membership, Rendezvous
 from convoy.control.store import Store, restore
 from convoy.control.throttle import EventBudget, budget_for
 from convoy.control.token import TOKEN_FILE, new_token, read_token, write_token
-from convoy.errors import ConflictError, StateWriteError
+from convoy.errors import ConfigError, ConflictError, StateWriteError
 
 TICK_S = 0.1
 STATE_RETRY_S = 0.5
@@ -58,6 +59,9 @@ class JobMaster:
             self.token = read_token(token_path) if token_file and token_path.exists() else new_token()
         self.job.max_regroups, self.job.regroup_window_s = config.max_regroups, config.regroup_window_s
         self.config, self.console, self.resumed = config, console, resume
+        roles = load_roles(config.run_dir)
+        self.role_master = RoleMaster(self.job, roles, config.max_restarts) if roles else None
+        """A job of roles (``roles.json`` in the run dir): its processes come from the heartbeats' assignments."""
         self.api = ApiServer(self, config.host, config.port, self.token)  # bind first: a refusal leaves no state
         if not token_path.exists():
             write_token(token_path, self.token)
@@ -88,6 +92,9 @@ class JobMaster:
         with self._changed:
             how = f"resumed in round {self.job.round_id}" if self.resumed else "started"
             self._apply([Event("master_started", f"master {how}, listening on {self.url}", console=self.resumed)])
+            if self.resumed and self.role_master is not None and not self.ended:
+                self._apply(self.job.abort("the master restarted, and a job of roles cannot take back its role "
+                                           "processes yet; run the job again"))
         self.api.start()
         self._ticker.start()
 
@@ -142,11 +149,37 @@ class JobMaster:
         """Long poll: answers at once when the round or the job's status changes."""
         with self._changed:
             self.nodes.seen(req.node_id, time.monotonic())
+            roles = self.role_master
             self._changed.wait_for(
-                lambda: self.ended or self.job.round_id != req.round_id or self._stopping.is_set(), req.wait_s
+                lambda: self.ended or self.job.round_id != req.round_id or self._stopping.is_set()
+                or (roles is not None and roles.has_news(req.node_id)), req.wait_s
             )
             self._note_outcome_heard(req.node_id)
-            return p.HeartbeatResponse(job_status=self.job.status, round_id=self.job.round_id, message=self.job.outcome)
+            assignments, stops = roles.deliver(req.node_id, time.monotonic()) if roles and not self.ended else ([], [])
+            return p.HeartbeatResponse(job_status=self.job.status, round_id=self.job.round_id, message=self.job.outcome,
+                                       assignments=assignments, stops=stops)
+
+    def role_report(self, report: p.RoleReport) -> p.Ack:
+        """A role process started or exited (a job of roles only)."""
+        with self._changed:
+            self.nodes.seen(report.node_id, time.monotonic())
+            self._apply(self._roles().report(report))
+            return p.Ack()
+
+    def scale(self, req: p.ScaleRequest) -> p.Ack:
+        """``convoy scale``: run ``req.count`` processes of a role; a count the role cannot take is a 409."""
+        with self._changed:
+            try:
+                self._apply(self._roles().scale(req.role, req.count))
+            except ConfigError as exc:
+                raise ConflictError(str(exc)) from exc
+            return p.Ack()
+
+    def _roles(self) -> RoleMaster:
+        if self.role_master is None:
+            raise ConflictError(f"job {self.job.job_id} declares no roles: give it some with --ps, --workers, --role "
+                                "or [roles.NAME] in a job file")
+        return self.role_master
 
     def worker_exit(self, report: p.WorkerExit) -> p.Ack:
         with self._changed:
@@ -179,7 +212,9 @@ class JobMaster:
     def leave(self, req: p.LeaveRequest) -> p.Ack:
         with self._changed:
             self.nodes.mark(req.node_id, "left")
-            self._apply(self.job.node_lost(req.node_id, f"left ({req.reason or 'agent exited'})", time.monotonic()))
+            lost = self.role_master.node_lost(req.node_id) if self.role_master else []
+            self._apply(lost + self.job.node_lost(req.node_id, f"left ({req.reason or 'agent exited'})",
+                                                  time.monotonic()))
             return p.Ack()
 
     def _note_outcome_heard(self, node_id: str) -> None:
@@ -251,6 +286,7 @@ class JobMaster:
             world_size=membership.world_size, master_addr=membership.master_addr,
             master_port=membership.master_port, restart_count=self.job.restart_count,
             max_restarts=self.job.max_restarts, lease_s=self.config.heartbeat_timeout_s,
+            roles=self.role_master is not None,
         )
 
     def take_unwritten(self) -> str | None:
@@ -309,7 +345,9 @@ class JobMaster:
                 now = time.monotonic()
                 events = self.job.tick(now)
                 for node_id in self.nodes.expired(now):
+                    events += self.role_master.node_lost(node_id) if self.role_master else []
                     events += self.job.node_lost(node_id, f"sent no heartbeat for {self.nodes.timeout_s:.0f} s", now)
+                events += self.role_master.advance() if self.role_master else []
                 events += self._state_write_give_up(now)
                 retry = self.store.failing_since is not None and now - self._last_write_try >= STATE_RETRY_S
                 if events or retry:

@@ -51,6 +51,8 @@ class RoundInfo(BaseModel):
     max_restarts: int
     lease_s: float = Field(default=0.0, description="the master's heartbeat timeout: how long a node's round "
                            "lease lasts after a heartbeat (0: no lease)")
+    roles: bool = Field(default=False, description="a job of roles: the node runs the role processes its "
+                        "heartbeats assign, not a worker per local rank")
 
 
 class WaitRequest(BaseModel):
@@ -71,10 +73,67 @@ class HeartbeatRequest(BaseModel):
     wait_s: float = Field(default=0, ge=0, le=60, description="hold the answer until the round or job changes")
 
 
+class RoleAssignment(BaseModel):
+    """Start one role process on this node; an agent ignores an incarnation it has started already."""
+
+    role: str
+    rank: int
+    incarnation: int
+    restore: bool = Field(default=False, description="the process takes back the state its rank had")
+    port: int = Field(default=0, ge=0, lt=65536, description="CONVOY_ROLE_PORT; 0: the agent picks a free one")
+    world_size: int
+    addresses: dict[str, list[str]] = Field(default_factory=dict)
+    entrypoint: str = Field(default="", description="the role's script or module; empty: the job's script")
+    module: bool = False
+    args: list[str] = Field(default_factory=list)
+    reason: str = ""
+
+
+class RoleStop(BaseModel):
+    """Stop one role process (SIGTERM, SIGKILL after the stop grace); only the named incarnation."""
+
+    role: str
+    rank: int
+    incarnation: int
+    reason: str = ""
+
+
 class HeartbeatResponse(BaseModel):
     job_status: JobStatusName
     round_id: int
     message: str = ""
+    assignments: list[RoleAssignment] = Field(default_factory=list)
+    stops: list[RoleStop] = Field(default_factory=list)
+
+
+class RoleReport(BaseModel):
+    """A role process started (with its ``host:port``) or exited (with its code and last lines)."""
+
+    node_id: NodeId
+    role: str = Field(min_length=1, max_length=32)
+    rank: Rank
+    incarnation: Rank
+    state: Literal["started", "exited"]
+    address: str = Field(default="", max_length=300)
+    exitcode: Optional[int] = Field(default=None, ge=-(2**31), le=2**31)
+    signal: Optional[str] = Field(default=None, max_length=64)
+    start_failed: bool = False
+    log_path: Text = ""
+    log_tail: list[Text] = Field(default_factory=list, max_length=200)
+
+    def describe(self) -> str:
+        if self.start_failed:
+            return "could not be started"
+        if self.signal:
+            return f"was killed by {self.signal}"
+        return f"exited with code {self.exitcode}"
+
+
+class ScaleRequest(BaseModel):
+    """Run ``count`` processes of ``role`` (``convoy scale --run-dir D worker=4``)."""
+
+    role: str = Field(min_length=1, max_length=32)
+    count: int = Field(ge=0, le=100000)
 
 
 class WorkerExit(BaseModel):

@@ -1,0 +1,175 @@
+"""The role processes of one node: started from the master's assignments, watched, stopped on its word.
+
+Each runs ``python SCRIPT`` (or ``-m MODULE``) directly, in its own process group and set to die with the agent,
+with the job's CONVOY_* variables, its role (``role_env``) and the port it serves on (CONVOY_ROLE_PORT). Its
+output goes through a LogPump to ``RUN_DIR/logs/roles/<role><rank>.log`` and, prefixed ``[<role><rank>]``, to
+the console.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from convoy.agent.env import spawn_env
+from convoy.agent.reap import NodeCgroup
+from convoy.agent.workers import LogPump
+from convoy.config import WorkerConfig
+from convoy.control import protocol as p
+from convoy.errors import WorkerStartError
+from convoy.ports import free_port
+from convoy.procs import die_with_parent, signal_name
+from convoy.role_env import role_env
+
+ROLE_PORT_ENV = "CONVOY_ROLE_PORT"
+Key = tuple[str, int, int]
+
+
+@dataclass
+class RoleProcess:
+    assignment: p.RoleAssignment
+    proc: subprocess.Popen[bytes]
+    pump: LogPump
+    address: str
+    kill_at: float | None = None
+    """When a process told to stop gets SIGKILL (None: not told to stop)."""
+
+    @property
+    def key(self) -> Key:
+        return (self.assignment.role, self.assignment.rank, self.assignment.incarnation)
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+@dataclass
+class JobContext:
+    """What every role process of this node is told about the job."""
+
+    job_id: str
+    node_id: str
+    host: str
+    run_dir: Path
+    master_url: str
+
+
+class RoleProcesses:
+    """Starts, polls and stops this node's role processes; ``start`` ignores an incarnation it has started."""
+
+    def __init__(self, workers: WorkerConfig, context: JobContext, cgroup: NodeCgroup | None = None,
+                 console: BinaryIO | None = None) -> None:
+        self.workers, self.context, self.cgroup = workers, context, cgroup
+        self.running: dict[Key, RoleProcess] = {}
+        self.seen: set[Key] = set()
+        self._console = console or sys.stdout.buffer
+        self._console_lock = threading.Lock()
+        self._env = spawn_env(1, host=context.host)
+
+    def start(self, assignment: p.RoleAssignment) -> RoleProcess | None:
+        """Start the process, or None when this incarnation was started already. An older incarnation of the
+        same rank still running is stopped first (it may hold the port)."""
+        key = (assignment.role, assignment.rank, assignment.incarnation)
+        if key in self.seen:
+            return None
+        self.seen.add(key)
+        for older in [proc for proc in self.running.values() if proc.key[:2] == key[:2]]:
+            self._stop_now([older])
+        port = assignment.port or free_port(self.context.host)
+        name = f"{assignment.role}{assignment.rank}"
+        log_path = self.context.run_dir / "logs" / "roles" / f"{name}.log"
+        env = {**self._env, **self._job_env(assignment, port, log_path)}
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, *self._argv(assignment)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                preexec_fn=lambda: die_with_parent(signal.SIGKILL),
+            )
+        except OSError as exc:
+            raise WorkerStartError(f"cannot start {name} ({sys.executable}): {exc}") from exc
+        if self.cgroup is not None:
+            self.cgroup.add(proc.pid)
+        assert proc.stdout is not None
+        pump = LogPump(proc.stdout, self._console, self._console_lock)  # type: ignore[arg-type]
+        pump.assign(assignment.rank, log_path, label=name)
+        pump.start()
+        process = RoleProcess(assignment, proc, pump, f"{self.context.host}:{port}")
+        self.running[key] = process
+        return process
+
+    def stop(self, stop: p.RoleStop) -> None:
+        """SIGTERM now; ``poll`` sends SIGKILL once the stop grace has passed."""
+        process = self.running.get((stop.role, stop.rank, stop.incarnation))
+        if process is not None and process.kill_at is None:
+            process.signal(signal.SIGTERM)
+            process.kill_at = time.monotonic() + self.workers.stop_grace_s
+
+    def poll(self) -> list[tuple[RoleProcess, p.RoleReport]]:
+        """The processes that exited since the last call, each with its report for the master."""
+        exited = []
+        now = time.monotonic()
+        for key, process in list(self.running.items()):
+            code = process.proc.poll()
+            if code is None:
+                if process.kill_at is not None and now >= process.kill_at:
+                    process.signal(signal.SIGKILL)
+                continue
+            process.signal(signal.SIGKILL)  # what it left running in its group
+            process.pump.join(timeout=0.5)  # its last lines reach the tail
+            del self.running[key]
+            exited.append((process, self.exit_report(process, code)))
+        return exited
+
+    def exit_report(self, process: RoleProcess, code: int) -> p.RoleReport:
+        role, rank, incarnation = process.key
+        return p.RoleReport(node_id=self.context.node_id, role=role, rank=rank, incarnation=incarnation,
+                            state="exited", exitcode=code if code >= 0 else None, signal=signal_name(code),
+                            log_path=process.pump.log_path, log_tail=list(process.pump.tail))
+
+    def stop_all(self) -> None:
+        """The end of the job on this node: SIGTERM every process, SIGKILL what is left after the grace."""
+        self._stop_now(list(self.running.values()))
+        self.running.clear()
+
+    def _stop_now(self, processes: list[RoleProcess]) -> None:
+        for process in processes:
+            process.signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.workers.stop_grace_s
+        while time.monotonic() < deadline and any(process.proc.poll() is None for process in processes):
+            time.sleep(0.01)
+        for process in processes:
+            process.signal(signal.SIGKILL)
+            process.proc.wait()
+            process.pump.join(timeout=2.0)
+            self.running.pop(process.key, None)
+
+    def _argv(self, assignment: p.RoleAssignment) -> list[str]:
+        if assignment.entrypoint:
+            entry, module, args = assignment.entrypoint, assignment.module, assignment.args
+        else:  # the job's script; the role's own arguments follow the job's
+            entry, module = self.workers.entrypoint, self.workers.module
+            args = [*self.workers.args, *assignment.args]
+        return [*(["-m", entry] if module else [entry]), *args]
+
+    def _job_env(self, assignment: p.RoleAssignment, port: int, log_path: Path) -> dict[str, str]:
+        context = self.context
+        return {
+            **role_env(assignment.role, assignment.rank, assignment.world_size, assignment.addresses),
+            ROLE_PORT_ENV: str(port),
+            "CONVOY_ROLE_INCARNATION": str(assignment.incarnation),
+            "CONVOY_ROLE_RESTORE": "1" if assignment.restore else "0",
+            "CONVOY_JOB_ID": context.job_id,
+            "CONVOY_NODE_ID": context.node_id,
+            "CONVOY_RUN_DIR": str(context.run_dir),
+            "CONVOY_MASTER": context.master_url,
+            "CONVOY_LOG_FILE": str(log_path),
+        }

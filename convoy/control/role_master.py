@@ -1,0 +1,255 @@
+"""The master's side of a job of roles: ``Roles`` decides, this carries the decisions out.
+
+It places each process on a node of the closed round (least loaded first, a restarted rank back on its node and
+port), queues the node's assignments and stops for its heartbeat replies (delivered again until the agent
+reports on them), feeds the agents' reports into ``Roles``, starts the non-service roles only once every
+service process (ps) has published its address, and ends the job when every role has finished and the services
+are stopped. The roles do not share a torch.distributed world (the PS data plane talks over its own sockets), so
+a job of roles needs no round of its own per change: the round only gathers the nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from convoy.control import protocol as p
+from convoy.control.job import RUNNING, Event, Job
+from convoy.control.roles import SERVICE_ROLES, STARTING, Decision, FailJob, RestartJob, Roles, Start, Stop
+from convoy.errors import ConfigError
+from convoy.roles_config import RESTORE_ONE, RoleCount, RoleSpec
+
+ROLES_FILE = "roles.json"
+"""Where the launcher leaves the job's roles in the run dir for the master (a job without it has none)."""
+REDELIVER_S = 2.0
+"""An assignment or stop the agent has not reported on is sent again in its heartbeat after this long."""
+NEVER = -math.inf
+Key = tuple[str, int, int]
+"""(role, rank, incarnation): one process."""
+
+
+def save_roles(run_dir: Path, roles: tuple[RoleSpec, ...]) -> None:
+    """Write the roles for the master (``convoy run`` starts the master as a process of its own)."""
+    (Path(run_dir) / ROLES_FILE).write_text(json.dumps([asdict(role) for role in roles], indent=1))
+
+
+def load_roles(run_dir: Path) -> tuple[RoleSpec, ...]:
+    """The roles ``save_roles`` wrote; none for a job without the file."""
+    path = Path(run_dir) / ROLES_FILE
+    if not path.is_file():
+        return ()
+    try:
+        listed = json.loads(path.read_text())
+        roles = tuple(RoleSpec(**{**role, "args": tuple(role["args"]), "count": RoleCount(**role["count"])})
+                      for role in listed)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"{path} does not hold the job's roles ({exc}); start the job again with convoy run") from exc
+    for role in roles:
+        role.validate()
+    return roles
+
+
+@dataclass
+class Placed:
+    node_id: str
+    port: int = 0
+    address: str = ""
+
+
+@dataclass
+class Outbox:
+    """What a node is to be told, with when it was last sent (NEVER: not yet)."""
+
+    assignments: dict[Key, tuple[p.RoleAssignment, float]] = field(default_factory=dict)
+    stops: dict[Key, tuple[p.RoleStop, float]] = field(default_factory=dict)
+
+
+class RoleMaster:
+    """Carries out the decisions of ``Roles`` for one job; the caller (JobMaster) holds its lock around each call."""
+
+    def __init__(self, job: Job, specs: tuple[RoleSpec, ...], max_restarts: int) -> None:
+        self.job = job
+        self.specs = {spec.name: spec for spec in specs}
+        self.roles = Roles(specs, max_restarts)
+        self.begun = False
+        self.pending: list[Start] = []
+        self.placed: dict[Key, Placed] = {}
+        self.homes: dict[tuple[str, int], tuple[str, int]] = {}
+        """(role, rank) -> (node, port) it last ran on: a restart goes back there."""
+        self.stopping: set[Key] = set()
+        self.outboxes: dict[str, Outbox] = {}
+
+    def advance(self) -> list[Event]:
+        """Start the roles once the first round has closed, place what waits, and end the job when all is done."""
+        if self.job.status != RUNNING:
+            return []
+        events: list[Event] = []
+        if not self.begun and self.job.membership is not None:
+            self.begun = True
+            decisions, events = self.roles.start()
+            events += self._carry_out(decisions)
+        events += self._place()
+        return events + self._check_done()
+
+    def report(self, report: p.RoleReport) -> list[Event]:
+        """An agent's word on one process: started (its address) or exited (its code)."""
+        if report.role not in self.specs:
+            return [Event("stale_report", f"ignored a report of unknown role {report.role!r}", report.node_id)]
+        key = (report.role, report.rank, report.incarnation)
+        outbox = self.outboxes.setdefault(report.node_id, Outbox())
+        outbox.assignments.pop(key, None)
+        if report.state == "started":
+            placed = self.placed.setdefault(key, Placed(report.node_id))
+            placed.address = report.address
+            port = report.address.rpartition(":")[2]
+            if port.isdigit():
+                placed.port = int(port)
+                self.homes[(report.role, report.rank)] = (report.node_id, placed.port)
+            return self.roles.started(report.role, report.rank, report.incarnation, report.address) + self.advance()
+        outbox.stops.pop(key, None)
+        self.placed.pop(key, None)
+        what = f"{report.role} {report.rank} (incarnation {report.incarnation}) {report.describe()}"
+        events = [Event("role_exited", what + _tail(report), report.node_id)]
+        if key in self.stopping:
+            self.stopping.discard(key)
+            if self._is_current(key):  # a service stopped at the end: it is done
+                decisions, more = self.roles.finished(report.role, report.rank, report.incarnation)
+                events += more + self._carry_out(decisions)
+        elif report.exitcode == 0 and not report.start_failed:
+            decisions, more = self.roles.finished(report.role, report.rank, report.incarnation)
+            events += more + self._carry_out(decisions)
+        else:
+            decisions, more = self.roles.failed(report.role, report.rank, report.incarnation, report.describe())
+            events += more + self._carry_out(decisions, _tail(report))
+        return events + self.advance()
+
+    def scale(self, role: str, count: int) -> list[Event]:
+        """Run ``count`` processes of ``role``; a ConfigError names the role's allowed counts."""
+        decisions, events = self.roles.scale(role, count)
+        return events + self._carry_out(decisions) + self.advance()
+
+    def node_lost(self, node_id: str) -> list[Event]:
+        """The processes of a lost node count as failed: their roles' policies place them again."""
+        self.outboxes.pop(node_id, None)
+        events: list[Event] = []
+        for key in [key for key, placed in self.placed.items() if placed.node_id == node_id]:
+            self.homes.pop(key[:2], None)
+            events += self.report(p.RoleReport(node_id=node_id, role=key[0], rank=key[1], incarnation=key[2],
+                                               state="exited", signal=f"the loss of node {node_id}"))
+        return events
+
+    def has_news(self, node_id: str) -> bool:
+        """Whether the node has assignments or stops not sent yet (its heartbeat answers at once)."""
+        outbox = self.outboxes.get(node_id)
+        return outbox is not None and any(sent == NEVER for _, sent in [*outbox.assignments.values(),
+                                                                          *outbox.stops.values()])
+
+    def deliver(self, node_id: str, now: float) -> tuple[list[p.RoleAssignment], list[p.RoleStop]]:
+        """What to tell the node now: what it was not told yet, or was told over REDELIVER_S ago."""
+        outbox = self.outboxes.get(node_id)
+        if outbox is None:
+            return [], []
+        assignments, stops = [], []
+        for key, (assignment, sent) in list(outbox.assignments.items()):
+            if now - sent >= REDELIVER_S:
+                assignments.append(assignment)
+                outbox.assignments[key] = (assignment, now)
+        for key, (stop, sent) in list(outbox.stops.items()):
+            if now - sent >= REDELIVER_S:
+                stops.append(stop)
+                outbox.stops[key] = (stop, now)
+        return assignments, stops
+
+    def _carry_out(self, decisions: list[Decision], tail: str = "") -> list[Event]:
+        events: list[Event] = []
+        for decision in decisions:
+            if isinstance(decision, Start):
+                self.pending.append(decision)
+            elif isinstance(decision, Stop):
+                self._stop(decision.role, decision.rank, decision.reason)
+            elif isinstance(decision, RestartJob):
+                events += self._restart_all(decision.reason)
+            elif isinstance(decision, FailJob):
+                events += self.job.abort(decision.reason + tail)
+        return events
+
+    def _stop(self, role: str, rank: int, reason: str) -> None:
+        self.pending = [start for start in self.pending if (start.role, start.rank) != (role, rank)]
+        for key, placed in self.placed.items():
+            if key[:2] == (role, rank) and key not in self.stopping:
+                self.stopping.add(key)
+                outbox = self.outboxes.setdefault(placed.node_id, Outbox())
+                outbox.assignments.pop(key, None)
+                outbox.stops[key] = (p.RoleStop(role=role, rank=rank, incarnation=key[2], reason=reason), NEVER)
+
+    def _restart_all(self, reason: str) -> list[Event]:
+        """Every process stops and starts again as a new incarnation of its rank (services first)."""
+        for role, rank, _ in list(self.placed):
+            self._stop(role, rank, reason)
+        self.pending = []
+        for name, state in self.roles.roles.items():
+            for rank, member in sorted(state.members.items()):
+                member.incarnation, member.state, member.address = state.launch(), STARTING, ""
+                self.pending.append(Start(name, rank, state.spec.failure_policy == RESTORE_ONE, reason,
+                                          member.incarnation))
+        return [Event("roles_restarted", f"every role process starts again: {reason}", console=True)]
+
+    def _place(self) -> list[Event]:
+        """Assign what waits to nodes; non-service roles wait until every service has an address."""
+        membership = self.job.membership
+        if membership is None or not self.pending:
+            return []
+        nodes = [member.node_id for member in membership.members]
+        services_ready = all(member.address for name in SERVICE_ROLES if name in self.roles.roles
+                             for member in self.roles.roles[name].members.values())
+        events, waiting = [], []
+        for start in self.pending:
+            if not self._is_current((start.role, start.rank, start.incarnation)):
+                continue  # replaced or scaled away before it was placed
+            if start.role not in SERVICE_ROLES and not services_ready:
+                waiting.append(start)
+                continue
+            home, port = self.homes.get((start.role, start.rank), ("", 0))
+            if home not in nodes:
+                loads = {node: 0 for node in nodes}
+                for placed in self.placed.values():
+                    if placed.node_id in loads:
+                        loads[placed.node_id] += 1
+                home, port = min(nodes, key=lambda node: loads[node]), 0
+            events.append(self._assign(start, home, port))
+        self.pending = waiting
+        return events
+
+    def _assign(self, start: Start, node_id: str, port: int) -> Event:
+        key = (start.role, start.rank, start.incarnation)
+        spec = self.specs[start.role]
+        addresses = {name: listed for name, listed in self.roles.addresses().items() if listed and all(listed)}
+        assignment = p.RoleAssignment(
+            role=start.role, rank=start.rank, incarnation=start.incarnation, restore=start.restore, port=port,
+            world_size=self.roles.world_size(start.role), addresses=addresses, entrypoint=spec.entrypoint,
+            module=spec.module, args=list(spec.args), reason=start.reason,
+        )
+        self.placed[key] = Placed(node_id, port)
+        self.outboxes.setdefault(node_id, Outbox()).assignments[key] = (assignment, NEVER)
+        again = " (restored)" if start.restore else ""
+        return Event("role_placed", f"{start.role} {start.rank} (incarnation {start.incarnation}) on node "
+                                    f"{node_id}{again}: {start.reason}", node_id)
+
+    def _check_done(self) -> list[Event]:
+        if not self.roles.done() or any(key[0] in SERVICE_ROLES for key in self.placed):
+            return []
+        counts = ", ".join(f"{name} x{len(state.members)}" for name, state in self.roles.roles.items())
+        return self.job.succeed(f"every role finished ({counts})")
+
+    def _is_current(self, key: Key) -> bool:
+        member = self.roles.roles[key[0]].members.get(key[1])
+        return member is not None and member.incarnation == key[2]
+
+
+def _tail(report: p.RoleReport) -> str:
+    if not report.log_tail:
+        return ""
+    lines = "\n".join(f"    {line}" for line in report.log_tail[-10:])
+    return f"\n  last lines of {report.log_path or 'its log'}:\n{lines}"
