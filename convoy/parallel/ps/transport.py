@@ -18,6 +18,7 @@ import torch
 from convoy.errors import ConfigError, ConvoyError
 
 HEADER_SIZE = struct.Struct("!Q")
+SOCKET_BUFFER_BYTES = 4 << 20
 DTYPES = {str(dtype): dtype for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16,
                                           torch.int64, torch.int32, torch.uint8, torch.bool)}
 
@@ -50,14 +51,18 @@ def _send_all(sock: socket.socket, message: Message) -> None:
             sock.sendall(buffer)
 
 
-def _recv_exact(sock: socket.socket, size: int) -> bytearray:
-    data = bytearray(size)
-    view, got = memoryview(data), 0
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    got, size = 0, len(view)
     while got < size:
         count = sock.recv_into(view[got:], size - got)
         if count == 0:
             raise TransportError("the peer closed the connection mid-message")
         got += count
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytearray:
+    data = bytearray(size)
+    _recv_into(sock, memoryview(data))
     return data
 
 
@@ -68,10 +73,18 @@ def _recv_message(sock: socket.socket) -> Message:
     sizes = struct.unpack(f"!{len(entries)}Q", _recv_exact(sock, 8 * len(entries))) if entries else ()
     tensors = {}
     for (name, dtype, shape), size in zip(entries, sizes, strict=True):
-        raw = _recv_exact(sock, size)
-        flat = torch.frombuffer(raw, dtype=DTYPES[dtype]) if size else torch.empty(0, dtype=DTYPES[dtype])
-        tensors[name] = flat.reshape(shape)
+        raw = torch.empty(size, dtype=torch.uint8)  # received in place: no zero-filled buffer, no copy after
+        if size:
+            _recv_into(sock, memoryview(raw.numpy()))
+        tensors[name] = raw.view(DTYPES[dtype]).reshape(shape)
     return Message(header["op"], header["meta"], tensors)
+
+
+def _tune(sock: socket.socket) -> None:
+    """No Nagle delay on small replies, and buffers that hold a few MB of tensors per syscall."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
 
 
 class Connection:
@@ -83,7 +96,7 @@ class Connection:
             self.sock = socket.create_connection((host, int(port)), timeout=timeout)
         except OSError as exc:
             raise TransportError(f"cannot reach the parameter server at {address}: {exc}") from exc
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _tune(self.sock)
         self.address, self.lock = address, threading.Lock()
 
     def request(self, message: Message) -> Message:
@@ -124,7 +137,7 @@ class Listener:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _tune(conn)
             thread = threading.Thread(target=self._serve, args=(conn,), name="ps-conn", daemon=True)
             self.threads.append(thread)
             thread.start()
