@@ -1,0 +1,81 @@
+"""A job of roles end to end on real processes (plain Python, no torch): a PS that answers on its port and
+workers that find it through convoy.role(); a worker that fails restarts alone on its rank; convoy scale adds a
+worker to a running job. The ``procs`` fixture checks that nothing outlives each test."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import ProcessScope, Result, fixture, wait_for
+
+pytestmark = pytest.mark.slow
+
+ROLE_SCRIPT = fixture("role_train.py")
+
+
+def run_args(run_dir: Path, *extra: object, roles: tuple = ("--ps", "1", "--workers", "2")) -> list[str]:
+    return ["run", *roles, "--preload", "", "--stop-grace", "1", "--run-dir", str(run_dir), ROLE_SCRIPT,
+            *map(str, extra)]
+
+
+def role_records(run_dir: Path) -> list[dict]:
+    path = run_dir / "role_records.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def assert_succeeded(result: Result, counts: str) -> None:
+    assert result.returncode == 0, result.explain()
+    assert f"convoy: job succeeded: every role finished ({counts})" in result.stdout, result.explain()
+
+
+def test_a_ps_and_two_workers_run_find_each_other_and_end_with_the_ps_stopped(procs: ProcessScope,
+                                                                               run_dir: Path) -> None:
+    result = procs.run(run_args(run_dir))
+    assert_succeeded(result, "ps x1, worker x2")
+    seen = role_records(run_dir)
+    assert sorted((r["role"], r["rank"]) for r in seen) == [("ps", 0), ("worker", 0), ("worker", 1)]
+    ps = next(r for r in seen if r["role"] == "ps")
+    workers = [r for r in seen if r["role"] == "worker"]
+    assert all(r["env_role"] == "worker" and r["world_size"] == 2 for r in workers), seen
+    assert all(r["ps"] == [f"127.0.0.1:{ps['port']}"] for r in workers), "every worker got the PS's address"
+    for rank in (0, 1):
+        assert f"[worker{rank}]: worker{rank} of 2 did 3 steps with 1 ps" in result.stdout, result.explain()
+        assert "did 3 steps" in (run_dir / "logs" / "roles" / f"worker{rank}.log").read_text()
+    assert "ps0 stopping" in (run_dir / "logs" / "roles" / "ps0.log").read_text(), "the PS got SIGTERM at the end"
+    assert result.stdout.index("[ps0]: ps0 stopping") < result.stdout.index("convoy: job succeeded"), \
+        "the job ends once the PS has stopped"
+
+
+def test_a_failed_worker_restarts_alone_on_its_rank(procs: ProcessScope, run_dir: Path) -> None:
+    result = procs.run(run_args(run_dir, "--fail-once", 0))
+    assert_succeeded(result, "ps x1, worker x2")
+    assert "convoy: worker 0 failed (exited with code 1); restarting only it (restart 1 of 3 for role worker)" \
+        in result.stdout, result.explain()
+    seen = role_records(run_dir)
+    by_process = sorted((r["role"], r["rank"]) for r in seen)
+    assert by_process == [("ps", 0), ("worker", 0), ("worker", 0), ("worker", 1)], "only worker 0 started again"
+    first, again = [r for r in seen if (r["role"], r["rank"]) == ("worker", 0)]
+    assert first["pid"] != again["pid"] and again["incarnation"] > first["incarnation"]
+    assert again["ps"] == first["ps"], "the restarted worker found the same PS"
+    assert "convoy: restart" not in result.stdout, "no round of the whole job was opened"
+
+
+def test_convoy_scale_adds_a_worker_to_a_running_job(procs: ProcessScope, run_dir: Path, tmp_path: Path) -> None:
+    release = tmp_path / "release"
+    job = procs.start(run_args(run_dir, "--hold-until", release, roles=("--ps", "1", "--workers", "1:3")))
+    wait_for(lambda: any(r["role"] == "worker" for r in role_records(run_dir)), 20, "worker 0 to start")
+    too_many = procs.run(["scale", "--run-dir", run_dir, "worker=4"])
+    assert too_many.returncode == 2 and "role worker can run 1..3 processes (its count is 1:3), not 4" \
+        in too_many.stderr, too_many.explain()
+    scaled = procs.run(["scale", "--run-dir", run_dir, "worker=2"])
+    assert scaled.returncode == 0 and "role worker of job" in scaled.stdout, scaled.explain()
+    wait_for(lambda: ("worker", 1) in {(r["role"], r["rank"]) for r in role_records(run_dir)}, 20,
+             "worker 1 to start")
+    release.touch()
+    result = job.wait()
+    assert_succeeded(result, "ps x1, worker x2")
+    assert "convoy: role worker: 1 -> 2 process(es)" in result.stdout, result.explain()
+    worker1 = next(r for r in role_records(run_dir) if (r["role"], r["rank"]) == ("worker", 1))
+    assert worker1["world_size"] == 2 and worker1["ps"], worker1
