@@ -1,0 +1,172 @@
+"""A DLRM-style click model trained asynchronously on parameter servers: one script for every role.
+
+    convoy run --ps 2 --workers 2 examples/train_ps.py
+
+Data and model are ``train_dlrm.py``'s (synthetic Criteo-shaped samples, power-law ids, a hidden teacher;
+bottom MLP, pairwise interaction, top MLP). Here every parameter lives on the parameter servers
+(``convoy.parallel.ps``): the 26 tables sharded by row id, the MLP tensors spread by size, all updated by
+Adagrad on the servers. A worker pulls the MLPs and only its batch's rows, computes the gradients, and pushes
+them without waiting for them to be applied; ``--staleness S`` lets it run at most S pushes ahead of what it
+has seen applied. Worker 0 is the chief: it gives the servers their initial shards, and when every worker's
+pushes are in, it scores a held-out set and prints the AUC beside the teacher's. The servers are stopped by
+convoy once every worker has finished.
+
+Roles come from ``convoy.role()``: ``ps`` serves on ``CONVOY_ROLE_PORT``; ``worker`` finds the servers in
+``CONVOY_ROLE_ADDRESSES``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_dlrm import CRITEO_ROWS, MULTI_HOT, DenseArch, Synthetic, auc, seeded  # noqa: E402
+
+import convoy  # noqa: E402
+from convoy.errors import ConfigError  # noqa: E402
+from convoy.parallel.embedding.bags import TableSpec as BagSpec  # noqa: E402
+from convoy.parallel.ps.client import PSClient, Pulled  # noqa: E402
+from convoy.parallel.ps.optimizers import OptimizerSpec  # noqa: E402
+from convoy.parallel.ps.placement import DenseSpec, TableSpec, place  # noqa: E402
+from convoy.parallel.ps.service import ServerProcess  # noqa: E402
+from convoy.parallel.ps.transport import TransportError  # noqa: E402
+
+CONNECT_S = 60.0
+
+
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=200, help="steps each worker trains")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--rows", type=int, default=20000, help="cap on each table's rows")
+    parser.add_argument("--dim", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=0.05, help="the servers' Adagrad learning rate")
+    parser.add_argument("--staleness", type=int, default=4)
+    parser.add_argument("--zipf", type=float, default=1.1)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--held-out", type=int, default=8192)
+    parser.add_argument("--slow-worker", type=float, default=0.0, help="seconds worker 1 sleeps per step")
+    args = parser.parse_args()
+    if args.steps < 1 or args.batch < 1 or args.rows < 1 or args.dim < 1 or args.staleness < 0:
+        raise ConfigError("--steps, --batch, --rows and --dim must be >= 1 and --staleness >= 0")
+    return args
+
+
+def model_specs(args: argparse.Namespace) -> tuple[DenseArch, list[BagSpec]]:
+    torch.manual_seed(args.seed)
+    bags = [BagSpec(f"C{i + 1}", min(size, args.rows), args.dim, "mean" if f"C{i + 1}" in MULTI_HOT else "sum")
+            for i, size in enumerate(CRITEO_ROWS)]
+    return DenseArch(args.dim, len(bags), [64, 32], [64, 32]), bags
+
+
+def serve() -> None:
+    port = int(os.environ["CONVOY_ROLE_PORT"])
+    server = ServerProcess("", port)
+    print(f"parameter server {convoy.role().rank} serving on port {port}", flush=True)
+    server.wait()
+
+
+def connect(addresses: list[str], placement, rank: int, staleness: int) -> PSClient:
+    """A client once every server listens (they start just before the workers do)."""
+    deadline = time.monotonic() + CONNECT_S
+    while True:
+        try:
+            return PSClient(placement, addresses, f"worker{rank}", staleness)
+        except TransportError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def pull_when_set_up(client: PSClient, ids: dict[str, torch.Tensor]) -> Pulled:
+    """The first pull of a worker other than the chief waits until the chief has given out the shards."""
+    deadline = time.monotonic() + CONNECT_S
+    while True:
+        try:
+            return client.pull(ids)
+        except ConfigError as exc:
+            if "holds no shard yet" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def logits_of(arch: DenseArch, bags: list[BagSpec], pulled: Pulled, batch, params: dict[str, torch.Tensor],
+              rows: dict[str, torch.Tensor]) -> torch.Tensor:
+    pooled = []
+    for spec in bags:
+        ids, offsets, _ = batch.features[spec.name]
+        local = torch.searchsorted(pulled.ids[spec.name], ids)
+        pooled.append(F.embedding_bag(local, rows[spec.name], offsets, mode=spec.pooling))
+    return functional_call(arch, params, (batch.dense, torch.stack(pooled, 1)))
+
+
+def train(args: argparse.Namespace, info: convoy.RoleInfo) -> None:
+    arch, bags = model_specs(args)
+    dense = {name: p.detach().clone() for name, p in arch.named_parameters()}
+    placement = place([DenseSpec(n, tuple(t.shape)) for n, t in dense.items()],
+                      [TableSpec(s.name, s.num_rows, s.dim) for s in bags], len(info.peers("ps")))
+    client = connect(list(info.peers("ps")), placement, info.rank, args.staleness)
+    if info.rank == 0:
+        init = seeded("tables", args.seed)
+        client.setup(OptimizerSpec("adagrad", args.lr),
+                     dense, {s.name: torch.randn(s.num_rows, s.dim, generator=init) * 0.01 for s in bags})
+    data = Synthetic(bags, args.seed, args.zipf)
+    started, losses = time.perf_counter(), []
+    for step in range(args.steps):
+        batch = data.draw(seeded("train", args.seed, info.rank, step), args.batch)
+        ids = {s.name: batch.features[s.name].ids for s in bags}
+        pulled = pull_when_set_up(client, ids)
+        params = {n: t.requires_grad_() for n, t in pulled.dense.items()}
+        rows = {n: t.requires_grad_() for n, t in pulled.rows.items()}
+        loss = F.binary_cross_entropy_with_logits(logits_of(arch, bags, pulled, batch, params, rows), batch.labels)
+        loss.backward()
+        client.push({n: t.grad for n, t in params.items()}, {n: (pulled.ids[n], t.grad) for n, t in rows.items()})
+        losses.append(loss.item())
+        if args.slow_worker and info.rank == 1:
+            time.sleep(args.slow_worker)
+        if step % 50 == 49:
+            print(f"worker {info.rank} step {step + 1}: loss {sum(losses[-50:]) / len(losses[-50:]):.4f}", flush=True)
+    client.flush()
+    rate = args.steps * args.batch / (time.perf_counter() - started)
+    print(f"worker {info.rank}: {args.steps} steps, {rate:.0f} samples/s", flush=True)
+    if info.rank == 0:
+        evaluate(args, client, arch, bags, data, info.world_size)
+    client.close()
+
+
+def evaluate(args: argparse.Namespace, client: PSClient, arch: DenseArch, bags: list[BagSpec], data: Synthetic,
+             workers: int) -> None:
+    """Once every worker's pushes are applied, score the held-out set."""
+    held = data.draw(seeded("held-out", args.seed), args.held_out)
+    ids = {s.name: held.features[s.name].ids for s in bags}
+    deadline = time.monotonic() + 600
+    while (pulled := client.pull(ids)).versions[0] < workers * args.steps and time.monotonic() < deadline:
+        time.sleep(0.2)
+    with torch.no_grad():
+        scores = logits_of(arch, bags, pulled, held, pulled.dense, pulled.rows)
+    print(f"held-out AUC {auc(scores, held.labels):.4f} (teacher {auc(held.teacher, held.labels):.4f}) after "
+          f"{min(pulled.versions)} pushes per server", flush=True)
+
+
+def main() -> int:
+    args = parse()
+    info = convoy.role()
+    if info.name == "ps":
+        serve()
+    elif info.name in ("worker", "default"):
+        train(args, info)
+    else:
+        raise ConfigError(f"role {info.name!r}: this script runs the roles ps and worker")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
