@@ -1,0 +1,61 @@
+"""The parameter-server wire on real loopback sockets, in one process: tensors of every kind arrive intact, a
+server's ConfigError reaches the worker as a ConfigError, a vanished server is a TransportError, and a client
+at staleness 0 always pulls what it pushed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from convoy.errors import ConfigError
+from convoy.parallel.ps.client import PSClient
+from convoy.parallel.ps.optimizers import OptimizerSpec
+from convoy.parallel.ps.placement import DenseSpec, TableSpec, place
+from convoy.parallel.ps.service import ServerProcess
+from convoy.parallel.ps.transport import Connection, Listener, Message, TransportError
+
+
+def echo(message: Message) -> Message:
+    if message.op == "bad":
+        raise ConfigError("no such thing; do the other thing")
+    return Message("echo", message.meta, message.tensors)
+
+
+def test_tensors_of_every_kind_cross_intact() -> None:
+    listener = Listener(echo)
+    connection = Connection(listener.address)
+    tensors = {"f32": torch.randn(3, 4), "bf16": torch.randn(5).to(torch.bfloat16), "i64": torch.arange(7),
+               "empty": torch.empty(0, 8), "scalar": torch.tensor(2.5), "strided": torch.randn(4, 6)[:, ::2],
+               "bool": torch.tensor([True, False]), "big": torch.randn(300_000)}
+    reply = connection.request(Message("hello", {"step": 3, "name": "w0"}, tensors))
+    assert reply.op == "echo" and reply.meta == {"step": 3, "name": "w0"}
+    assert set(reply.tensors) == set(tensors)
+    for name, tensor in tensors.items():
+        assert reply.tensors[name].dtype == tensor.dtype and torch.equal(reply.tensors[name], tensor), name
+    with pytest.raises(ConfigError, match="no such thing; do the other thing"):
+        connection.request(Message("bad"))
+    assert connection.request(Message("again")).op == "echo"  # the connection survives an error reply
+    connection.close()
+    listener.close()
+    with pytest.raises(TransportError, match="cannot reach the parameter server"):
+        Connection(listener.address, timeout=2.0)
+
+
+def test_a_client_at_staleness_0_pulls_every_push_it_made() -> None:
+    servers = [ServerProcess() for _ in range(2)]
+    placement = place([DenseSpec("w", (3,)), DenseSpec("v", (2, 2))], [TableSpec("emb", 9, 2)], 2)
+    client = PSClient(placement, [server.address for server in servers], "w0", staleness=0)
+    client.setup(OptimizerSpec("sgd", 1.0), {"w": torch.zeros(3), "v": torch.zeros(2, 2)},
+                 {"emb": torch.zeros(9, 2)})
+    for step in range(1, 6):
+        client.push({"w": torch.ones(3), "v": torch.ones(2, 2)}, {"emb": (torch.tensor([4, 4, 7]), torch.ones(3, 2))})
+        pulled = client.pull({"emb": torch.tensor([[7, 4], [0, 4]])})
+        assert pulled.pushed == pulled.applied == [step, step] and pulled.versions == [step, step]
+        assert torch.equal(pulled.dense["w"], torch.full((3,), -float(step)))
+        assert pulled.ids["emb"].tolist() == [0, 4, 7]
+        assert pulled.rows["emb"].tolist() == [[0.0, 0.0], [-2.0 * step] * 2, [-1.0 * step] * 2]
+    client.shutdown_servers()
+    client.close()
+    assert all(server.wait(5.0) for server in servers)
+    with pytest.raises(ConfigError, match="2 parameter servers but 1 addresses"):
+        PSClient(placement, [servers[0].address], "w0")
