@@ -59,6 +59,10 @@ class MemoryLimit:
     def outcome(self) -> LimitOutcome:
         raise NotImplementedError
 
+    def reset_peak(self) -> bool:
+        """Start the peak over (to measure one iteration); False where this mechanism cannot."""
+        raise NotImplementedError
+
     def close(self) -> None:
         """Kill what is still inside and release the limit."""
         raise NotImplementedError
@@ -71,6 +75,7 @@ class CgroupMemoryLimit(MemoryLimit):
         super().__init__(name, limit_bytes)
         self.path, self.v2 = path, v2
         self.mechanism = CGROUP_V2 if v2 else CGROUP_V1
+        self._peak_fd: int | None = None
 
     @classmethod
     def create(cls, name: str, limit_bytes: int, parent: Path, v2: bool) -> CgroupMemoryLimit:
@@ -122,13 +127,31 @@ class CgroupMemoryLimit(MemoryLimit):
         counters = _read_counters(self.path / ("memory.events" if self.v2 else "memory.oom_control"))
         peak_file = self.path / ("memory.peak" if self.v2 else "memory.max_usage_in_bytes")
         try:
-            peak = int(peak_file.read_text().split()[0])
+            text = os.pread(self._peak_fd, 64, 0).decode() if self._peak_fd is not None else peak_file.read_text()
+            peak = int(text.split()[0])
         except (OSError, IndexError, ValueError):
             peak = 0
         kills = counters.get("oom_kill", 0)
         return LimitOutcome(self.mechanism, self.limit_bytes, kills, peak, max(0, peak - self.limit_bytes))
 
+    def reset_peak(self) -> bool:
+        """The cgroup's peak counter sees every spike (a sampler can miss one shorter than its interval); v1
+        resets it by writing 0, v2 (kernel 6.12 and later) by writing to ``memory.peak``."""
+        try:
+            if not self.v2:
+                (self.path / "memory.max_usage_in_bytes").write_text("0\n")
+                return True
+            if self._peak_fd is None:  # a v2 reset holds only for reads through the descriptor that wrote it
+                self._peak_fd = os.open(self.path / "memory.peak", os.O_RDWR)
+            os.write(self._peak_fd, b"0\n")
+            return True
+        except OSError:
+            return False
+
     def close(self) -> None:
+        if self._peak_fd is not None:
+            os.close(self._peak_fd)
+            self._peak_fd = None
         deadline = time.monotonic() + REMOVE_WAIT_S
         while (inside := self.pids()) and time.monotonic() < deadline:
             for pid in inside:
@@ -188,6 +211,11 @@ class RssWatchdog(MemoryLimit):
                 self._killed_at = max(self._killed_at, rss)
                 self._roots = [root for root in self._roots if root not in pids]
 
+    def reset_peak(self) -> bool:
+        with self._lock:
+            self._peak = 0
+        return True
+
     def outcome(self) -> LimitOutcome:
         with self._lock:
             overshoot = max(0, self._killed_at - self.limit_bytes) if self._kills else 0
@@ -206,9 +234,10 @@ class MemoryLimiter:
     """Makes the limits of one agent: the first mechanism this host allows (cgroup v2, then v1, then the
     watchdog), chosen at the first limit and kept; falling back to the watchdog prints one warning.
 
-    ``parent``: the v2 cgroup to create limits under (the node's cgroup, so the node reap still finds them);
-    default, the agent's own cgroup. ``force_watchdog`` skips the cgroups (tests, or a host whose cgroup
-    accounting is known to be wrong).
+    ``parent_v2``: the v2 cgroup to create limits under; by default the agent's own cgroup or its parent. In
+    v2 a process is in one cgroup only, so a worker moved into its limit leaves the node's cgroup of
+    ``reap.NodeCgroup`` (``close()`` kills what is left inside; the node reap's ``/proc`` scan still finds it).
+    In v1 the memory hierarchy is apart from the node's. ``force_watchdog`` skips the cgroups.
     """
 
     def __init__(self, parent_v2: Path | None = None, force_watchdog: bool = False,
@@ -235,6 +264,9 @@ class MemoryLimiter:
             why = "; ".join(self.refusals) or "forced"
             self.warn(f"convoy: no writable memory cgroup ({why}); memory limits are enforced by an RSS watchdog "
                       "that kills a worker's processes a few ms after they pass the limit")
+        elif self.mechanism != WATCHDOG:
+            self.warn(f"convoy: the {self.mechanism} memory cgroup for {name} could not be made "
+                      f"({self.refusals[-1]}); this one limit is enforced by an RSS watchdog")
         return RssWatchdog(name, limit_bytes)
 
     def _try(self, name: str, limit_bytes: int, v2: bool, parent: Path | None) -> MemoryLimit | None:
@@ -251,16 +283,22 @@ class MemoryLimiter:
         return made
 
     def _v2_parent(self) -> Path | None:
-        """The v2 cgroup to create under, with the memory controller enabled for its children, or None."""
-        parent = self.parent_v2 or _v2_own()
-        if parent is None or "memory" not in _words(parent / "cgroup.controllers"):
-            return None
-        if "memory" not in _words(parent / "cgroup.subtree_control"):
+        """The v2 cgroup to create under, one whose children get the memory controller: ``parent_v2``, else the
+        agent's own cgroup, else its parent (a cgroup holding processes cannot enable controllers for children,
+        but its parent has memory enabled for it wherever the agent's cgroup has the controller)."""
+        own = _v2_own()
+        candidates = [self.parent_v2] if self.parent_v2 is not None else [own, own.parent if own else None]
+        for parent in candidates:
+            if parent is None or "memory" not in _words(parent / "cgroup.controllers"):
+                continue
+            if "memory" in _words(parent / "cgroup.subtree_control"):
+                return parent
             try:
                 (parent / "cgroup.subtree_control").write_text("+memory\n")
+                return parent
             except OSError:
-                return None  # a cgroup with processes of its own cannot enable controllers for children
-        return parent
+                continue
+        return None
 
 
 def _v2_own() -> Path | None:

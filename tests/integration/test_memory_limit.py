@@ -104,6 +104,7 @@ def test_a_tree_within_its_cgroup_limit_runs_and_a_raised_limit_lets_it_through(
         code, _ = _run_under(limit, allocator, 32 * MIB)
         assert code == 0 and not limit.outcome().oom_killed
         assert limit.outcome().peak_bytes >= 32 * MIB, "the cgroup's peak counter saw the allocation"
+        assert limit.reset_peak() and limit.outcome().peak_bytes < 32 * MIB, "the peak starts over"
         code, _ = _run_under(limit, allocator, 2 * LIMIT)
         assert code != 0 and limit.outcome().oom_kills == 1
         limit.set_limit(3 * LIMIT)  # a relaunch with the limit raised
