@@ -19,7 +19,7 @@ from convoy.config import (
 )
 from convoy.errors import ConfigError, ConvoyError
 from convoy.jobfile import JOB_FILE_SUFFIX, load_job_file
-from convoy.roles_config import ROLE_FLAGS, RoleCount, apply_role_counts, parse_count, parse_role_flag
+from convoy.roles_config import apply_role_counts, role_counts_from_flags
 from convoy.procs import Interrupted, raise_interrupted
 
 EXIT_USAGE = 2
@@ -185,20 +185,6 @@ def _master_config(args: argparse.Namespace) -> MasterConfig:
     )
 
 
-def _role_counts(args: argparse.Namespace) -> list[tuple[str, RoleCount, str]]:
-    """The roles the command line counts: ``--ps``, ``--workers`` and each ``--role``, with the flag as given."""
-    counts = []
-    for dest, role in ROLE_FLAGS.items():
-        value = getattr(args, dest)
-        if value is not None:
-            try:
-                counts.append((role, parse_count(value), f"--{dest} {value}"))
-            except ConfigError as exc:
-                raise ConfigError(f"--{dest} {value!r}: {exc}") from None
-    counts += [(*parse_role_flag(spec), f"--role {spec}") for spec in args.role]
-    return counts
-
-
 def _job_config(args: argparse.Namespace, run_argv: Sequence[str]) -> tuple[JobConfig, argparse.Namespace]:
     """The job of ``convoy run``; with a job file, its options under those the command line gives."""
     roles: tuple = ()
@@ -215,7 +201,8 @@ def _job_config(args: argparse.Namespace, run_argv: Sequence[str]) -> tuple[JobC
             for dest, value in given.items():
                 setattr(args, dest, [*args.role, *value] if dest == "role" else value)
         roles = job_file.roles
-    roles = apply_role_counts(roles, _role_counts(args), job_has_script=bool(args.script))
+    counts = role_counts_from_flags({dest: getattr(args, dest) for dest in ("ps", "workers")}, args.role)
+    roles = apply_role_counts(roles, counts, job_has_script=bool(args.script))
     return JobConfig(master=_master_config(args), workers=_worker_config(args), roles=roles), args
 
 

@@ -188,6 +188,20 @@ def parse_role_flag(spec: str) -> tuple[str, RoleCount]:
         raise ConfigError(f"--role {spec!r}: {exc}") from None
 
 
+def role_counts_from_flags(shorthands: dict[str, str | None],
+                           role_flags: list[str]) -> list[tuple[str, RoleCount, str]]:
+    """``(role, count, flag as given)`` from ``--ps`` and ``--workers`` (by their dest in ROLE_FLAGS) and each
+    ``--role NAME=COUNT``."""
+    counts = []
+    for dest, value in shorthands.items():
+        if value is not None:
+            try:
+                counts.append((ROLE_FLAGS[dest], parse_count(value), f"--{dest} {value}"))
+            except ConfigError as exc:
+                raise ConfigError(f"--{dest} {value!r}: {exc}") from None
+    return counts + [(*parse_role_flag(spec), f"--role {spec}") for spec in role_flags]
+
+
 def apply_role_counts(roles: tuple[RoleSpec, ...], counts: list[tuple[str, RoleCount, str]],
                       job_has_script: bool) -> tuple[RoleSpec, ...]:
     """Override the count of declared roles, or add roles, from ``(role, count, flag)`` of the command line.

@@ -19,6 +19,7 @@ from convoy.roles_config import (
     parse_count,
     parse_memory,
     parse_role_flag,
+    role_counts_from_flags,
     role_from_table,
 )
 
@@ -188,3 +189,10 @@ def test_check_roles_refuses_a_name_twice_and_a_role_with_nothing_to_run() -> No
         check_roles((RoleSpec("ps", entrypoint="ps.py"), RoleSpec("worker")), job_has_script=False)
     with pytest.raises(ConfigError, match="role 'worker': cpus 0.0"):
         check_roles((RoleSpec("worker", cpus=0.0),), job_has_script=True)
+
+
+def test_role_counts_from_flags_keep_the_flag_as_given() -> None:
+    counts = role_counts_from_flags({"ps": "2", "workers": None}, ["actor=1:3"])
+    assert counts == [("ps", RoleCount(2, 2), "--ps 2"), ("actor", RoleCount(1, 3), "--role actor=1:3")]
+    with pytest.raises(ConfigError, match="--workers 'x': count 'x' is not N"):
+        role_counts_from_flags({"workers": "x"}, [])
