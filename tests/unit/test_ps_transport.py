@@ -4,6 +4,8 @@ at staleness 0 always pulls what it pushed."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -59,3 +61,29 @@ def test_a_client_at_staleness_0_pulls_every_push_it_made() -> None:
     assert all(server.wait(5.0) for server in servers)
     with pytest.raises(ConfigError, match="2 parameter servers but 1 addresses"):
         PSClient(placement, [servers[0].address], "w0")
+
+
+def test_a_worker_waits_only_when_more_than_s_pushes_ahead() -> None:
+    """Server 0's pushes are held up (its push link is kept busy); at staleness 1 the first pull still returns,
+    the second waits until the held pushes are applied."""
+    servers = [ServerProcess() for _ in range(2)]
+    placement = place([DenseSpec("w", (2,))], [TableSpec("emb", 4, 2)], 2)
+    client = PSClient(placement, [server.address for server in servers], "w0", staleness=1)
+    client.setup(OptimizerSpec("sgd", 1.0), {"w": torch.zeros(2)}, {"emb": torch.zeros(4, 2)})
+    slow_link = client.pushers[0].connection.lock
+    slow_link.acquire()
+    client.push({"w": torch.ones(2)}, {"emb": (torch.tensor([0]), torch.ones(1, 2))})
+    first = client.pull({"emb": torch.tensor([0])})
+    assert first.pushed == [1, 1] and first.applied[0] == 0  # one push ahead: allowed at s = 1
+    client.push({"w": torch.ones(2)}, {"emb": (torch.tensor([0]), torch.ones(1, 2))})
+    got = []
+    waiting = threading.Thread(target=lambda: got.append(client.pull({"emb": torch.tensor([0])})))
+    waiting.start()
+    waiting.join(0.5)
+    assert waiting.is_alive() and not got  # two pushes ahead of server 0: the pull waits
+    slow_link.release()
+    waiting.join(10.0)
+    assert got and got[0].pushed == [2, 2] and got[0].applied[0] >= 1
+    client.shutdown_servers()
+    client.close()
+    assert all(server.wait(5.0) for server in servers)
