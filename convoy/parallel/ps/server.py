@@ -160,7 +160,7 @@ def save_shard(server: ParameterServer, path: Path) -> None:
     """Write the server's state to ``path`` atomically (a reader sees the old file or the new one)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
-    torch.save({"placement": server.placement, "state": server.state_dict()}, partial)
+    torch.save({"placement": server.placement.to_dict(), "state": server.state_dict()}, partial)
     partial.replace(path)
 
 
@@ -168,8 +168,8 @@ def restore_shard(path: Path) -> ParameterServer:
     """A server rebuilt from ``save_shard``'s file: same shard, optimizer state, version and counts."""
     if not path.is_file():
         raise CheckpointError(f"no parameter-server shard at {path}; pass the file save_shard wrote")
-    saved = torch.load(path, weights_only=False)
-    state, placement = saved["state"], saved["placement"]
+    saved = torch.load(path, weights_only=True)  # plain data and tensors only: loading runs no pickled code
+    state, placement = saved["state"], Placement.from_dict(saved["placement"])
     server = ParameterServer(state["index"], placement, OptimizerSpec.from_dict(state["optimizer"]),
                              state["dense"], state["rows"])
     server.load_state_dict(state)
