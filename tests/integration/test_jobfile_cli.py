@@ -41,3 +41,18 @@ def test_a_good_job_file_runs_the_job_with_the_flags_over_it(procs: ProcessScope
     assert read_status(tmp_path / "jobs" / "run")["job"]["status"] == "succeeded", "run_dir is relative to the file"
     assert not (tmp_path / "run").exists()
     assert procs.wait_no_leftovers(timeout=5) == []
+
+
+def test_the_roles_of_a_job_file_run_with_a_flag_over_a_count(procs: ProcessScope, tmp_path: Path) -> None:
+    """[roles.ps] and [roles.worker] reach the running job; --workers after the file changes the worker count."""
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    roles = jobs / "roles.toml"
+    roles.write_text(f'entrypoint = "{fixture("role_train.py")}"\nrun_dir = "run"\npreload = []\nstop_grace = 1\n\n'
+                     '[roles.ps]\ncount = 1\n\n[roles.worker]\ncount = 1\ncpus = 1\n')
+    result = procs.run(["run", roles, "--workers", "2"], timeout=90)
+    assert result.returncode == 0, result.explain()
+    assert "convoy: job succeeded: every role finished (ps x1, worker x2)" in result.stdout, result.explain()
+    for rank in (0, 1):
+        assert f"[worker{rank}]: worker{rank} of 2 did 3 steps with 1 ps" in result.stdout, result.explain()
+    assert procs.wait_no_leftovers(timeout=5) == []
