@@ -169,7 +169,8 @@ def load_job_file(path: Path) -> JobFile:
             check_entrypoint(str(options["script"]), module)
         except ConfigError as exc:
             raise ConfigError(f"{place('entrypoint')}entrypoint: {exc}") from None
-    return JobFile(path, options, _file_roles(data.get("roles", {}), options, base, place))
+    roles = _file_roles(data.get("roles", {}), options, base, place)  # takes the ps, workers and role keys out
+    return JobFile(path, options, roles)
 
 
 def _file_roles(tables: Any, options: dict[str, object], base: Path, place: _Places) -> tuple[RoleSpec, ...]:
