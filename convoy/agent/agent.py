@@ -145,7 +145,7 @@ class Agent:
             round_info = self._rendezvous()
             if round_info is None:
                 return self._job_exit_code()
-            ended = self._run_roles() if round_info.roles else self._run_round(round_info)
+            ended = self._run_roles(round_info.round_id) if round_info.roles else self._run_round(round_info)
             if ended:
                 return self._job_exit_code()
 
@@ -224,9 +224,10 @@ class Agent:
             self.heartbeat.changed.wait(POLL_S)
             self.heartbeat.changed.clear()
 
-    def _run_roles(self) -> bool:
-        """A job of roles: run the processes the master assigns until the job ends (its round only gathered
-        the nodes; the roles share no torch.distributed world)."""
+    def _run_roles(self, round_id: int) -> bool:
+        """A job of roles: run the processes the master assigns until the job ends. Its rounds only gather the
+        nodes (the roles share no torch.distributed world): on a new one (a node lost or added) the node joins
+        it and its processes go on."""
         self._release_port()
         self.group.close()  # no worker per local rank: the standbys are not needed
         context = JobContext(self._job_id, self.config.node_id, self.config.host, self.config.run_dir, self.master_url)
@@ -239,6 +240,12 @@ class Agent:
                 self._final_status = latest.job_status
                 processes.stop_all()
                 return True
+            if latest is not None and latest.round_id > round_id:
+                round_id = latest.round_id
+                join = p.JoinRequest(node_id=self.config.node_id, host=self.config.host, port=self._hold_port(),
+                                     nproc=self.config.workers.nproc_per_node, instance=self._instance)
+                self._release_port()  # no torch.distributed store runs on it
+                self.client.call("/join", join, p.JoinResponse)
             self._carry_out_orders(processes)
             for _, report in processes.poll():
                 self.client.call("/role_report", report, p.Ack)

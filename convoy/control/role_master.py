@@ -80,6 +80,8 @@ class RoleMaster:
         """(role, rank) -> (node, port) it last ran on: a restart goes back there."""
         self.stopping: set[Key] = set()
         self.outboxes: dict[str, Outbox] = {}
+        self.lost: dict[str, int] = {}
+        """Lost node -> the round it was lost in: nothing is placed on it until a later round has it again."""
 
     def advance(self) -> list[Event]:
         """Start the roles once the first round has closed, place what waits, and end the job when all is done."""
@@ -131,8 +133,9 @@ class RoleMaster:
         return events + self._carry_out(decisions) + self.advance()
 
     def node_lost(self, node_id: str) -> list[Event]:
-        """The processes of a lost node count as failed: their roles' policies place them again."""
+        """The processes of a lost node count as failed: their roles' policies place them on the other nodes."""
         self.outboxes.pop(node_id, None)
+        self.lost[node_id] = self.job.round_id
         events: list[Event] = []
         for key in [key for key, placed in self.placed.items() if placed.node_id == node_id]:
             self.homes.pop(key[:2], None)
@@ -201,7 +204,10 @@ class RoleMaster:
         membership = self.job.membership
         if membership is None or not self.pending:
             return []
-        nodes = [member.node_id for member in membership.members]
+        nodes = [member.node_id for member in membership.members
+                 if self.lost.get(member.node_id, -1) < membership.round_id]
+        if not nodes:
+            return []
         services_ready = all(member.address for name in SERVICE_ROLES if name in self.roles.roles
                              for member in self.roles.roles[name].members.values())
         events, waiting = [], []

@@ -5,8 +5,10 @@ worker to a running job. The ``procs`` fixture checks that nothing outlives each
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
+import psutil
 import pytest
 from helpers import ProcessScope, Result, fixture, wait_for
 
@@ -79,3 +81,27 @@ def test_convoy_scale_adds_a_worker_to_a_running_job(procs: ProcessScope, run_di
     assert "convoy: role worker: 1 -> 2 process(es)" in result.stdout, result.explain()
     worker1 = next(r for r in role_records(run_dir) if (r["role"], r["rank"]) == ("worker", 1))
     assert worker1["world_size"] == 2 and worker1["ps"], worker1
+
+
+def test_the_processes_of_a_lost_node_start_again_on_the_other(procs: ProcessScope, run_dir: Path,
+                                                               tmp_path: Path) -> None:
+    release = tmp_path / "release"
+    job = procs.start(run_args(run_dir, "--hold-until", release, roles=("--nnodes", "1:2", "--rdzv-wait", "1",
+                                                                       "--ps", "1", "--workers", "2")))
+    wait_for(lambda: len(role_records(run_dir)) == 3, 20, "the PS and both workers to start")
+    ps_pid = next(r["pid"] for r in role_records(run_dir) if r["role"] == "ps")
+    agents = [proc for proc in psutil.process_iter(["cmdline"])
+              if "agent" in (proc.info["cmdline"] or []) and str(run_dir) in " ".join(proc.info["cmdline"] or [])]
+    assert len(agents) == 2, agents
+    agent = next(a for a in agents if ps_pid not in {child.pid for child in a.children(recursive=True)})
+    lost = [r for r in role_records(run_dir) if r["pid"] in {child.pid for child in agent.children(recursive=True)}]
+    assert [r["role"] for r in lost] == ["worker"], "the node without the PS runs one worker (spread)"
+    agent.kill()
+    wait_for(lambda: len(role_records(run_dir)) == 3 + len(lost), 20, "the lost node's processes to start again")
+    release.touch()
+    result = job.wait()
+    assert_succeeded(result, "ps x1, worker x2")
+    assert re.search(r"node local\d left \(agent killed by SIGKILL\): going on with 1 nodes", result.stdout), \
+        result.explain()
+    again = role_records(run_dir)[3:]
+    assert sorted((r["role"], r["rank"]) for r in again) == sorted((r["role"], r["rank"]) for r in lost)

@@ -158,3 +158,19 @@ def test_the_roles_file_round_trips(tmp_path: Path) -> None:
     (tmp_path / "roles.json").write_text("[{\"name\": 1}]")
     with pytest.raises(ConfigError, match="does not hold the job's roles"):
         load_roles(tmp_path)
+
+
+def test_the_processes_of_a_lost_node_go_to_the_others_once_the_regroup_closes() -> None:
+    master = ps_job()
+    placed = running_job(master)
+    lost_node = placed[("worker", 0)][0] if placed[("worker", 0)][0] != placed[("ps", 0)][0] else \
+        placed[("worker", 1)][0]
+    survivor = "n1" if lost_node == "n0" else "n0"
+    master.node_lost(lost_node)
+    assert master.deliver(lost_node, 0.0) == ([], []), "nothing is placed on the lost node"
+    master.job.node_lost(lost_node, "left", 1.0)
+    assert master.job.membership is None and master.advance() == [], "the restart waits for the regroup"
+    master.job.join(survivor, "127.0.0.1", 1, 1002, 2.0)
+    master.advance()
+    moved = master.deliver(survivor, 0.0)[0]
+    assert [a.role for a in moved] == ["worker"] and moved[0].port == 0, "a fresh port on the surviving node"
