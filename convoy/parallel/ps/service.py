@@ -24,15 +24,20 @@ class ServerProcess:
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self.server: ParameterServer | None = None
         self.stopped = threading.Event()
-        self.listener = Listener(self.handle, host, port)
+        self.listener = Listener(self.handle, host, port, replied=self._replied)
         self.address = self.listener.address
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until shut down; then close the listener. False if ``timeout`` passed first."""
+        """Block until shut down (the ``shutdown`` reply sent); then close the listener and wait for its threads.
+        False if ``timeout`` passed first."""
         done = self.stopped.wait(timeout)
         if done:
             self.listener.close()
         return done
+
+    def _replied(self, reply: Message) -> None:
+        if reply.op == "bye":
+            self.stopped.set()
 
     def _shard(self) -> ParameterServer:
         if self.server is None:
@@ -74,7 +79,6 @@ class ServerProcess:
             applied = server.applied.get(str(meta["worker"]), 0) if server else 0
             return Message("ok", {"pid": os.getpid(), "version": server.version if server else 0, "applied": applied})
         if op == "shutdown":
-            self.stopped.set()
-            return Message("ok", {"pid": os.getpid()})
+            return Message("bye", {"pid": os.getpid()})  # stopped once this reply is out (_replied)
         raise ConfigError(f"parameter server: unknown op {op!r}; send setup, restore, pull, push, save, status or "
                           f"shutdown")

@@ -116,14 +116,18 @@ class Connection:
 
 
 Handler = Callable[[Message], Message]
+CLOSE_JOIN_S = 10.0
 
 
 class Listener:
     """A server's end: accepts connections and answers each message with ``handler``'s reply, one thread per
-    connection. A handler's ``ConvoyError`` goes back to that worker as an ``error`` reply."""
+    connection. A handler's ``ConvoyError`` goes back to that worker as an ``error`` reply; ``replied`` (if
+    given) sees each reply once it is sent (where a server learns that its goodbye went out)."""
 
-    def __init__(self, handler: Handler, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.handler = handler
+    def __init__(self, handler: Handler, host: str = "127.0.0.1", port: int = 0,
+                 replied: Callable[[Message], None] | None = None) -> None:
+        self.handler, self.replied = handler, replied
+        self.connections: list[socket.socket] = []
         self.sock = socket.create_server((host, port))
         self.address = f"{host}:{self.sock.getsockname()[1]}"
         self.closed = threading.Event()
@@ -138,6 +142,7 @@ class Listener:
             except OSError:
                 return
             _tune(conn)
+            self.connections.append(conn)
             thread = threading.Thread(target=self._serve, args=(conn,), name="ps-conn", daemon=True)
             self.threads.append(thread)
             thread.start()
@@ -157,11 +162,20 @@ class Listener:
                     _send_all(conn, reply)
                 except OSError:
                     return
+                if self.replied is not None:
+                    self.replied(reply)
 
     def close(self) -> None:
+        """Stop accepting, wake every connection's thread and wait for it: a thread left inside torch while the
+        interpreter exits can abort the process."""
         self.closed.set()
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        for sock in (self.sock, *self.connections):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed by the peer
         self.sock.close()
+        self.accepter.join(CLOSE_JOIN_S)
+        for thread in self.threads:
+            if thread is not threading.current_thread():
+                thread.join(CLOSE_JOIN_S)
