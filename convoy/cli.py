@@ -254,14 +254,16 @@ def _master(args: argparse.Namespace) -> int:
 
 
 def _agent(args: argparse.Namespace) -> int:
+    from convoy.control.role_master import ROLES_FILE
+
     workers = _worker_config(args)
-    workers.validate()
+    run_dir = args.run_dir or args.token_file.parent
+    workers.validate(need_entrypoint=not (run_dir / ROLES_FILE).is_file())  # roles may each name their script
     host, port = parse_address(args.master)
     try:
         token = args.token_file.read_text().strip()
     except OSError as exc:
         raise ConfigError(f"--token-file {str(args.token_file)!r} cannot be read: {exc.strerror}") from exc
-    run_dir = args.run_dir or args.token_file.parent
     check_run_dir(run_dir)
     from convoy.ports import local_address_towards
     from convoy.agent.workers import WorkerGroup

@@ -105,3 +105,14 @@ def test_the_processes_of_a_lost_node_start_again_on_the_other(procs: ProcessSco
         result.explain()
     again = role_records(run_dir)[3:]
     assert sorted((r["role"], r["rank"]) for r in again) == sorted((r["role"], r["rank"]) for r in lost)
+
+
+def test_a_job_file_whose_roles_each_name_their_script_runs_without_a_job_script(procs: ProcessScope,
+                                                                                 run_dir: Path,
+                                                                                 tmp_path: Path) -> None:
+    job_file = tmp_path / "job.toml"
+    job_file.write_text(f'preload = []\nstop_grace = 1\n[roles.ps]\nentrypoint = "{ROLE_SCRIPT}"\n'
+                        f'[roles.worker]\nentrypoint = "{ROLE_SCRIPT}"\ncount = 2\nargs = ["--fail-once", "1"]\n')
+    result = procs.run(["run", "--run-dir", run_dir, job_file])
+    assert_succeeded(result, "ps x1, worker x2")
+    assert "worker1 fails on purpose" in result.stdout, "the role's own args reached its script"
