@@ -92,3 +92,41 @@ def test_every_file_stays_small() -> None:
     long = {str(path.relative_to(PACKAGE.parent)): count for path in PACKAGE.rglob("*.py")
             if (count := len(path.read_text().splitlines())) > MAX_LINES}
     assert long == {}, f"files past {MAX_LINES} lines hold two concerns: split them"
+
+
+def readme_layout() -> list[str]:
+    """The lines of the tree drawn under the README's ``## Layout``."""
+    text = (PACKAGE.parent / "README.md").read_text()
+    section = text.split("\n## Layout\n", 1)[1]
+    return section.split("```\n", 2)[1].splitlines()
+
+
+def listed_paths(lines: list[str]) -> set[str]:
+    """Every path the drawing names: each line's names (before the description) under the folders above it."""
+    folders: list[tuple[int, str]] = []
+    paths = set()
+    for line in lines:
+        depth = len(line) - len(line.lstrip(" "))
+        names = line.strip().split("  ", 1)[0]
+        folders = [(d, f) for d, f in folders if d < depth]
+        parent = "".join(f for _, f in folders)
+        for name in (n.strip() for n in names.split(",")):
+            paths.add(parent + name)
+            parts = name.rstrip("/").split("/")
+            paths.update(parent + "/".join(parts[:end]) + "/" for end in range(1, len(parts)))
+            if name.endswith("/") and len(names.split(",")) == 1:
+                folders.append((depth, name))
+    return paths
+
+
+def test_the_readme_layout_names_every_module_and_nothing_that_is_gone() -> None:
+    root = PACKAGE.parent
+    listed = listed_paths(readme_layout())
+    missing = sorted(path for path in listed if not (root / path).exists())
+    assert missing == [], "the README's layout names paths that are not in the tree"
+    workloads = PACKAGE / "workloads"
+    modules = {str(path.relative_to(root)) for path in PACKAGE.rglob("*.py")
+               if path.name != "__init__.py" and workloads not in path.parents}
+    folders = {str(path.relative_to(root)) + "/" for path in PACKAGE.rglob("*") if path.is_dir()
+               and path.name != "__pycache__" and (path.parent == workloads or workloads not in path.parents)}
+    assert sorted((modules | folders) - listed) == [], "the README's layout leaves these out: add them"
