@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from convoy.agent.memory import SAMPLE_INTERVAL_S, process_rss, tree_pids
+from convoy.agent.reap import cgroup_add, cgroup_pids
 from convoy.errors import ConfigError
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -111,17 +112,10 @@ class CgroupMemoryLimit(MemoryLimit):
         self.limit_bytes = limit_bytes
 
     def add(self, pid: int) -> bool:
-        try:
-            (self.path / "cgroup.procs").write_text(f"{pid}\n")
-            return True
-        except OSError:
-            return False
+        return cgroup_add(self.path, pid)
 
     def pids(self) -> list[int]:
-        try:
-            return [int(line) for line in (self.path / "cgroup.procs").read_text().split()]
-        except (OSError, ValueError):
-            return []
+        return cgroup_pids(self.path)
 
     def outcome(self) -> LimitOutcome:
         counters = _read_counters(self.path / ("memory.events" if self.v2 else "memory.oom_control"))

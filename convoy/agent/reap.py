@@ -53,6 +53,23 @@ def _hierarchies() -> list[tuple[Path, bool]]:
     return found
 
 
+def cgroup_add(path: Path, pid: int) -> bool:
+    """Move a process into the cgroup at ``path`` (v1 or v2); False if it is gone or the kernel refuses."""
+    try:
+        (path / "cgroup.procs").write_text(f"{pid}\n")
+        return True
+    except OSError:
+        return False
+
+
+def cgroup_pids(path: Path) -> list[int]:
+    """The processes in the cgroup at ``path`` (none if it is gone)."""
+    try:
+        return [int(line) for line in (path / "cgroup.procs").read_text().split()]
+    except (OSError, ValueError):
+        return []
+
+
 class NodeCgroup:
     """A cgroup holding one node's workers and everything they start."""
 
@@ -79,17 +96,10 @@ class NodeCgroup:
 
     def add(self, pid: int) -> bool:
         """Move a process in; False if it is gone or the kernel refuses."""
-        try:
-            (self.path / "cgroup.procs").write_text(f"{pid}\n")
-            return True
-        except OSError:
-            return False
+        return cgroup_add(self.path, pid)
 
     def pids(self) -> list[int]:
-        try:
-            return [int(line) for line in (self.path / "cgroup.procs").read_text().split()]
-        except (OSError, ValueError):
-            return []
+        return cgroup_pids(self.path)
 
     def kill(self) -> int:
         """SIGKILL everything inside; returns how many processes were there."""
