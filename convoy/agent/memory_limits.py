@@ -18,10 +18,9 @@ from pathlib import Path
 from typing import Callable
 
 from convoy.agent.memory import SAMPLE_INTERVAL_S, process_rss, tree_pids
-from convoy.agent.reap import cgroup_add, cgroup_pids
+from convoy.agent.reap import CGROUP_ROOT, cgroup_add, cgroup_pids, own_cgroup
 from convoy.errors import ConfigError
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
 CGROUP_V2, CGROUP_V1, WATCHDOG = "cgroup-v2", "cgroup-v1", "watchdog"
 REMOVE_WAIT_S = 2.0
 
@@ -297,31 +296,18 @@ class MemoryLimiter:
 
 def _v2_own() -> Path | None:
     for mount in (CGROUP_ROOT / "unified", CGROUP_ROOT):
-        path = _own_cgroup_path(None)
+        path = own_cgroup(None)
         if path is not None and (mount / "cgroup.controllers").is_file():
             return mount / path.lstrip("/")
     return None
 
 
 def _v1_parent() -> Path | None:
-    path = _own_cgroup_path("memory")
+    path = own_cgroup("memory")
     mount = CGROUP_ROOT / "memory"
     if path is None or not (mount / "memory.limit_in_bytes").is_file():
         return None
     return mount / path.lstrip("/")
-
-
-def _own_cgroup_path(controller: str | None) -> str | None:
-    """This process's cgroup in the v2 hierarchy (``controller`` None) or in a v1 controller's."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if (controller is None and controllers == "") or (controller and controller in controllers.split(",")):
-            return path
-    return None
 
 
 def _words(path: Path) -> list[str]:

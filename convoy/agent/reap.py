@@ -26,7 +26,7 @@ def _cgroup_name(job_id: str, node_id: str) -> str:
     return "convoy-" + re.sub(r"[^A-Za-z0-9_.-]", "_", f"{job_id}-{node_id}")
 
 
-def _own_cgroup(controller: str | None) -> str | None:
+def own_cgroup(controller: str | None) -> str | None:
     """This process's cgroup path in the v2 hierarchy (``controller`` None) or a v1 controller's."""
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
@@ -42,12 +42,12 @@ def _own_cgroup(controller: str | None) -> str | None:
 def _hierarchies() -> list[tuple[Path, bool]]:
     """Where a node cgroup may go: (the directory to create it in, whether it is cgroup v2)."""
     found: list[tuple[Path, bool]] = []
-    v2_path = _own_cgroup(None)
+    v2_path = own_cgroup(None)
     for mount in (CGROUP_ROOT / "unified", CGROUP_ROOT):
         if v2_path is not None and (mount / "cgroup.controllers").is_file():
             found.append((mount / v2_path.lstrip("/"), True))
             break
-    v1_path = _own_cgroup("pids")
+    v1_path = own_cgroup("pids")
     if v1_path is not None and (CGROUP_ROOT / "pids" / "cgroup.procs").is_file():
         found.append((CGROUP_ROOT / "pids" / v1_path.lstrip("/"), False))
     return found
