@@ -148,7 +148,7 @@ def evaluate(args: argparse.Namespace, client: PSClient, arch: DenseArch, bags: 
     held = data.draw(seeded("held-out", args.seed), args.held_out)
     ids = {s.name: held.features[s.name].ids for s in bags}
     deadline = time.monotonic() + 600
-    while (pulled := client.pull(ids)).versions[0] < workers * args.steps and time.monotonic() < deadline:
+    while min((pulled := client.pull(ids)).versions) < workers * args.steps and time.monotonic() < deadline:
         time.sleep(0.2)
     with torch.no_grad():
         scores = logits_of(arch, bags, pulled, held, pulled.dense, pulled.rows)
