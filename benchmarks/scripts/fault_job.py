@@ -28,6 +28,8 @@ TAG_VAR = "CONVOY_FAULTS_TAG"
 POLL_S = 0.05
 LEFTOVERS: list[str] = []
 """What a job left behind and ``Job.stop()`` had to remove (segments) or could not kill (pids)."""
+HANGS_DIR = Path("/tmp/convoy-faults-hangs")
+"""Where the stacks of a run that hung are written (``Job.dump_stacks``)."""
 T = TypeVar("T")
 
 
@@ -107,6 +109,8 @@ class Job:
         self.main: subprocess.Popen[bytes] | None = None
         self.known: dict[int, psutil.Process] = {}
         self.job_id = ""
+        self.stacks = ""
+        """Where ``dump_stacks`` wrote this job's stacks (empty: not taken)."""
 
     def train_args(self, sleep_s: float, seed: int, extra: Sequence[str] = ()) -> list[str]:
         return [str(TRAIN), "--out", str(self.out), "--sleep", str(sleep_s), "--seed", str(seed), *extra]
@@ -211,6 +215,22 @@ class Job:
                 if ended_alone:
                     LEFTOVERS.append(str(path))
                 path.unlink(missing_ok=True)
+
+    def dump_stacks(self) -> str:
+        """Where the Python stacks of this job's processes now are written (py-spy), for a run that hung."""
+        self.track()
+        HANGS_DIR.mkdir(parents=True, exist_ok=True)
+        path = HANGS_DIR / f"{self.tag}.txt"
+        with open(path, "w") as out:
+            for proc in {p.pid: p for p in [*self.known.values(), *tagged_processes(self.tag)]}.values():
+                try:
+                    out.write(f"== pid {proc.pid}: {' '.join(_cmdline(proc))[:160]}\n")
+                    out.flush()
+                    subprocess.run(["py-spy", "dump", "--pid", str(proc.pid)], stdout=out, stderr=subprocess.STDOUT,
+                                   timeout=20, check=False)
+                except (OSError, subprocess.TimeoutExpired, psutil.Error) as exc:
+                    out.write(f"   (no stack: {exc})\n")
+        return str(path)
 
     def state_rows(self, query: str, *params: object) -> list[tuple[object, ...]]:
         """Rows of a read-only query on the master's state.db ([] while it is missing or locked)."""
