@@ -271,7 +271,11 @@ class Agent:
                     report.state, report.start_failed, report.log_tail = "exited", True, [str(exc)]
                 else:
                     if process is None:
-                        continue  # started already: this was a repeat of the assignment
+                        # a repeat of the assignment (redelivered, or from a restarted master that missed the
+                        # report): say again that it runs; one that exited since is reported by poll
+                        process = processes.running.get((assignment.role, assignment.rank, assignment.incarnation))
+                        if process is None:
+                            continue
                     report.address = process.address
                 self.client.call("/role_report", report, p.Ack)
 

@@ -19,7 +19,7 @@ from convoy.control.job import RUNNING, Event, Job
 from convoy.control.nodes import NodeRegistry
 from convoy.control.role_master import RoleMaster, load_roles
 from convoy.control.rendezvous import Membership, Rendezvous
-from convoy.control.store import Store, restore
+from convoy.control.store import Store, read_parts, restore
 from convoy.control.throttle import EventBudget, budget_for
 from convoy.control.token import TOKEN_FILE, new_token, read_token, write_token
 from convoy.errors import ConfigError, ConflictError, StateWriteError
@@ -62,6 +62,11 @@ class JobMaster:
         roles = load_roles(config.run_dir)
         self.role_master = RoleMaster(self.job, roles, config.max_restarts) if roles else None
         """A job of roles (``roles.json`` in the run dir): its processes come from the heartbeats' assignments."""
+        self._taken_back: list[Event] = []
+        if resume and self.role_master is not None and self.job.status == RUNNING:  # before any save replaces it
+            saved = read_parts(config.run_dir).get("roles")
+            self._taken_back = self.role_master.load_state(saved) if saved else self.job.abort(
+                "the master restarted and its state holds no roles to take back; run the job again")
         self.api = ApiServer(self, config.host, config.port, self.token)  # bind first: a refusal leaves no state
         if not token_path.exists():
             write_token(token_path, self.token)
@@ -91,10 +96,8 @@ class JobMaster:
     def start(self) -> None:
         with self._changed:
             how = f"resumed in round {self.job.round_id}" if self.resumed else "started"
-            self._apply([Event("master_started", f"master {how}, listening on {self.url}", console=self.resumed)])
-            if self.resumed and self.role_master is not None and not self.ended:
-                self._apply(self.job.abort("the master restarted, and a job of roles cannot take back its role "
-                                           "processes yet; run the job again"))
+            self._apply([Event("master_started", f"master {how}, listening on {self.url}", console=self.resumed),
+                         *self._taken_back])
         self.api.start()
         self._ticker.start()
 
@@ -313,7 +316,8 @@ class JobMaster:
         """
         was_failing = self.store.failing_since is not None
         try:
-            note = self.store.save(self.job, events, self.url, list(self.nodes.nodes.values()))
+            parts = {"roles": self.role_master.state()} if self.role_master is not None else None
+            note = self.store.save(self.job, events, self.url, list(self.nodes.nodes.values()), parts)
         except StateWriteError as exc:
             if not was_failing:  # one line when the writes start failing, one when they work again
                 self.console(f"convoy: {exc}; the job goes on in memory and the write is retried")

@@ -14,6 +14,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from convoy.control import protocol as p
 from convoy.control.job import RUNNING, Event, Job
@@ -164,6 +165,38 @@ class RoleMaster:
                 stops.append(stop)
                 outbox.stops[key] = (stop, now)
         return assignments, stops
+
+    def state(self) -> dict[str, Any]:
+        """Everything a restarted master needs to take the running role processes back (JSON-ready)."""
+        return {
+            "roles": self.roles.state(), "begun": self.begun, "pending": [asdict(start) for start in self.pending],
+            "placed": [[*key, asdict(placed)] for key, placed in self.placed.items()],
+            "homes": [[*key, *home] for key, home in self.homes.items()],
+            "stopping": [list(key) for key in self.stopping], "lost": self.lost,
+            "outboxes": {node: {"assignments": [a.model_dump(mode="json") for a, _ in box.assignments.values()],
+                                "stops": [stop.model_dump(mode="json") for stop, _ in box.stops.values()]}
+                         for node, box in self.outboxes.items()},
+        }
+
+    def load_state(self, saved: dict[str, Any]) -> list[Event]:
+        """Take back a previous master's roles: the processes run on (their agents reattach and report), and
+        what it had not heard back about is told again at once."""
+        self.roles.load_state(saved["roles"])
+        self.begun = saved["begun"]
+        self.pending = [Start(**start) for start in saved["pending"]]
+        self.placed = {(role, rank, inc): Placed(**placed) for role, rank, inc, placed in saved["placed"]}
+        self.homes = {(role, rank): (node, port) for role, rank, node, port in saved["homes"]}
+        self.stopping = {(role, rank, inc) for role, rank, inc in saved["stopping"]}
+        self.lost = dict(saved["lost"])
+        for node, box in saved["outboxes"].items():
+            outbox = self.outboxes.setdefault(node, Outbox())
+            for assignment in map(p.RoleAssignment.model_validate, box["assignments"]):
+                outbox.assignments[(assignment.role, assignment.rank, assignment.incarnation)] = (assignment, NEVER)
+            for stop in map(p.RoleStop.model_validate, box["stops"]):
+                outbox.stops[(stop.role, stop.rank, stop.incarnation)] = (stop, NEVER)
+        running = sum(1 for key in self.placed if self._is_current(key))
+        return [Event("roles_resumed", f"the restarted master takes back {running} role process(es); "
+                                       f"{len(self.pending)} wait to be placed", console=True)]
 
     def _carry_out(self, decisions: list[Decision], tail: str = "") -> list[Event]:
         events: list[Event] = []

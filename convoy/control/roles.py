@@ -10,7 +10,8 @@ Model: ``control/job.py``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from convoy.control.job import Event
 from convoy.errors import ConfigError
@@ -107,8 +108,8 @@ class Roles:
 
     def started(self, role: str, rank: int, incarnation: int, address: str = "") -> list[Event]:
         member = self._current(role, rank, incarnation)
-        if member is None:
-            return []
+        if member is None or member.state == FINISHED or (member.state, member.address) == (RUNNING, address):
+            return []  # not the rank's process, or a late repeat of a report already taken
         member.state, member.address = RUNNING, address
         where = f" at {address}" if address else ""
         return [Event("role_started", f"{role} {rank} is running{where}")]
@@ -186,6 +187,24 @@ class Roles:
 
     def world_size(self, role: str) -> int:
         return len(self.roles[self._known(role)].members)
+
+    def state(self) -> dict[str, Any]:
+        """What a restarted master needs to take the roles back (JSON-ready; the specs come from roles.json)."""
+        return {"failed_reason": self.failed_reason, "roles": {
+            name: {"target": state.target, "restarts": state.restarts, "launches": state.launches,
+                   "members": {str(rank): asdict(member) for rank, member in state.members.items()}}
+            for name, state in self.roles.items()}}
+
+    def load_state(self, saved: dict[str, Any]) -> None:
+        """Take back what ``state()`` gave; a ConfigError when it names roles this job does not declare."""
+        unknown = sorted(set(saved["roles"]) - set(self.roles))
+        if unknown:
+            raise ConfigError(f"the saved state names roles {unknown} that roles.json does not declare")
+        self.failed_reason = saved["failed_reason"]
+        for name, entry in saved["roles"].items():
+            state = self.roles[name]
+            state.target, state.restarts, state.launches = entry["target"], entry["restarts"], entry["launches"]
+            state.members = {int(rank): Member(**member) for rank, member in entry["members"].items()}
 
     def _fill(self, state: RoleState, reason: str) -> list[Decision]:
         decisions: list[Decision] = []

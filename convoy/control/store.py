@@ -29,6 +29,7 @@ CREATE TABLE IF NOT EXISTS nodes (
 CREATE TABLE IF NOT EXISTS rounds (
     round_id INTEGER PRIMARY KEY, closed_at REAL, world_size INTEGER,
     master_addr TEXT, master_port INTEGER, members TEXT);
+CREATE TABLE IF NOT EXISTS parts (name TEXT PRIMARY KEY, state TEXT);
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL, kind TEXT, node_id TEXT,
     round_id INTEGER, message TEXT);
@@ -53,6 +54,8 @@ class Store:
         self.config_json = config_json
         self._lock = threading.Lock()
         self._pending: collections.deque[tuple[float, Event]] = collections.deque()
+        self._parts: dict[str, Any] = {}
+        """The newest state of each part not yet written (a failed write keeps it for the next)."""
         self._pending_rounds: dict[int, tuple[Membership, float]] = {}
         """Rounds that closed while writes failed (a later one may have replaced them in the job by then)."""
         self.lost_events = 0
@@ -87,11 +90,14 @@ class Store:
         with self._lock:
             self._db.close()
 
-    def save(self, job: Job, events: list[Event], master_url: str, nodes: list[NodeRecord]) -> str | None:
+    def save(self, job: Job, events: list[Event], master_url: str, nodes: list[NodeRecord],
+             parts: dict[str, Any] | None = None) -> str | None:
         """Record events (after any kept from failed writes) and the job, round and node rows in one
-        transaction. Returns a note when state that could not be written before now is; raises
-        StateWriteError (the events are kept) when the write fails."""
+        transaction, with the JSON state of the master's other parts (``parts``: name -> state, e.g. the
+        roles). Returns a note when state that could not be written before now is; raises StateWriteError
+        (the events are kept) when the write fails."""
         now = time.time()
+        self._parts.update(parts or {})
         with self._lock:
             for event in events:
                 if len(self._pending) >= MAX_PENDING_EVENTS:
@@ -111,6 +117,7 @@ class Store:
             note = self._recovery_note() if self.failing_since is not None else None
             self._pending.clear()
             self._pending_rounds.clear()
+            self._parts.clear()
             self.failing_since, self.fault, self.lost_events = None, "", 0
             return note
 
@@ -156,6 +163,8 @@ class Store:
             )
         for closed, closed_at in self._pending_rounds.values():
             self._save_round(closed, closed_at)
+        self._db.executemany("INSERT OR REPLACE INTO parts VALUES (?,?)",
+                             [(name, json.dumps(state)) for name, state in self._parts.items()])
         self._db.executemany("INSERT INTO events (ts, kind, node_id, round_id, message) VALUES (?,?,?,?,?)", rows)
         self._db.execute("COMMIT")
 
@@ -199,6 +208,24 @@ def restore(run_dir: Path, now: float) -> tuple[MasterConfig, Job, list[NodeReco
         rendezvous.set_previous(membership)
     nodes = [NodeRecord(n["node_id"], n["host"], n["nproc"], now, now, n["state"]) for n in state["nodes"]]
     return config, job, nodes
+
+
+def read_parts(run_dir: Path) -> dict[str, Any]:
+    """The state of the master's parts as its last save left it (name -> JSON state; empty when none)."""
+    path = Path(run_dir) / STATE_FILE
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            rows = db.execute("SELECT name, state FROM parts").fetchall()
+        finally:
+            db.close()
+        return {name: json.loads(state) for name, state in rows}
+    except sqlite3.OperationalError as exc:
+        if "no such table" in str(exc):
+            return {}  # written by a version without parts
+        raise ConfigError(f"cannot read the job's state in {str(path)!r}: {exc}") from exc
+    except (sqlite3.Error, ValueError) as exc:
+        raise ConfigError(f"cannot read the job's state in {str(path)!r}: {exc}") from exc
 
 
 def read_status(run_dir: Path, recent: int = 15) -> dict[str, Any]:

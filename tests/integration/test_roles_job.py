@@ -107,6 +107,28 @@ def test_the_processes_of_a_lost_node_start_again_on_the_other(procs: ProcessSco
     assert sorted((r["role"], r["rank"]) for r in again) == sorted((r["role"], r["rank"]) for r in lost)
 
 
+@pytest.mark.parametrize("finish", ["after", "while_down"])
+def test_a_killed_master_is_restarted_and_takes_the_role_processes_back(procs: ProcessScope, run_dir: Path,
+                                                                       tmp_path: Path, finish: str) -> None:
+    """``while_down``: the workers finish while no master runs; their agent's reports wait for the new one."""
+    release = tmp_path / "release"
+    job = procs.start(run_args(run_dir, "--hold-until", release))
+    wait_for(lambda: len(role_records(run_dir)) == 3, 20, "the PS and both workers to start")
+    master = next(child for child in psutil.Process(job.pid).children()
+                  if "master" in child.cmdline() and str(run_dir) in " ".join(child.cmdline()))
+    master.kill()
+    if finish == "while_down":
+        release.touch()
+    job.wait_output(r"master resumed in round 1")
+    job.wait_output(r"the restarted master takes back 3 role process\(es\)")
+    release.touch()
+    result = job.wait()
+    assert_succeeded(result, "ps x1, worker x2")
+    assert sorted((r["role"], r["rank"], r["incarnation"]) for r in role_records(run_dir)) == \
+        [("ps", 0, 0), ("worker", 0, 0), ("worker", 1, 1)], "every process ran once, through the master's restart"
+    assert "ps0 stopping" in (run_dir / "logs" / "roles" / "ps0.log").read_text(), "the new master stopped the PS"
+
+
 def test_a_job_file_whose_roles_each_name_their_script_runs_without_a_job_script(procs: ProcessScope,
                                                                                  run_dir: Path,
                                                                                  tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ and redelivery, stale reports, the failure policies carried out, the job's end, 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -174,3 +175,43 @@ def test_the_processes_of_a_lost_node_go_to_the_others_once_the_regroup_closes()
     master.advance()
     moved = master.deliver(survivor, 0.0)[0]
     assert [a.role for a in moved] == ["worker"] and moved[0].port == 0, "a fresh port on the surviving node"
+
+
+def test_a_restarted_master_takes_the_roles_back_from_the_saved_state() -> None:
+    master = ps_job()
+    master.advance()
+    ps_node, ps_assignments = next((node, found) for node, found in deliver_all(master).items() if found)
+    started(master, ps_node, ps_assignments[0], 5000)
+    workers = deliver_all(master)  # the workers are assigned; one reports, the other's report is lost
+    node, (first, *_) = next((node, found) for node, found in workers.items() if found)
+    started(master, node, first, 6000)
+    saved = json.loads(json.dumps(master.state()))  # through JSON, as the store keeps it
+
+    again = RoleMaster(master.job, tuple(master.specs.values()), max_restarts=2)
+    events = again.load_state(saved)
+    assert "takes back 3 role process(es)" in events[0].message
+    assert again.roles.addresses() == master.roles.addresses()
+    assert any(again.has_news(n) for n in ("n0", "n1")), "what was not reported on goes out at once"
+    resent = deliver_all(again, now=0.0)
+    unreported = [a for found in resent.values() for a in found]
+    assert [(a.role, a.rank) for a in unreported] == [("worker", 1 - first.rank)], "only the unreported is resent"
+    other_node = next(n for n, found in resent.items() if found)
+    assert again.report(p.RoleReport(node_id=other_node, role="worker", rank=1 - first.rank,
+                                     incarnation=unreported[0].incarnation, state="started",
+                                     address="127.0.0.1:6001"))
+    assert deliver_all(again, now=10.0) == {"n0": [], "n1": []}, "reported now: not sent again"
+    for worker_node, found in workers.items():
+        for assignment in found:
+            exited(again, worker_node, assignment, 0)
+    assert again.job.status == RUNNING, "the PS still runs until it is stopped"
+    stops = {n: again.deliver(n, 20.0)[1] for n in ("n0", "n1")}
+    assert [(s.role, s.rank) for found in stops.values() for s in found] == [("ps", 0)]
+
+
+def test_a_repeated_started_report_records_nothing_new() -> None:
+    master = ps_job()
+    master.advance()
+    node, (ps,) = next((node, found) for node, found in deliver_all(master).items() if found)
+    started(master, node, ps, 5000)
+    assert master.report(p.RoleReport(node_id=node, role="ps", rank=0, incarnation=ps.incarnation, state="started",
+                                      address="127.0.0.1:5000")) == []

@@ -139,3 +139,21 @@ def test_a_state_file_of_an_earlier_version_is_still_written_and_restored(tmp_pa
     store.save(job, [], "127.0.0.1:4000", [])
     store.close()
     assert restore(tmp_path, now=0.0)[1].excluded == {}
+
+
+def test_the_parts_state_is_kept_newest_first_and_read_back(tmp_path: Path) -> None:
+    import sqlite3
+
+    from convoy.control.store import read_parts
+
+    store = Store(tmp_path)
+    job = Job("feedbeef", Rendezvous(1, 2, 0.0, opened_at=0.0), max_restarts=3, join_timeout_s=60.0)
+    store.save(job, [], "127.0.0.1:4000", [], {"roles": {"begun": False}})
+    store.save(job, [], "127.0.0.1:4000", [], {"roles": {"begun": True, "pending": [[1, "x"]]}})
+    store.save(job, [], "127.0.0.1:4000", [])  # a save without parts leaves them as they were
+    store.close()
+    assert read_parts(tmp_path) == {"roles": {"begun": True, "pending": [[1, "x"]]}}
+    older = tmp_path / "older"
+    older.mkdir()
+    sqlite3.connect(older / "state.db").execute("CREATE TABLE job (job_id TEXT)").connection.close()
+    assert read_parts(older) == {}, "a state file written before parts existed holds none"
