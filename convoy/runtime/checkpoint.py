@@ -29,6 +29,7 @@ from convoy.runtime.fence import RoundFence
 from convoy.runtime.peers import SnapshotRestore
 from convoy.runtime.slots import SnapshotFile
 from convoy.runtime.snapshot import RankSnapshots
+from convoy.runtime.stop_copy import ExitAfterCopy
 from convoy.shm import segment_path
 
 
@@ -55,6 +56,8 @@ class Checkpointer:
     an LR scheduler): a rank that takes a peer's model takes these from the same peer.
     When ``/dev/shm`` cannot hold the snapshots they are turned off (said once) and persistent
     saves go on; under a convoy agent nothing is committed for a round that is no longer current.
+    A SIGTERM (the agent stopping the round) lets a copy in flight land before the worker exits, where
+    the script left SIGTERM at its default (``stop_copy.py``).
     """
 
     def __init__(
@@ -103,6 +106,7 @@ class Checkpointer:
         self.root = root
         self.restored_from = "nothing"
         self._copies = BackgroundCopy()
+        self._stop_copy = ExitAfterCopy.install(self._copies)
         fallback = (f"persistent saves every {persist_every} steps go on (to {root})" if persist_every
                     else "persist_every is 0, so nothing protects progress now: set persist_every, or give /dev/shm "
                          "more room (e.g. docker --shm-size)")
@@ -147,6 +151,9 @@ class Checkpointer:
         """Wait for the background copy and any persistent save in flight."""
         self._wait_copy()
         self._saver.wait()
+        if self._stop_copy is not None:
+            self._stop_copy.uninstall()
+            self._stop_copy = None
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -192,6 +192,14 @@ class BackgroundCopy:
         self._thread = threading.Thread(target=run, name=name, daemon=True)
         self._thread.start()
 
+    def settle(self, timeout_s: float) -> bool:
+        """Let a copy in flight finish, from any thread, for at most ``timeout_s``; whether none is left."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+            return not thread.is_alive()
+        return True
+
     def wait(self) -> None:
         if self._thread is not None:
             self._thread.join()

@@ -2,9 +2,11 @@
 
 A slot is committed *partial* at once with everything that a later forward may change, and
 parameters and optimizer state (which only ``optimizer.step()`` changes) follow on a background
-copy, after which it is marked complete. When shared memory cannot hold the slots, snapshots are
-turned off, said once with what still protects progress, and training goes on. The segment's
-format is ``slots.py``; choosing and loading a step at restore is ``peers.py``.
+copy, after which it is marked complete. The round fence is asked once, before the slot is
+committed: the copy then completes a step the round committed, even if the round ends meanwhile.
+When shared memory cannot hold the slots, snapshots are turned off, said once with what still
+protects progress, and training goes on. The segment's format is ``slots.py``; choosing and
+loading a step at restore is ``peers.py``.
 """
 
 from __future__ import annotations
@@ -78,10 +80,9 @@ class RankSnapshots:
         if not later:
             return
 
-        def finish() -> None:
+        def finish() -> None:  # completes a step this round committed, even if the round has ended since
             file.write_tensors(index, [tensors[i] for i in later], [offsets[i] for i in later])
-            if self._fence.allows(f"snapshot of step {step}"):
-                file.mark_complete(index)
+            file.mark_complete(index)
 
         self._copies.start(finish, "convoy-snapshot")
 

@@ -53,7 +53,7 @@ def test_a_snapshot_lands_whole_after_its_background_copy(tmp_path: Path) -> Non
     snapshots = _snapshots(tmp_path / "segment", live, fence, copies=copies)
     snapshots.take(0)
     copies.wait()
-    assert snapshots.held() == ([0], [0]) and fence.asked == ["snapshot of step 0"] * 2
+    assert snapshots.held() == ([0], [0]) and fence.asked == ["snapshot of step 0"], "asked once, before the commit"
     live.weight.add_(1.0)
     live.position = 1
     snapshots.take(1)
@@ -78,22 +78,40 @@ def test_a_refused_commit_writes_nothing(tmp_path: Path) -> None:
     assert snapshots.held() == ([], [])
 
 
-def test_a_lease_lost_during_the_copy_leaves_the_slot_partial(tmp_path: Path) -> None:
+def test_a_lease_lost_during_the_copy_still_completes_the_step_the_round_committed(tmp_path: Path) -> None:
     live, copies = Weights(), BackgroundCopy()
-    snapshots = _snapshots(tmp_path / "segment", live, ScriptedFence(True, False), copies=copies)
-    snapshots.take(2)
+    fence = ScriptedFence(True, False)
+    snapshots = _snapshots(tmp_path / "segment", live, fence, copies=copies)
+    snapshots.take(2)  # committed partial under the lease; the lease lapses while the copy runs
     copies.wait()
+    assert snapshots.held() == ([2], [2]) and fence.asked == ["snapshot of step 2"]
+    snapshots.take(3)  # the next step is refused: it was not committed before the round ended
+    copies.wait()
+    assert snapshots.held() == ([2], [2])
+
+
+def test_a_copy_killed_before_it_landed_leaves_the_slot_partial(tmp_path: Path) -> None:
+    live = Weights()
+
+    class Killed(BackgroundCopy):
+        def start(self, copy: object, name: str) -> None:
+            pass  # the worker died before the copy ran
+
+    snapshots = _snapshots(tmp_path / "segment", live, copies=Killed())
+    snapshots.take(2)
     assert snapshots.held() == ([], [2]) and snapshots.has_partial(2)
     part = snapshots.read(2, partial=True)
     assert part["model"]["weight"] is None and torch.equal(part["model"]["buffer"], live.buffer)
 
 
 def test_an_error_in_the_background_copy_is_raised_at_the_next_wait(tmp_path: Path) -> None:
-    live, copies = Weights(), BackgroundCopy()
-    snapshots = _snapshots(tmp_path / "segment", live, ScriptedFence(True, RuntimeError("lease file gone")),
-                           copies=copies)
-    snapshots.take(0)
-    with pytest.raises(CheckpointError, match="in-memory snapshot failed: lease file gone"):
+    copies = BackgroundCopy()
+
+    def fails() -> None:
+        raise OSError(28, "No space left on device")
+
+    copies.start(fails, "test-copy")
+    with pytest.raises(CheckpointError, match="in-memory snapshot failed: .*No space left on device"):
         copies.wait()
     copies.wait()  # raised once, not again
 

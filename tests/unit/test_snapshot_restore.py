@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -30,14 +30,17 @@ class AllowAll:
         return True
 
 
-class Scripted:
-    """Answers each ask in turn, then allows (``True, False``: the lease lapsed during a slot's copy)."""
+class CopiesLost(BackgroundCopy):
+    """The background copies of the listed takes (0-based) never run: the worker was killed before they landed."""
 
-    def __init__(self, *answers: bool) -> None:
-        self.answers = list(answers)
+    def __init__(self, *lost: int) -> None:
+        super().__init__()
+        self.lost, self.started = set(lost), 0
 
-    def allows(self, what: str) -> bool:
-        return self.answers.pop(0) if self.answers else True
+    def start(self, copy: Callable[[], None], name: str) -> None:
+        self.started += 1
+        if self.started - 1 not in self.lost:
+            super().start(copy, name)
 
 
 def _trained(width: int = 8, steps: int = 2) -> TrainingState:
@@ -68,9 +71,10 @@ class Rig:
 
 
 def _rig(path: Path, state: TrainingState, group: dist.ProcessGroup, fence: object = None,
-         asked: list[str] | None = None, rank: int = 0, peer_sets: list[tuple[int, ...]] | None = None) -> Rig:
+         asked: list[str] | None = None, rank: int = 0, peer_sets: list[tuple[int, ...]] | None = None,
+         copies: BackgroundCopy | None = None) -> Rig:
     peer_sets = peer_sets or [(0,)]
-    copies, logged = BackgroundCopy(), []
+    copies, logged = copies or BackgroundCopy(), []
     snapshots = RankSnapshots(SnapshotFile(path), rank=rank, capture=state.capture, stable=state.stable_storage,
                               copies=copies, fence=fence or AllowAll(), say=logged.append, fallback="-")
 
@@ -127,7 +131,7 @@ def test_a_snapshot_of_another_shape_is_not_used(tmp_path: Path, group: dist.Pro
 
 
 def test_a_partial_snapshot_alone_is_not_restored(tmp_path: Path, group: dist.ProcessGroup) -> None:
-    rig = _rig(tmp_path / "segment", _trained(), group, fence=Scripted(True, False))
+    rig = _rig(tmp_path / "segment", _trained(), group, copies=CopiesLost(0))
     rig.take(0)
     assert rig.snapshots.held() == ([], [0])
     assert rig.restore.restore() is None
@@ -147,9 +151,9 @@ def _two_ranks(rank: int, store: str, segments: str, results: str) -> None:
     try:
         group, said = dist.new_group(backend="gloo"), dict[str, object]()
         saved = _trained()
-        fence = Scripted(True, True, True, False) if rank == 1 else AllowAll()
+        copies = CopiesLost(1) if rank == 1 else BackgroundCopy()
         together, alone = [(0, 1)], [(0,), (1,)]
-        writer = _rig(Path(segments) / f"peer{rank}", saved, group, fence=fence, rank=rank, peer_sets=together)
+        writer = _rig(Path(segments) / f"peer{rank}", saved, group, copies=copies, rank=rank, peer_sets=together)
         writer.take(0)
         with torch.no_grad():
             for param in saved.model.parameters():
