@@ -140,8 +140,8 @@ def test_a_measuring_chief_that_dies_fails_the_job_naming_the_iteration(begun: b
             role="worker", rank=0, incarnation=0, peak_rss_bytes=MIB, measuring=True)]))
     master.report(exit_report(node, chief, 1, log_path="logs/roles/worker0.log"))
     assert master.job.status == FAILED
-    assert master.job.outcome.startswith(f"job failed: worker 0 {words} (convoy.measure_iteration), which sizes role worker: "
-                                         "it exited with code 1; no other worker was started")
+    assert master.job.outcome.startswith(f"job failed: worker 0 {words} (convoy.measure_iteration), which sizes "
+                                         "role worker: it exited with code 1; no other worker was started")
     assert deliver(master) == [] and master.roles.roles["worker"].restarts == 0, "not restarted by its policy"
 
 
