@@ -187,13 +187,16 @@ class RoleSizing:
         return room
 
     def exited(self, key: Key, report: p.RoleReport) -> list[Event]:
-        """A process ended: at a clean exit its peak against its prediction is an error the margin learns."""
+        """A process ended: at a clean exit its peak against its prediction is an error the margin learns. Not
+        the measuring rank 0's: a chief also evaluates and triggers checkpoints, which the others do not."""
         record = self.processes.get(key)
         if record is None:
             return []
         record.peak_bytes = max(record.peak_bytes, report.memory_peak_bytes)
         record.state, self.changed = ("oom-killed" if report.oom_killed else "exited"), True
         if report.exitcode != 0 or report.oom_killed or not record.predicted_bytes or not record.peak_bytes:
+            return []
+        if key[1] == 0 and key[0] in self.roles:
             return []
         record.error = self.margin.record(record.predicted_bytes, record.peak_bytes)
         return [Event("memory_measured", f"{key[0]} {key[1]} peaked at {_mib(record.peak_bytes)} against "

@@ -147,9 +147,12 @@ def test_a_measuring_chief_that_dies_fails_the_job_naming_the_iteration(begun: b
 
 def test_clean_exits_teach_the_margin_and_a_later_worker_starts_under_it() -> None:
     master = job_of({"n0": (10 * 1024 * MIB, 2)}, workers="auto")
-    chief_node, _ = chief_running(master)
+    chief_node, chief = chief_running(master)
     measure(master, chief_node)
     (node, worker), = deliver(master)
+    prior = master.sizing.margin.margin()
+    assert master.report(exit_report(chief_node, chief, 0, memory_peak_bytes=3 * PEAK)) is not None
+    assert master.sizing.margin.margin() == prior, "the chief's peak (its evaluation too) teaches nothing"
     master.memory(p.MemoryReport(node_id=node, processes=[p.ProcessMemory(
         role="worker", rank=1, incarnation=worker.incarnation, peak_rss_bytes=110 * MIB)]))
     events = master.report(exit_report(node, worker, 0, memory_peak_bytes=110 * MIB))
