@@ -118,8 +118,9 @@ class RoleMaster:
         self.placed.pop(key, None)
         what = f"{report.role} {report.rank} (incarnation {report.incarnation}) {report.describe()}"
         events = [Event("role_exited", what + _tail(report), report.node_id)] + self.sizing.exited(key, report)
-        measuring_failed = None if key in self.stopping else self.sizing.measuring_failed(key, report)
-        relaunch = self.sizing.oom(key, report) if report.oom_killed and not measuring_failed else None
+        live = key not in self.stopping and self._is_current(key)
+        measuring_failed = self.sizing.measuring_failed(key, report) if live else None
+        relaunch = self.sizing.oom(key, report) if live and report.oom_killed and not measuring_failed else None
         if measuring_failed:
             events += [Event("measuring_failed", measuring_failed)] + self.job.abort(measuring_failed + _tail(report))
         elif relaunch is not None:
