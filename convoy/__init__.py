@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["Checkpointer", "Context", "RoleInfo", "exit_without_teardown", "init", "role"]
+__all__ = ["Checkpointer", "Context", "RoleInfo", "exit_without_teardown", "init", "measure_iteration",
+           "memory_baseline", "role"]
 
 _LAZY = {
     "init": "convoy.runtime.init",
@@ -19,6 +20,8 @@ _LAZY = {
     "exit_without_teardown": "convoy.procs",
     "role": "convoy.role_env",
     "RoleInfo": "convoy.role_env",
+    "measure_iteration": "convoy.measure",
+    "memory_baseline": "convoy.measure",
 }
 
 

@@ -281,10 +281,10 @@ def _agent(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from convoy.control.status import format_status
+    from convoy.control.status import format_status, read_memory
     from convoy.control.store import read_status
 
-    print(format_status(read_status(args.run_dir)))
+    print(format_status(read_status(args.run_dir), read_memory(args.run_dir)))
     return 0
 
 

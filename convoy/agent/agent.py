@@ -14,6 +14,7 @@ from pathlib import Path
 
 from convoy.agent.client import MasterClient
 from convoy.agent.reap import NodeCgroup, reap
+from convoy.agent.role_memory import RoleMemory, join_memory
 from convoy.agent.role_procs import JobContext, RoleProcesses
 from convoy.agent.workers import Worker, WorkerGroup
 from convoy.config import WorkerConfig
@@ -158,7 +159,8 @@ class Agent:
         self.group.wait_preloaded(PRELOAD_WAIT_S)
         while True:
             join = p.JoinRequest(node_id=self.config.node_id, host=self.config.host, port=self._hold_port(),
-                                 nproc=self.config.workers.nproc_per_node, instance=self._instance)
+                                 nproc=self.config.workers.nproc_per_node, instance=self._instance,
+                                 **join_memory())
             joined = self.client.call("/join", join, p.JoinResponse)
             if not self._job_id:
                 self._first_joined(joined.job_id)
@@ -231,7 +233,9 @@ class Agent:
         self._release_port()
         self.group.close()  # no worker per local rank: the standbys are not needed
         context = JobContext(self._job_id, self.config.node_id, self.config.host, self.config.run_dir, self.master_url)
-        processes = self._role_processes = RoleProcesses(self.config.workers, context, self.group.cgroup)
+        memory = RoleMemory(self.config.node_id)
+        processes = self._role_processes = RoleProcesses(self.config.workers, context, self.group.cgroup,
+                                                         memory=memory)
         while True:
             if self.heartbeat.error is not None:
                 raise self.heartbeat.error
@@ -243,12 +247,15 @@ class Agent:
             if latest is not None and latest.round_id > round_id:
                 round_id = latest.round_id
                 join = p.JoinRequest(node_id=self.config.node_id, host=self.config.host, port=self._hold_port(),
-                                     nproc=self.config.workers.nproc_per_node, instance=self._instance)
+                                     nproc=self.config.workers.nproc_per_node, instance=self._instance,
+                                     **join_memory())
                 self._release_port()  # no torch.distributed store runs on it
                 self.client.call("/join", join, p.JoinResponse)
             self._carry_out_orders(processes)
             for _, report in processes.poll():
+                memory.send(self.client, round_id)  # a measurement the process finished goes first
                 self.client.call("/role_report", report, p.Ack)
+            memory.send(self.client, round_id)
             self.heartbeat.changed.wait(POLL_S)
             self.heartbeat.changed.clear()
 

@@ -20,6 +20,7 @@ from typing import BinaryIO
 
 from convoy.agent.env import spawn_env
 from convoy.agent.reap import NodeCgroup
+from convoy.agent.role_memory import RoleMemory
 from convoy.agent.workers import LogPump
 from convoy.config import WorkerConfig
 from convoy.control import protocol as p
@@ -29,6 +30,9 @@ from convoy.procs import die_with_parent, signal_name
 from convoy.role_env import role_env
 
 ROLE_PORT_ENV = "CONVOY_ROLE_PORT"
+STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+"""glibc hands large blocks back to the system at once: a process's memory stays flat after its first iteration
+instead of creeping, so the one measured iteration stands for the rest (a value in the agent's env wins)."""
 Key = tuple[str, int, int]
 
 
@@ -67,8 +71,8 @@ class RoleProcesses:
     """Starts, polls and stops this node's role processes; ``start`` ignores an incarnation it has started."""
 
     def __init__(self, workers: WorkerConfig, context: JobContext, cgroup: NodeCgroup | None = None,
-                 console: BinaryIO | None = None) -> None:
-        self.workers, self.context, self.cgroup = workers, context, cgroup
+                 console: BinaryIO | None = None, memory: RoleMemory | None = None) -> None:
+        self.workers, self.context, self.cgroup, self.memory = workers, context, cgroup, memory
         self.running: dict[Key, RoleProcess] = {}
         self.seen: set[Key] = set()
         self._console = console or sys.stdout.buffer
@@ -87,7 +91,7 @@ class RoleProcesses:
         port = assignment.port or free_port(self.context.host)
         name = f"{assignment.role}{assignment.rank}"
         log_path = self.context.run_dir / "logs" / "roles" / f"{name}.log"
-        env = {**self._env, **self._job_env(assignment, port, log_path)}
+        env = {**STEADY_MALLOC, **self._env, **self._job_env(assignment, port, log_path)}
         try:
             proc = subprocess.Popen(
                 [sys.executable, *self._argv(assignment)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -98,8 +102,11 @@ class RoleProcesses:
             raise WorkerStartError(f"cannot start {name} ({sys.executable}): {exc}") from exc
         if self.cgroup is not None:
             self.cgroup.add(proc.pid)
+        if self.memory is not None:
+            self.memory.started(assignment, proc.pid)
         assert proc.stdout is not None
-        pump = LogPump(proc.stdout, self._console, self._console_lock)  # type: ignore[arg-type]
+        sink = self.memory.sink(key) if self.memory is not None else None
+        pump = LogPump(proc.stdout, self._console, self._console_lock, sink)  # type: ignore[arg-type]
         pump.assign(assignment.rank, log_path, label=name)
         pump.start()
         process = RoleProcess(assignment, proc, pump, f"{self.context.host}:{port}")
@@ -126,7 +133,8 @@ class RoleProcesses:
             process.signal(signal.SIGKILL)  # what it left running in its group
             process.pump.join(timeout=0.5)  # its last lines reach the tail
             del self.running[key]
-            exited.append((process, self.exit_report(process, code)))
+            report = self.exit_report(process, code)
+            exited.append((process, self.memory.exited(key, report) if self.memory is not None else report))
         return exited
 
     def exit_report(self, process: RoleProcess, code: int) -> p.RoleReport:
@@ -139,6 +147,8 @@ class RoleProcesses:
         """The end of the job on this node: SIGTERM every process, SIGKILL what is left after the grace."""
         self._stop_now(list(self.running.values()))
         self.running.clear()
+        if self.memory is not None:
+            self.memory.close()
 
     def _stop_now(self, processes: list[RoleProcess]) -> None:
         for process in processes:
@@ -151,6 +161,8 @@ class RoleProcesses:
             process.proc.wait()
             process.pump.join(timeout=2.0)
             self.running.pop(process.key, None)
+            if self.memory is not None:
+                self.memory.forget(process.key)
 
     def _argv(self, assignment: p.RoleAssignment) -> list[str]:
         if assignment.entrypoint:

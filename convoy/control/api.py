@@ -36,6 +36,7 @@ ENDPOINTS: dict[str, tuple[type[BaseModel] | None, type[BaseModel] | None, str]]
     "/leave": (p.LeaveRequest, p.Ack, "a node leaves the job"),
     "/role_report": (p.RoleReport, p.Ack, "a role process started (its address) or exited (its code)"),
     "/scale": (p.ScaleRequest, p.Ack, "run COUNT processes of a role (409 if the role cannot take it)"),
+    "/memory": (p.MemoryReport, p.Ack, "a node's free memory and its role processes' peaks (a measured iteration)"),
     "/abort": (p.AbortRequest, p.Ack, "end the job as failed"),
     "/status": (None, None, "the job's status"),
     "/openapi.json": (None, None, "this API's OpenAPI schema"),
@@ -55,6 +56,7 @@ class Routed(Protocol):
     def leave(self, req: p.LeaveRequest) -> p.Ack: ...
     def role_report(self, report: p.RoleReport) -> p.Ack: ...
     def scale(self, req: p.ScaleRequest) -> p.Ack: ...
+    def memory_report(self, report: p.MemoryReport) -> p.Ack: ...
     def abort(self, reason: str) -> None: ...
     def status(self) -> dict[str, Any]: ...
     def unauthorized(self, client: str, path: str) -> None: ...
@@ -71,6 +73,7 @@ def _routes(master: Routed) -> dict[str, tuple[type[BaseModel] | None, Callable[
         "/join": master.join, "/wait": master.wait, "/heartbeat": master.heartbeat,
         "/worker_exit": master.worker_exit, "/event": master.worker_event, "/node_done": master.node_done,
         "/leave": master.leave, "/role_report": master.role_report, "/scale": master.scale,
+        "/memory": master.memory_report,
         "/abort": lambda req: master.abort(req.reason) or p.Ack(), "/status": lambda _: master.status(),
         "/openapi.json": lambda _: openapi_schema(),
     }

@@ -19,6 +19,7 @@ from convoy.control.job import RUNNING, Event, Job
 from convoy.control.nodes import NodeRegistry
 from convoy.control.role_master import RoleMaster, load_roles
 from convoy.control.rendezvous import Membership, Rendezvous
+from convoy.control.status import write_memory
 from convoy.control.store import Store, read_parts, restore
 from convoy.control.throttle import EventBudget, budget_for
 from convoy.control.token import TOKEN_FILE, new_token, read_token, write_token
@@ -130,6 +131,9 @@ class JobMaster:
                 raise ConflictError(f"node id {req.node_id!r} is in use by another running agent; "
                                     "give each agent its own --node-id")
             round_id, events = self.job.join(req.node_id, req.host, req.nproc, req.port, now)
+            if self.role_master is not None:
+                self.role_master.sizing.node_memory(req.node_id, req.memory_available_bytes, req.memory_limit_bytes,
+                                                    req.cpus)
             self._apply(events)
             refusal = self.job.refusal(req.node_id)
             if refusal is not None:
@@ -167,7 +171,22 @@ class JobMaster:
         with self._changed:
             self.nodes.seen(report.node_id, time.monotonic())
             self._apply(self._roles().report(report))
+            self._write_memory()
             return p.Ack()
+
+    def memory_report(self, report: p.MemoryReport) -> p.Ack:
+        """A node's free memory and its role processes' peaks; a measuring iteration sizes its role."""
+        with self._changed:
+            self.nodes.seen(report.node_id, time.monotonic())
+            self._apply(self._roles().memory(report))
+            self._write_memory()
+            return p.Ack()
+
+    def _write_memory(self) -> None:
+        sizing = self._roles().sizing
+        if sizing.changed:
+            sizing.changed = False
+            write_memory(self.config.run_dir, sizing.rows(), sizing.margin.margin())
 
     def scale(self, req: p.ScaleRequest) -> p.Ack:
         """``convoy scale``: run ``req.count`` processes of a role; a count the role cannot take is a 409."""

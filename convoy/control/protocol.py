@@ -25,6 +25,10 @@ class JoinRequest(BaseModel):
     nproc: int = Field(ge=1, le=4096)
     port: int = Field(gt=0, lt=65536, description="a free port on this host, MASTER_PORT if this node gets rank 0")
     instance: str = Field(default="", max_length=64, description="random id of this agent process")
+    memory_available_bytes: int = Field(default=0, ge=0, description="memory this node can still give processes "
+                                        "(MemAvailable, within the agent's cgroup limit); 0: unknown")
+    memory_limit_bytes: int = Field(default=0, ge=0, description="the agent's cgroup memory limit (0: none)")
+    cpus: int = Field(default=0, ge=0, le=100000, description="CPUs this agent may use (0: unknown)")
 
 
 class JoinResponse(BaseModel):
@@ -87,6 +91,10 @@ class RoleAssignment(BaseModel):
     module: bool = False
     args: list[str] = Field(default_factory=list)
     reason: str = ""
+    memory_limit_bytes: int = Field(default=0, ge=0, description="enforce this memory limit on the process "
+                                    "tree (a cgroup, else an RSS watchdog); 0: none")
+    measure: bool = Field(default=False, description="sample this process from its start: it measures the "
+                          "iteration its role is sized from")
 
 
 class RoleStop(BaseModel):
@@ -120,13 +128,56 @@ class RoleReport(BaseModel):
     start_failed: bool = False
     log_path: Text = ""
     log_tail: list[Text] = Field(default_factory=list, max_length=200)
+    oom_killed: bool = Field(default=False, description="its memory limit killed it (LimitOutcome.oom_killed)")
+    memory_peak_bytes: int = Field(default=0, ge=0, description="the highest memory its limit measured")
+    overshoot_bytes: int = Field(default=0, ge=0, description="how far past its limit it was seen")
 
     def describe(self) -> str:
         if self.start_failed:
             return "could not be started"
+        if self.oom_killed:
+            return f"was OOM-killed at its memory limit ({self.signal or f'code {self.exitcode}'})"
         if self.signal:
             return f"was killed by {self.signal}"
         return f"exited with code {self.exitcode}"
+
+
+class MeasuredIterationReport(BaseModel):
+    """The measuring iteration of a role's rank 0: its shape and its process tree's memory (the agent's
+    samples); the master predicts the role's memory from it."""
+
+    batch_size: int = Field(ge=1, le=2**40)
+    sample_bytes: int = Field(ge=1, le=2**50)
+    state_bytes: int = Field(ge=0, le=2**60)
+    activation_bytes: Optional[int] = Field(default=None, ge=0, le=2**60)
+    peak_rss_bytes: int = Field(ge=0, le=2**60)
+    peak_uss_bytes: int = Field(ge=0, le=2**60)
+    baseline_rss_bytes: int = Field(ge=0, le=2**60)
+    baseline_uss_bytes: int = Field(ge=0, le=2**60)
+    duration_s: float = Field(ge=0)
+    num_samples: int = Field(ge=0)
+
+
+class ProcessMemory(BaseModel):
+    """One role process's memory so far: its sampled peak, and the limit it runs under."""
+
+    role: str = Field(min_length=1, max_length=32)
+    rank: Rank
+    incarnation: Rank
+    peak_rss_bytes: int = Field(ge=0, le=2**60)
+    limit_bytes: int = Field(default=0, ge=0, le=2**60)
+    mechanism: str = Field(default="", max_length=32)
+    measured: Optional[MeasuredIterationReport] = None
+    measuring: bool = Field(default=False, description="it has begun its measuring iteration, not ended it")
+
+
+class MemoryReport(BaseModel):
+    """A node's memory and its role processes' peaks (sent when there is news, and every heartbeat period)."""
+
+    node_id: NodeId
+    memory_available_bytes: int = Field(default=0, ge=0)
+    memory_limit_bytes: int = Field(default=0, ge=0)
+    processes: list[ProcessMemory] = Field(default_factory=list, max_length=4096)
 
 
 class ScaleRequest(BaseModel):

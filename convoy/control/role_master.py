@@ -18,6 +18,7 @@ from typing import Any
 
 from convoy.control import protocol as p
 from convoy.control.job import RUNNING, Event, Job
+from convoy.control.role_sizing import RoleSizing
 from convoy.control.roles import SERVICE_ROLES, STARTING, Decision, FailJob, RestartJob, Roles, Start, Stop
 from convoy.errors import ConfigError
 from convoy.roles_config import RESTORE_ONE, RoleCount, RoleSpec
@@ -74,6 +75,7 @@ class RoleMaster:
         self.job = job
         self.specs = {spec.name: spec for spec in specs}
         self.roles = Roles(specs, max_restarts)
+        self.sizing = RoleSizing(specs)
         self.begun = False
         self.pending: list[Start] = []
         self.placed: dict[Key, Placed] = {}
@@ -92,6 +94,8 @@ class RoleMaster:
         if not self.begun and self.job.membership is not None:
             self.begun = True
             decisions, events = self.roles.start()
+            for name in self.sizing.roles:
+                decisions += self.roles.start_measuring(name) if self.specs[name].count.auto else []
             events += self._carry_out(decisions)
         events += self._place()
         return events + self._check_done()
@@ -114,8 +118,16 @@ class RoleMaster:
         outbox.stops.pop(key, None)
         self.placed.pop(key, None)
         what = f"{report.role} {report.rank} (incarnation {report.incarnation}) {report.describe()}"
-        events = [Event("role_exited", what + _tail(report), report.node_id)]
-        if key in self.stopping:
+        events = [Event("role_exited", what + _tail(report), report.node_id)] + self.sizing.exited(key, report)
+        live = key not in self.stopping and self._is_current(key)
+        measuring_failed = self.sizing.measuring_failed(key, report) if live else None
+        relaunch = self.sizing.oom(key, report) if live and report.oom_killed and not measuring_failed else None
+        if measuring_failed:
+            events += [Event("measuring_failed", measuring_failed)] + self.job.abort(measuring_failed + _tail(report))
+        elif relaunch is not None:
+            decisions, more = self.roles.relaunch(report.role, report.rank, report.incarnation, relaunch[1])
+            events += more + self._carry_out(decisions)
+        elif key in self.stopping:
             self.stopping.discard(key)
             if self._is_current(key):  # a service stopped at the end: it is done
                 decisions, more = self.roles.finished(report.role, report.rank, report.incarnation)
@@ -127,6 +139,33 @@ class RoleMaster:
             decisions, more = self.roles.failed(report.role, report.rank, report.incarnation, report.describe())
             events += more + self._carry_out(decisions, _tail(report))
         return events + self.advance()
+
+    def memory(self, report: p.MemoryReport) -> list[Event]:
+        """A node's memory report: peaks for status, and a role's measuring iteration, which sizes the role."""
+        events: list[Event] = []
+        for role, rank, incarnation, figures in self.sizing.memory(report):
+            if self._is_current((role, rank, incarnation)):
+                events += self._size(role, report.node_id, figures)
+        return events + self.advance()
+
+    def _size(self, role: str, node_id: str, figures: p.MeasuredIterationReport) -> list[Event]:
+        running: dict[str, int] = {}
+        for key, placed in self.placed.items():
+            if key[0] == role:
+                running[placed.node_id] = running.get(placed.node_id, 0) + 1
+        waiting = [start.rank for start in self.pending if start.role == role]
+        try:
+            sized = self.sizing.measured(role, node_id, figures, running, waiting)
+        except ConfigError as exc:
+            reason = f"role {role} cannot be sized from its measuring iteration: {exc}"
+            return [Event("sizing_failed", reason)] + self.job.abort(reason)
+        for rank, node in sized.homes.items():
+            self.homes[(role, rank)] = (node, 0)
+        events = [Event("role_predicted", f"role {role}: {sized.why}", node_id, console=True)]
+        if sized.count is not None:
+            decisions, more = self.roles.size(role, sized.count, "sized from its measuring iteration")
+            events += more + self._carry_out(decisions)
+        return events
 
     def scale(self, role: str, count: int) -> list[Event]:
         """Run ``count`` processes of ``role``; a ConfigError names the role's allowed counts."""
@@ -169,7 +208,8 @@ class RoleMaster:
     def state(self) -> dict[str, Any]:
         """Everything a restarted master needs to take the running role processes back (JSON-ready)."""
         return {
-            "roles": self.roles.state(), "begun": self.begun, "pending": [asdict(start) for start in self.pending],
+            "roles": self.roles.state(), "sizing": self.sizing.state(), "begun": self.begun,
+            "pending": [asdict(start) for start in self.pending],
             "placed": [[*key, asdict(placed)] for key, placed in self.placed.items()],
             "homes": [[*key, *home] for key, home in self.homes.items()],
             "stopping": [list(key) for key in self.stopping], "lost": self.lost,
@@ -182,6 +222,7 @@ class RoleMaster:
         """Take back a previous master's roles: the processes run on (their agents reattach and report), and
         what it had not heard back about is told again at once."""
         self.roles.load_state(saved["roles"])
+        self.sizing.load_state(saved["sizing"])
         self.begun = saved["begun"]
         self.pending = [Start(**start) for start in saved["pending"]]
         self.placed = {(role, rank, inc): Placed(**placed) for role, rank, inc, placed in saved["placed"]}
@@ -247,7 +288,7 @@ class RoleMaster:
         for start in self.pending:
             if not self._is_current((start.role, start.rank, start.incarnation)):
                 continue  # replaced or scaled away before it was placed
-            if start.role not in SERVICE_ROLES and not services_ready:
+            if (start.role not in SERVICE_ROLES and not services_ready) or self.sizing.waits(start.role, start.rank):
                 waiting.append(start)
                 continue
             home, port = self.homes.get((start.role, start.rank), ("", 0))
@@ -269,8 +310,11 @@ class RoleMaster:
             role=start.role, rank=start.rank, incarnation=start.incarnation, restore=start.restore, port=port,
             world_size=self.roles.world_size(start.role), addresses=addresses, entrypoint=spec.entrypoint,
             module=spec.module, args=list(spec.args), reason=start.reason,
+            memory_limit_bytes=self.sizing.limit_for(start.role, start.rank),
+            measure=self.sizing.measures(start.role, start.rank),
         )
         self.placed[key] = Placed(node_id, port)
+        self.sizing.placed(key, node_id)
         self.outboxes.setdefault(node_id, Outbox()).assignments[key] = (assignment, NEVER)
         again = " (restored)" if start.restore else ""
         return Event("role_placed", f"{start.role} {start.rank} (incarnation {start.incarnation}) on node "

@@ -174,6 +174,21 @@ class Roles:
         decisions, _ = self.scale(role, count)
         return decisions, [Event("role_sized", f"role {role}: {count} process(es): {why}", console=True)]
 
+    def start_measuring(self, role: str) -> list[Decision]:
+        """An ``auto`` role's rank 0 alone: it measures the iteration the rest of the role is sized from."""
+        state = self.roles[self._known(role)]
+        state.target = max(state.target, 1)
+        return self._fill(state, "it measures one iteration to size the role")
+
+    def relaunch(self, role: str, rank: int, incarnation: int, reason: str) -> tuple[list[Decision], list[Event]]:
+        """Start the rank again alone, outside the restart budget (the master raised its memory limit)."""
+        member = self._current(role, rank, incarnation)
+        if member is None or self.failed_reason:
+            return [], []
+        member.state, member.address = STARTING, ""
+        member.incarnation = self.roles[role].launch()
+        return [Start(role, rank, False, reason, member.incarnation)], [Event("role_relaunched", reason, console=True)]
+
     def done(self) -> bool:
         """Every process of every non-service role has finished (and each such role has some)."""
         working = [state for name, state in self.roles.items() if name not in SERVICE_ROLES]

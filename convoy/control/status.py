@@ -3,15 +3,55 @@
 from __future__ import annotations
 
 import json
+import os
 import time
+from pathlib import Path
 from typing import Any
+
+MEMORY_FILE = "memory.json"
+"""Where the master leaves each role process's predicted memory, limit and measured peak for ``convoy status``."""
 
 
 def _clock(ts: float | None) -> str:
     return time.strftime("%H:%M:%S", time.localtime(ts)) if ts else "-"
 
 
-def format_status(state: dict[str, Any]) -> str:
+def write_memory(run_dir: Path, rows: list[dict[str, object]], margin: float) -> None:
+    path = Path(run_dir) / MEMORY_FILE
+    temporary = path.with_suffix(".tmp")
+    try:
+        temporary.write_text(json.dumps({"margin": margin, "processes": rows}))
+        os.replace(temporary, path)
+    except OSError:
+        pass  # a full disk: status shows the last table written; the job goes on
+
+
+def read_memory(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((Path(run_dir) / MEMORY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def format_memory(table: dict[str, Any] | None) -> list[str]:
+    """Per role process: the memory predicted from the measuring iteration, its limit, its measured peak."""
+    if not table or not table.get("processes"):
+        return []
+    lines = [f"memory (MiB; margin {table['margin']:.1%}):",
+             f"  {'process':<28} {'predicted':>9} {'limit':>9} {'peak':>9}  state"]
+    for row in table["processes"]:
+        name = f"{row['role']} {row['rank']} (incarnation {row['incarnation']})"
+        how = f" ({row['mechanism']})" if row["limit_bytes"] and row["mechanism"] else ""
+        lines.append(f"  {name:<28} {_mib(row['predicted_bytes']):>9} {_mib(row['limit_bytes']):>9} "
+                     f"{_mib(row['peak_bytes']):>9}  {row['state']} on {row['node']}{how}")
+    return lines
+
+
+def _mib(value: int) -> str:
+    return f"{value / 2**20:.1f}" if value else "-"
+
+
+def format_status(state: dict[str, Any], memory: dict[str, Any] | None = None) -> str:
     job = state["job"]
     if job is None:
         return "no job recorded yet"
@@ -32,6 +72,7 @@ def format_status(state: dict[str, Any]) -> str:
         rank = "-" if node["node_rank"] is None else node["node_rank"]
         lines.append(f"  {node['node_id']:<20} rank {rank:<3} {node['host']:<15} x{node['nproc']} "
                      f"{node['state']:<6} last seen {_clock(node['last_seen'])}")
+    lines += format_memory(memory)
     lines.append("recent events:")
     for event in state["events"]:
         lines.append(f"  {_clock(event['ts'])} {event['kind']:<14} {event['message'].splitlines()[0]}")

@@ -1,0 +1,67 @@
+"""The measuring iteration, marked from inside a training script: ``with convoy.measure_iteration(...)``.
+
+A role whose count or memory is ``auto`` is sized from its rank 0's one iteration: this module tells the agent
+(by worker events on stderr, which its log pump reads at once) when that iteration begins and ends and what it
+is made of; the agent samples the process tree and reports the peak. Outside a measured process (another rank,
+plain ``python``) the calls only print their marked lines. Torch-free: a model is only asked for its parameters.
+"""
+
+from __future__ import annotations
+
+import json
+from types import TracebackType
+from typing import Any
+
+from convoy.worker_events import emit
+
+BASELINE, BEGIN, END = "memory_baseline", "measure_begin", "measure_end"
+"""The worker events of the measurement (the agent's ``role_memory`` takes them, the master never sees them)."""
+
+
+def memory_baseline() -> None:
+    """Mark the process's baseline (imports done, data pipeline up, model not built yet); without it the
+    baseline is the process as its measuring iteration begins."""
+    emit(BASELINE, "")
+
+
+def state_bytes_of(model: Any, optimizer_slots: int = 0) -> int:
+    """Bytes of model state one process holds: its parameters, their gradients, and ``optimizer_slots`` tensors
+    of the same size per parameter (SGD 0, SGD with momentum 1, Adam 2)."""
+    params = sum(int(param.numel()) * int(param.element_size()) for param in model.parameters())
+    return params * (2 + optimizer_slots)
+
+
+class measure_iteration:  # noqa: N801 (used as a function: ``with convoy.measure_iteration(...)``)
+    """Marks one iteration as the measuring one, as a context manager or by ``begin()`` and ``end()``.
+
+    ``batch_size`` x ``sample_bytes``: the input the iteration loads; ``state_bytes``: the model state the
+    process holds (or give ``model`` and ``optimizer_slots``); ``activation_bytes``: the iteration's bytes that
+    grow with the batch, where the script measured them. An iteration that raises is not ended: the job fails
+    naming the measuring iteration.
+    """
+
+    def __init__(self, batch_size: int, sample_bytes: int, state_bytes: int | None = None, model: Any = None,
+                 optimizer_slots: int = 0, activation_bytes: int | None = None) -> None:
+        if state_bytes is None:
+            state_bytes = state_bytes_of(model, optimizer_slots) if model is not None else 0
+        if batch_size < 1 or sample_bytes < 1 or state_bytes < 0:
+            raise ValueError(f"measure_iteration: batch_size {batch_size} and sample_bytes {sample_bytes} must be "
+                             f"at least 1, state_bytes {state_bytes} at least 0")
+        self.shape = {"batch_size": int(batch_size), "sample_bytes": int(sample_bytes),
+                      "state_bytes": int(state_bytes)}
+        self.activation_bytes = activation_bytes
+
+    def begin(self) -> measure_iteration:
+        emit(BEGIN, json.dumps(self.shape))
+        return self
+
+    def end(self) -> None:
+        emit(END, json.dumps({"activation_bytes": self.activation_bytes}))
+
+    def __enter__(self) -> measure_iteration:
+        return self.begin()
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        if kind is None:
+            self.end()

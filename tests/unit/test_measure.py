@@ -1,0 +1,66 @@
+"""convoy.measure, the script's side of the measuring iteration: the marked lines its agent reads, the shape they
+carry, an iteration that raises left open, and the model state counted from a model's parameters (no torch)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pytest
+
+import convoy
+from convoy.measure import BASELINE, BEGIN, END, state_bytes_of
+from convoy.worker_events import parse
+
+
+@dataclass
+class Param:
+    count: int
+    width: int
+
+    def numel(self) -> int:
+        return self.count
+
+    def element_size(self) -> int:
+        return self.width
+
+
+class Model:
+    def parameters(self) -> list[Param]:
+        return [Param(1000, 4), Param(10, 2)]
+
+
+def events(err: str) -> list[tuple[str, str]]:
+    return [event for event in map(parse, err.splitlines()) if event is not None]
+
+
+def test_the_iteration_is_marked_with_its_shape_begin_and_end(capsys: pytest.CaptureFixture[str]) -> None:
+    convoy.memory_baseline()
+    with convoy.measure_iteration(batch_size=64, sample_bytes=512, state_bytes=4096, activation_bytes=777):
+        print("training")
+    seen = events(capsys.readouterr().err)
+    assert [kind for kind, _ in seen] == [BASELINE, BEGIN, END]
+    assert json.loads(seen[1][1]) == {"batch_size": 64, "sample_bytes": 512, "state_bytes": 4096}
+    assert json.loads(seen[2][1]) == {"activation_bytes": 777}
+
+
+def test_an_iteration_that_raises_is_not_ended(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(RuntimeError):
+        with convoy.measure_iteration(batch_size=1, sample_bytes=1):
+            raise RuntimeError("out of memory")
+    assert [kind for kind, _ in events(capsys.readouterr().err)] == [BEGIN], "the agent sees it begun, never ended"
+
+
+def test_the_state_is_counted_from_the_model_with_its_gradients_and_optimizer_slots() -> None:
+    params = 1000 * 4 + 10 * 2
+    assert state_bytes_of(Model()) == 2 * params, "parameters and their gradients"
+    assert state_bytes_of(Model(), optimizer_slots=2) == 4 * params, "Adam's two moments too"
+    marked = convoy.measure_iteration(batch_size=8, sample_bytes=16, model=Model(), optimizer_slots=1)
+    assert marked.shape["state_bytes"] == 3 * params
+
+
+@pytest.mark.parametrize("shape", [{"batch_size": 0, "sample_bytes": 1}, {"batch_size": 1, "sample_bytes": 0},
+                                   {"batch_size": 1, "sample_bytes": 1, "state_bytes": -1}])
+def test_an_impossible_shape_is_refused_at_once(shape: dict[str, int]) -> None:
+    with pytest.raises(ValueError, match="measure_iteration: batch_size"):
+        convoy.measure_iteration(**shape)
