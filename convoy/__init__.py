@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["Checkpointer", "Context", "RoleInfo", "exit_without_teardown", "init", "role"]
+__all__ = ["Checkpointer", "Context", "RoleInfo", "exit_without_teardown", "init", "role", "shards"]
 
 _LAZY = {
     "init": "convoy.runtime.init",
@@ -19,6 +19,7 @@ _LAZY = {
     "exit_without_teardown": "convoy.procs",
     "role": "convoy.role_env",
     "RoleInfo": "convoy.role_env",
+    "shards": "convoy.data_shards",
 }
 
 

@@ -18,8 +18,10 @@ from convoy.control.api import ApiServer
 from convoy.control.job import RUNNING, Event, Job
 from convoy.control.nodes import NodeRegistry
 from convoy.control.role_master import RoleMaster, load_roles
+from convoy.control import shard_protocol as sp
+from convoy.control.shard_master import PLAIN_ROLE, STATE_PART, ShardMaster
 from convoy.control.rendezvous import Membership, Rendezvous
-from convoy.control.store import Store, restore
+from convoy.control.store import Store, read_part, restore
 from convoy.control.throttle import EventBudget, budget_for
 from convoy.control.token import TOKEN_FILE, new_token, read_token, write_token
 from convoy.errors import ConfigError, ConflictError, StateWriteError
@@ -62,10 +64,15 @@ class JobMaster:
         roles = load_roles(config.run_dir)
         self.role_master = RoleMaster(self.job, roles, config.max_restarts) if roles else None
         """A job of roles (``roles.json`` in the run dir): its processes come from the heartbeats' assignments."""
+        self.shards = ShardMaster.from_state_json(read_part(config.run_dir, STATE_PART) if resume else None)
+        """The datasets' shard queues, at the position the state file kept when the master is resumed."""
+        if self.role_master is not None:
+            self.role_master.exit_hooks.append(self.shards.process_exited)
         self.api = ApiServer(self, config.host, config.port, self.token)  # bind first: a refusal leaves no state
         if not token_path.exists():
             write_token(token_path, self.token)
         self.store = Store(config.run_dir, config.to_json())
+        self.store.parts[STATE_PART] = self.shards.state_json
         self._changed = threading.Condition()
         self._unwritten = threading.local()
         """Per server thread: why the state of the call it is handling could not be written."""
@@ -174,6 +181,25 @@ class JobMaster:
             except ConfigError as exc:
                 raise ConflictError(str(exc)) from exc
             return p.Ack()
+
+    def shard_call(self, req: sp.ShardWorker) -> Any:
+        """A worker process's shard call (declare, request, progress, done), forwarded by its agent; a call of a
+        process that is no longer the job's (restarted, stopped, of an ended round) is a 409."""
+        with self._changed:
+            roles = self.role_master
+            if self.ended:
+                gone = f"job {self.job.job_id} has ended"
+            elif roles is not None:
+                gone = "" if roles.is_running(req.role, req.rank, req.incarnation) else "is no longer running"
+            else:
+                gone = "" if (req.role, req.incarnation) == (PLAIN_ROLE, self.job.round_id) else "ran in another round"
+            if gone:
+                raise ConflictError(f"refused a shard call of worker {req.worker_id}: {gone}")
+            answer = self.shards.call(req, None if roles else self.job.round_id)
+            self._apply(answer.events)
+            if answer.reply is None:
+                raise ConflictError(answer.refusal)
+            return answer.reply
 
     def _roles(self) -> RoleMaster:
         if self.role_master is None:

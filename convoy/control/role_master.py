@@ -14,10 +14,11 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from convoy.control import protocol as p
 from convoy.control.job import RUNNING, Event, Job
-from convoy.control.roles import SERVICE_ROLES, STARTING, Decision, FailJob, RestartJob, Roles, Start, Stop
+from convoy.control.roles import FINISHED, SERVICE_ROLES, STARTING, Decision, FailJob, RestartJob, Roles, Start, Stop
 from convoy.errors import ConfigError
 from convoy.roles_config import RESTORE_ONE, RoleCount, RoleSpec
 
@@ -82,6 +83,8 @@ class RoleMaster:
         self.outboxes: dict[str, Outbox] = {}
         self.lost: dict[str, int] = {}
         """Lost node -> the round it was lost in: nothing is placed on it until a later round has it again."""
+        self.exit_hooks: list[Callable[[str, int, int, str], list[Event]]] = []
+        """Told of every process exit, (role, rank, incarnation, how): the shard queues take back its shard."""
 
     def advance(self) -> list[Event]:
         """Start the roles once the first round has closed, place what waits, and end the job when all is done."""
@@ -114,6 +117,8 @@ class RoleMaster:
         self.placed.pop(key, None)
         what = f"{report.role} {report.rank} (incarnation {report.incarnation}) {report.describe()}"
         events = [Event("role_exited", what + _tail(report), report.node_id)]
+        for hook in self.exit_hooks:
+            events += hook(*key, report.describe())
         if key in self.stopping:
             self.stopping.discard(key)
             if self._is_current(key):  # a service stopped at the end: it is done
@@ -142,6 +147,11 @@ class RoleMaster:
             events += self.report(p.RoleReport(node_id=node_id, role=key[0], rank=key[1], incarnation=key[2],
                                                state="exited", signal=f"the loss of node {node_id}"))
         return events
+
+    def is_running(self, role: str, rank: int, incarnation: int) -> bool:
+        """Whether this process is its rank's current one and has not finished (its calls still count)."""
+        member = self.roles.roles[role].members.get(rank) if role in self.roles.roles else None
+        return member is not None and member.incarnation == incarnation and member.state != FINISHED
 
     def has_news(self, node_id: str) -> bool:
         """Whether the node has assignments or stops not sent yet (its heartbeat answers at once)."""

@@ -8,7 +8,7 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from convoy.control.job import Event, Job
 from convoy.control.nodes import NodeRecord
@@ -32,6 +32,7 @@ CREATE TABLE IF NOT EXISTS rounds (
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL, kind TEXT, node_id TEXT,
     round_id INTEGER, message TEXT);
+CREATE TABLE IF NOT EXISTS parts (name TEXT PRIMARY KEY, state TEXT);
 """
 
 
@@ -61,6 +62,9 @@ class Store:
         """When (monotonic) the writes started to fail; None while they work."""
         self.fault = ""
         """Why the last write failed ('' while writes work)."""
+        self.parts: dict[str, Callable[[], str]] = {}
+        """More of the job's state, by name (the shard queues): each save writes the part's text if it changed."""
+        self._written_parts: dict[str, str] = {}
         try:
             self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -157,7 +161,11 @@ class Store:
         for closed, closed_at in self._pending_rounds.values():
             self._save_round(closed, closed_at)
         self._db.executemany("INSERT INTO events (ts, kind, node_id, round_id, message) VALUES (?,?,?,?,?)", rows)
+        parts = {name: text() for name, text in self.parts.items()}
+        changed = [(name, text) for name, text in parts.items() if self._written_parts.get(name) != text]
+        self._db.executemany("INSERT OR REPLACE INTO parts VALUES (?,?)", changed)
         self._db.execute("COMMIT")
+        self._written_parts.update(changed)
 
     def _save_round(self, membership: Membership, now: float) -> None:
         members = json.dumps([[m.node_rank, m.node_id, m.host, m.nproc] for m in membership.members])
@@ -221,3 +229,15 @@ def read_status(run_dir: Path, recent: int = 15) -> dict[str, Any]:
         "round": dict(last_round) if last_round else None,
         "events": [dict(e) for e in reversed(events)],
     }
+
+
+def read_part(run_dir: Path, name: str) -> str | None:
+    """The text ``Store.parts[name]`` last wrote to the run dir's state file (None if none)."""
+    db = sqlite3.connect(f"file:{Path(run_dir) / STATE_FILE}?mode=ro", uri=True)
+    try:
+        row = db.execute("SELECT state FROM parts WHERE name=?", (name,)).fetchone()
+    except sqlite3.OperationalError:  # a state file older than the table
+        return None
+    finally:
+        db.close()
+    return None if row is None else str(row[0])
