@@ -63,6 +63,7 @@ class ClientPool:
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     timeout = SOCKET_TIMEOUT_S
+    disable_nagle_algorithm = True  # headers and body go out as two writes: no wait for a delayed ACK between
     server: _Server
 
     def do_POST(self) -> None:  # noqa: N802 (http.server's naming)

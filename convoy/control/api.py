@@ -130,6 +130,8 @@ def openapi_schema() -> dict[str, Any]:
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
+    """Headers and body go out as two writes; with Nagle on, the body waits for the client's delayed ACK."""
     server: _Server
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
