@@ -51,3 +51,14 @@ def test_a_worker_killed_mid_shard_loses_no_item_and_trains_none_twice(procs: Pr
                for e in events), [e["message"] for e in events if e["kind"].startswith(("shard", "epoch"))]
     assert "worker 1 failed (was killed by SIGKILL); restarting only it" in result.stdout, result.explain()
     procs.wait_no_leftovers()
+
+
+def test_plain_workers_of_a_job_without_roles_share_the_shards(procs: ProcessScope, run_dir: Path) -> None:
+    result = procs.run(["run", "--nproc-per-node", "2", "--preload", "", "--run-dir", run_dir,
+                        fixture("shard_train.py"), "--items", 30, "--shard-size", 5])
+    assert result.returncode == 0, result.explain()
+    files = sorted((run_dir / "trained").glob("*.txt"))
+    assert [path.name.split(".")[0] for path in files] == ["default0", "default1"], files
+    items = sorted(int(line) for path in files for line in path.read_text().split())
+    assert items == list(range(30)), "each item once, over both ranks"
+    assert re.search(r"\[rank0\]: default0 trained \d+ items", result.stdout), result.explain()
