@@ -13,8 +13,9 @@ convoy once every worker has finished.
 
 Roles come from ``convoy.role()``: ``ps`` serves on ``CONVOY_ROLE_PORT``; ``worker`` finds the servers in
 ``CONVOY_ROLE_ADDRESSES``. The workers' data comes from the master's shards (``convoy.shards``): the epoch is
-``--steps`` batches per worker, each batch named by its seed; a worker reports a batch trained once every server
-has applied its push, so a worker that fails gives back only the batches the servers do not have.
+workers x ``--steps`` batches, batch ``i`` drawn from the seed a fixed split would give rank ``i // steps`` at step
+``i % steps``, handed out as they ask; a worker reports a batch trained once every server has applied its push, so a
+worker that fails gives back only the batches the servers do not have.
 """
 
 from __future__ import annotations
@@ -162,7 +163,7 @@ def train(args: argparse.Namespace, info: convoy.RoleInfo) -> None:
     batches = BatchShards(client, args.batches or info.world_size * args.steps, args.shard_batches)
     started, losses = time.perf_counter(), []
     for step, index in enumerate(batches):
-        batch = data.draw(seeded("train", args.seed, index), args.batch)
+        batch = data.draw(seeded("train", args.seed, *divmod(index, args.steps)), args.batch)  # (rank, step) of old
         ids = {s.name: batch.features[s.name].ids for s in bags}
         pulled = pull_when_set_up(client, ids)
         if not batches.seen(pulled):
