@@ -11,7 +11,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 __all__ = ["Checkpointer", "Context", "RoleInfo", "exit_without_teardown", "init", "measure_iteration",
-           "memory_baseline", "role"]
+           "memory_baseline", "role", "shards"]
 
 _LAZY = {
     "init": "convoy.runtime.init",
@@ -22,6 +22,7 @@ _LAZY = {
     "RoleInfo": "convoy.role_env",
     "measure_iteration": "convoy.measure",
     "memory_baseline": "convoy.measure",
+    "shards": "convoy.data_shards",
 }
 
 

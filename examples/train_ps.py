@@ -12,7 +12,10 @@ pushes are in, it scores a held-out set and prints the AUC beside the teacher's.
 convoy once every worker has finished.
 
 Roles come from ``convoy.role()``: ``ps`` serves on ``CONVOY_ROLE_PORT``; ``worker`` finds the servers in
-``CONVOY_ROLE_ADDRESSES``.
+``CONVOY_ROLE_ADDRESSES``. The workers' data comes from the master's shards (``convoy.shards``): the epoch is
+workers x ``--steps`` batches, batch ``i`` drawn from the seed a fixed split would give rank ``i // steps`` at step
+``i % steps``, handed out as they ask; a worker reports a batch trained once every server has applied its push, so a
+worker that fails gives back only the batches the servers do not have.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -31,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_dlrm import CRITEO_ROWS, MULTI_HOT, DenseArch, Synthetic, auc, seeded  # noqa: E402
 
 import convoy  # noqa: E402
+import convoy.data_shards  # noqa: E402
 from convoy.errors import ConfigError  # noqa: E402
 from convoy.parallel.embedding.bags import TableSpec as BagSpec  # noqa: E402
 from convoy.parallel.ps.client import PSClient, Pulled  # noqa: E402
@@ -44,7 +49,10 @@ CONNECT_S = 60.0
 
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=200, help="steps each worker trains")
+    parser.add_argument("--steps", type=int, default=200, help="steps per worker: the epoch is workers x steps batches")
+    parser.add_argument("--shard-batches", type=int, default=10, help="batches per data shard")
+    parser.add_argument("--batches", type=int, default=0, help="batches in the epoch (default: workers x steps; "
+                        "give it when the workers are scaled while they train, so a new one declares the same)")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--rows", type=int, default=20000, help="cap on each table's rows")
     parser.add_argument("--dim", type=int, default=16)
@@ -55,8 +63,10 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--held-out", type=int, default=8192)
     parser.add_argument("--slow-worker", type=float, default=0.0, help="seconds worker 1 sleeps per step")
     args = parser.parse_args()
-    if args.steps < 1 or args.batch < 1 or args.rows < 1 or args.dim < 1 or args.staleness < 0:
-        raise ConfigError("--steps, --batch, --rows and --dim must be >= 1 and --staleness >= 0")
+    if min(args.steps, args.batch, args.rows, args.dim, args.shard_batches) < 1 or min(args.staleness,
+                                                                                      args.batches) < 0:
+        raise ConfigError("--steps, --batch, --rows, --dim and --shard-batches must be >= 1, --staleness and "
+                          "--batches >= 0")
     return args
 
 
@@ -108,6 +118,37 @@ def logits_of(arch: DenseArch, bags: list[BagSpec], pulled: Pulled, batch, param
     return functional_call(arch, params, (batch.dense, torch.stack(pooled, 1)))
 
 
+class BatchShards:
+    """The epoch's batches, by seed, from the master's data shards. A batch counts as trained once every server
+    has applied its push: after each pull, ``seen`` reports what the servers hold of the current shard, so a
+    worker that fails gives back only the batches they do not have."""
+
+    def __init__(self, client: PSClient, total: int, shard_batches: int) -> None:
+        self.client, self.total = client, total
+        self.stream = convoy.shards("train-batches", num_seeds=total, shard_size=shard_batches)
+        self.shard: convoy.data_shards.Shard | None = None
+        self.applied_before: int | None = None
+        self.pushed = 0
+
+    def __iter__(self) -> Iterator[int]:
+        for shard in self.stream:
+            self.shard, self.applied_before, self.pushed = shard, None, 0
+            for index in shard.items:
+                if shard.lost:
+                    break
+                yield index
+                self.pushed += 1
+            self.client.flush()  # every push of the shard applied: now all of it is trained
+            shard.done()
+
+    def seen(self, pulled: Pulled) -> bool:
+        """Report this shard's batches every server has applied; False once the shard is no longer ours."""
+        assert self.shard is not None
+        applied = min(pulled.applied)
+        self.applied_before = applied if self.applied_before is None else self.applied_before
+        return self.shard.progress(min(applied - self.applied_before, self.pushed))
+
+
 def train(args: argparse.Namespace, info: convoy.RoleInfo) -> None:
     arch, bags = model_specs(args)
     dense = {name: p.detach().clone() for name, p in arch.named_parameters()}
@@ -119,11 +160,14 @@ def train(args: argparse.Namespace, info: convoy.RoleInfo) -> None:
         client.setup(OptimizerSpec("adagrad", args.lr),
                      dense, {s.name: torch.randn(s.num_rows, s.dim, generator=init) * 0.01 for s in bags})
     data = Synthetic(bags, args.seed, args.zipf)
+    batches = BatchShards(client, args.batches or info.world_size * args.steps, args.shard_batches)
     started, losses = time.perf_counter(), []
-    for step in range(args.steps):
-        batch = data.draw(seeded("train", args.seed, info.rank, step), args.batch)
+    for step, index in enumerate(batches):
+        batch = data.draw(seeded("train", args.seed, *divmod(index, args.steps)), args.batch)  # (rank, step) of old
         ids = {s.name: batch.features[s.name].ids for s in bags}
         pulled = pull_when_set_up(client, ids)
+        if not batches.seen(pulled):
+            continue  # the shard went back to the queue (this worker was taken for lost): stop training it
         params = {n: t.requires_grad_() for n, t in pulled.dense.items()}
         rows = {n: t.requires_grad_() for n, t in pulled.rows.items()}
         loss = F.binary_cross_entropy_with_logits(logits_of(arch, bags, pulled, batch, params, rows), batch.labels)
@@ -135,20 +179,20 @@ def train(args: argparse.Namespace, info: convoy.RoleInfo) -> None:
         if step % 50 == 49:
             print(f"worker {info.rank} step {step + 1}: loss {sum(losses[-50:]) / len(losses[-50:]):.4f}", flush=True)
     client.flush()
-    rate = args.steps * args.batch / (time.perf_counter() - started)
-    print(f"worker {info.rank}: {args.steps} steps, {rate:.0f} samples/s", flush=True)
+    rate = len(losses) * args.batch / (time.perf_counter() - started)
+    print(f"worker {info.rank}: {len(losses)} steps, {rate:.0f} samples/s", flush=True)
     if info.rank == 0:
-        evaluate(args, client, arch, bags, data, info.world_size)
+        evaluate(args, client, arch, bags, data, batches.total)
     client.close()
 
 
 def evaluate(args: argparse.Namespace, client: PSClient, arch: DenseArch, bags: list[BagSpec], data: Synthetic,
-             workers: int) -> None:
-    """Once every worker's pushes are applied, score the held-out set."""
+             batches: int) -> None:
+    """Once every batch of the epoch is applied on every server, score the held-out set."""
     held = data.draw(seeded("held-out", args.seed), args.held_out)
     ids = {s.name: held.features[s.name].ids for s in bags}
     deadline = time.monotonic() + 600
-    while min((pulled := client.pull(ids)).versions) < workers * args.steps and time.monotonic() < deadline:
+    while min((pulled := client.pull(ids)).versions) < batches and time.monotonic() < deadline:
         time.sleep(0.2)
     with torch.no_grad():
         scores = logits_of(arch, bags, pulled, held, pulled.dense, pulled.rows)

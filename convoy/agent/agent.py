@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from convoy.agent.client import MasterClient
+from convoy.agent.local_api import ClientPool, LocalApi
 from convoy.agent.reap import NodeCgroup, reap
 from convoy.agent.role_memory import RoleMemory, join_memory
 from convoy.agent.role_procs import JobContext, RoleProcesses
@@ -113,10 +114,15 @@ class Agent:
         self._held_port: socket.socket | None = None
         """Bound to the port this node offered as MASTER_PORT, from its join until its workers start."""
         self._role_processes: RoleProcesses | None = None
+        self.local_api = LocalApi(ClientPool(lambda: MasterClient(
+            config.master_host, config.master_port, config.token, config.master_timeout_s)).forward)
+        """The node's processes reach the master through it (data shards); they hold no job token."""
+        self.group.agent_env = self.local_api.env()
 
     def run(self) -> int:
         previous = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
+            self.local_api.start()
             self.group.fill_standbys()  # import torch while the round assembles
             return self._loop()
         except Interrupted as exc:
@@ -133,6 +139,7 @@ class Agent:
             if self._role_processes is not None:
                 self._role_processes.stop_all()
             self.group.close()
+            self.local_api.stop()
             if self.heartbeat.lease is not None:
                 self.heartbeat.lease.close()
             reap(self._job_id, self.config.node_id)  # what the workers forked, and the node's cgroup
@@ -232,7 +239,8 @@ class Agent:
         it and its processes go on."""
         self._release_port()
         self.group.close()  # no worker per local rank: the standbys are not needed
-        context = JobContext(self._job_id, self.config.node_id, self.config.host, self.config.run_dir, self.master_url)
+        context = JobContext(self._job_id, self.config.node_id, self.config.host, self.config.run_dir, self.master_url,
+                             self.local_api.env())
         memory = RoleMemory(self.config.node_id)
         processes = self._role_processes = RoleProcesses(self.config.workers, context, self.group.cgroup,
                                                          memory=memory)

@@ -10,7 +10,7 @@ from typing import TypeVar
 from pydantic import BaseModel
 
 from convoy.control import protocol as p
-from convoy.errors import AuthError, ConvoyError, MasterUnreachableError, StateWriteError
+from convoy.errors import AuthError, ConflictError, ConvoyError, MasterUnreachableError, StateWriteError
 
 Reply = TypeVar("Reply", bound=BaseModel)
 REPLY_GRACE_S = 3.0
@@ -66,6 +66,8 @@ class MasterClient:
                 raise StateWriteError(f"master at {self.host}:{self.port}: {_error_text(data)}")
             if status == 401:
                 raise AuthError(f"master at {self.host}:{self.port} rejected the token: check --token-file")
+            if status == 409:  # refused for the job's state: the caller may act on it (a forwarded shard call)
+                raise ConflictError(f"master answered 409 to {path}: {_error_text(data)}")
             raise ConvoyError(f"master answered {status} to {path}: {data.decode(errors='replace')}")
 
     def _post(self, path: str, body: bytes, headers: dict[str, str], timeout: float) -> tuple[int, bytes]:

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
@@ -65,6 +65,8 @@ class JobContext:
     host: str
     run_dir: Path
     master_url: str
+    agent_env: dict[str, str] = field(default_factory=dict)
+    """How the processes reach the agent's local API (``CONVOY_AGENT_URL``, ``CONVOY_AGENT_TOKEN``)."""
 
 
 class RoleProcesses:
@@ -184,4 +186,5 @@ class RoleProcesses:
             "CONVOY_RUN_DIR": str(context.run_dir),
             "CONVOY_MASTER": context.master_url,
             "CONVOY_LOG_FILE": str(log_path),
+            **context.agent_env,
         }

@@ -199,6 +199,8 @@ class WorkerGroup:
         self._started_at = 0.0
         self.lease_file = ""
         """The node's round lease (``CONVOY_LEASE`` for the workers), once the agent has made it."""
+        self.agent_env: dict[str, str] = {}
+        """How the workers reach the agent's local API (``CONVOY_AGENT_URL``, ``CONVOY_AGENT_TOKEN``)."""
         self.cgroup: NodeCgroup | None = None
         """Where this node's workers and all they start are kept, where a cgroup hierarchy is writable."""
         self.events: queue.SimpleQueue[tuple[int, str, str]] = queue.SimpleQueue()
@@ -271,6 +273,7 @@ class WorkerGroup:
             env = worker_env(round_info, member, local_rank, str(self.run_dir), master_url, str(log_file))
             if self.lease_file:
                 env["CONVOY_LEASE"] = self.lease_file
+            env.update(self.agent_env)
             order = {"env": env, "argv": self._argv(), "entrypoint": self.config.entrypoint,
                      "module": self.config.module}
             try:

@@ -15,6 +15,7 @@ from typing import Any, Callable, Protocol
 from pydantic import BaseModel, ValidationError
 
 from convoy.control import protocol as p
+from convoy.control import shard_protocol as sp
 from convoy.control.replies import MAX_KEY_LENGTH, ReplyCache
 from convoy.errors import ConfigError, ConflictError
 
@@ -38,9 +39,16 @@ ENDPOINTS: dict[str, tuple[type[BaseModel] | None, type[BaseModel] | None, str]]
     "/scale": (p.ScaleRequest, p.Ack, "run COUNT processes of a role (409 if the role cannot take it)"),
     "/memory": (p.MemoryReport, p.Ack, "a node's free memory and its role processes' peaks (a measured iteration)"),
     "/abort": (p.AbortRequest, p.Ack, "end the job as failed"),
+    "/shards/declare": (sp.ShardDeclare, sp.ShardDeclared, "a worker declares a dataset (the first declaration wins)"),
+    "/shards/request": (sp.ShardRequest, sp.ShardGrant, "a worker asks for a shard of a dataset"),
+    "/shards/progress": (sp.ShardProgress, sp.ShardAck, "a worker trained its shard up to an item (409: not its)"),
+    "/shards/done": (sp.ShardDone, sp.ShardAck, "a worker trained all of its shard (409: not its shard)"),
     "/status": (None, None, "the job's status"),
     "/openapi.json": (None, None, "this API's OpenAPI schema"),
 }
+
+
+SHARD_PATHS = ("/shards/declare", "/shards/request", "/shards/progress", "/shards/done")
 
 
 class Routed(Protocol):
@@ -57,6 +65,7 @@ class Routed(Protocol):
     def role_report(self, report: p.RoleReport) -> p.Ack: ...
     def scale(self, req: p.ScaleRequest) -> p.Ack: ...
     def memory_report(self, report: p.MemoryReport) -> p.Ack: ...
+    def shard_call(self, req: sp.ShardWorker) -> Any: ...
     def abort(self, reason: str) -> None: ...
     def status(self) -> dict[str, Any]: ...
     def unauthorized(self, client: str, path: str) -> None: ...
@@ -76,6 +85,7 @@ def _routes(master: Routed) -> dict[str, tuple[type[BaseModel] | None, Callable[
         "/memory": master.memory_report,
         "/abort": lambda req: master.abort(req.reason) or p.Ack(), "/status": lambda _: master.status(),
         "/openapi.json": lambda _: openapi_schema(),
+        **{path: master.shard_call for path in SHARD_PATHS},
     }
     return {path: (ENDPOINTS[path][0], call) for path, call in calls.items()}
 
@@ -123,6 +133,8 @@ def openapi_schema() -> dict[str, Any]:
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
+    """Headers and body go out as two writes; with Nagle on, the body waits for the client's delayed ACK."""
     server: _Server
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)

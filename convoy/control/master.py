@@ -16,14 +16,13 @@ from convoy.config import MasterConfig
 from convoy.control import protocol as p
 from convoy.control.api import ApiServer
 from convoy.control.job import RUNNING, Event, Job
+from convoy.control.master_roles import RoleCalls
 from convoy.control.nodes import NodeRegistry
-from convoy.control.role_master import RoleMaster, load_roles
 from convoy.control.rendezvous import Membership, Rendezvous
-from convoy.control.status import write_memory
-from convoy.control.store import Store, read_parts, restore
+from convoy.control.store import Store, restore
 from convoy.control.throttle import EventBudget, budget_for
 from convoy.control.token import TOKEN_FILE, new_token, read_token, write_token
-from convoy.errors import ConfigError, ConflictError, StateWriteError
+from convoy.errors import ConflictError, StateWriteError
 
 TICK_S = 0.1
 STATE_RETRY_S = 0.5
@@ -36,7 +35,7 @@ UNAUTHORIZED_EVERY_S = 10.0
 UNAUTHORIZED_CLIENTS = 1024
 
 
-class JobMaster:
+class JobMaster(RoleCalls):
     """The control plane of one job; ``start()`` serves it, ``wait_ended()`` blocks until it ends."""
 
     def __init__(self, config: MasterConfig, console: Callable[[str], None] = print, resume: bool = False,
@@ -60,18 +59,12 @@ class JobMaster:
             self.token = read_token(token_path) if token_file and token_path.exists() else new_token()
         self.job.max_regroups, self.job.regroup_window_s = config.max_regroups, config.regroup_window_s
         self.config, self.console, self.resumed = config, console, resume
-        roles = load_roles(config.run_dir)
-        self.role_master = RoleMaster(self.job, roles, config.max_restarts) if roles else None
-        """A job of roles (``roles.json`` in the run dir): its processes come from the heartbeats' assignments."""
-        self._taken_back: list[Event] = []
-        if resume and self.role_master is not None and self.job.status == RUNNING:  # before any save replaces it
-            saved = read_parts(config.run_dir).get("roles")
-            self._taken_back = self.role_master.load_state(saved) if saved else self.job.abort(
-                "the master restarted and its state holds no roles to take back; run the job again")
+        self._compose_roles(config, resume)
         self.api = ApiServer(self, config.host, config.port, self.token)  # bind first: a refusal leaves no state
         if not token_path.exists():
             write_token(token_path, self.token)
         self.store = Store(config.run_dir, config.to_json())
+        self._save_roles_with(self.store)
         self._changed = threading.Condition()
         self._unwritten = threading.local()
         """Per server thread: why the state of the call it is handling could not be written."""
@@ -165,43 +158,6 @@ class JobMaster:
             assignments, stops = roles.deliver(req.node_id, time.monotonic()) if roles and not self.ended else ([], [])
             return p.HeartbeatResponse(job_status=self.job.status, round_id=self.job.round_id, message=self.job.outcome,
                                        assignments=assignments, stops=stops)
-
-    def role_report(self, report: p.RoleReport) -> p.Ack:
-        """A role process started or exited (a job of roles only)."""
-        with self._changed:
-            self.nodes.seen(report.node_id, time.monotonic())
-            self._apply(self._roles().report(report))
-            self._write_memory()
-            return p.Ack()
-
-    def memory_report(self, report: p.MemoryReport) -> p.Ack:
-        """A node's free memory and its role processes' peaks; a measuring iteration sizes its role."""
-        with self._changed:
-            self.nodes.seen(report.node_id, time.monotonic())
-            self._apply(self._roles().memory(report))
-            self._write_memory()
-            return p.Ack()
-
-    def _write_memory(self) -> None:
-        sizing = self._roles().sizing
-        if sizing.changed:
-            sizing.changed = False
-            write_memory(self.config.run_dir, sizing.rows(), sizing.margin.margin())
-
-    def scale(self, req: p.ScaleRequest) -> p.Ack:
-        """``convoy scale``: run ``req.count`` processes of a role; a count the role cannot take is a 409."""
-        with self._changed:
-            try:
-                self._apply(self._roles().scale(req.role, req.count))
-            except ConfigError as exc:
-                raise ConflictError(str(exc)) from exc
-            return p.Ack()
-
-    def _roles(self) -> RoleMaster:
-        if self.role_master is None:
-            raise ConflictError(f"job {self.job.job_id} declares no roles: give it some with --ps, --workers, --role "
-                                "or [roles.NAME] in a job file")
-        return self.role_master
 
     def worker_exit(self, report: p.WorkerExit) -> p.Ack:
         with self._changed:
@@ -335,8 +291,7 @@ class JobMaster:
         """
         was_failing = self.store.failing_since is not None
         try:
-            parts = {"roles": self.role_master.state()} if self.role_master is not None else None
-            note = self.store.save(self.job, events, self.url, list(self.nodes.nodes.values()), parts)
+            note = self.store.save(self.job, events, self.url, list(self.nodes.nodes.values()))
         except StateWriteError as exc:
             if not was_failing:  # one line when the writes start failing, one when they work again
                 self.console(f"convoy: {exc}; the job goes on in memory and the write is retried")

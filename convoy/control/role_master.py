@@ -14,16 +14,18 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from convoy.control import protocol as p
 from convoy.control.job import RUNNING, Event, Job
 from convoy.control.role_sizing import RoleSizing
-from convoy.control.roles import SERVICE_ROLES, STARTING, Decision, FailJob, RestartJob, Roles, Start, Stop
+from convoy.control.roles import FINISHED, SERVICE_ROLES, STARTING, Decision, FailJob, RestartJob, Roles, Start, Stop
 from convoy.errors import ConfigError
 from convoy.roles_config import RESTORE_ONE, RoleCount, RoleSpec
 
 ROLES_FILE = "roles.json"
+ROLES_PART = "roles"
+"""The name of the roles' state among the master's saved parts (``Store.parts``)."""
 """Where the launcher leaves the job's roles in the run dir for the master (a job without it has none)."""
 REDELIVER_S = 2.0
 """An assignment or stop the agent has not reported on is sent again in its heartbeat after this long."""
@@ -85,6 +87,8 @@ class RoleMaster:
         self.outboxes: dict[str, Outbox] = {}
         self.lost: dict[str, int] = {}
         """Lost node -> the round it was lost in: nothing is placed on it until a later round has it again."""
+        self.exit_hooks: list[Callable[[str, int, int, str], list[Event]]] = []
+        """Told of every process exit, (role, rank, incarnation, how): the shard queues take back its shard."""
 
     def advance(self) -> list[Event]:
         """Start the roles once the first round has closed, place what waits, and end the job when all is done."""
@@ -119,6 +123,8 @@ class RoleMaster:
         self.placed.pop(key, None)
         what = f"{report.role} {report.rank} (incarnation {report.incarnation}) {report.describe()}"
         events = [Event("role_exited", what + _tail(report), report.node_id)] + self.sizing.exited(key, report)
+        for hook in self.exit_hooks:
+            events += hook(*key, report.describe())
         live = key not in self.stopping and self._is_current(key)
         measuring_failed = self.sizing.measuring_failed(key, report) if live else None
         relaunch = self.sizing.oom(key, report) if live and report.oom_killed and not measuring_failed else None
@@ -182,6 +188,11 @@ class RoleMaster:
             events += self.report(p.RoleReport(node_id=node_id, role=key[0], rank=key[1], incarnation=key[2],
                                                state="exited", signal=f"the loss of node {node_id}"))
         return events
+
+    def is_running(self, role: str, rank: int, incarnation: int) -> bool:
+        """Whether this process is its rank's current one and has not finished (its calls still count)."""
+        member = self.roles.roles[role].members.get(rank) if role in self.roles.roles else None
+        return member is not None and member.incarnation == incarnation and member.state != FINISHED
 
     def has_news(self, node_id: str) -> bool:
         """Whether the node has assignments or stops not sent yet (its heartbeat answers at once)."""

@@ -8,7 +8,7 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from convoy.control.job import Event, Job
 from convoy.control.nodes import NodeRecord
@@ -29,10 +29,10 @@ CREATE TABLE IF NOT EXISTS nodes (
 CREATE TABLE IF NOT EXISTS rounds (
     round_id INTEGER PRIMARY KEY, closed_at REAL, world_size INTEGER,
     master_addr TEXT, master_port INTEGER, members TEXT);
-CREATE TABLE IF NOT EXISTS parts (name TEXT PRIMARY KEY, state TEXT);
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL, kind TEXT, node_id TEXT,
     round_id INTEGER, message TEXT);
+CREATE TABLE IF NOT EXISTS parts (name TEXT PRIMARY KEY, state TEXT);
 """
 
 
@@ -54,8 +54,6 @@ class Store:
         self.config_json = config_json
         self._lock = threading.Lock()
         self._pending: collections.deque[tuple[float, Event]] = collections.deque()
-        self._parts: dict[str, Any] = {}
-        """The newest state of each part not yet written (a failed write keeps it for the next)."""
         self._pending_rounds: dict[int, tuple[Membership, float]] = {}
         """Rounds that closed while writes failed (a later one may have replaced them in the job by then)."""
         self.lost_events = 0
@@ -64,6 +62,9 @@ class Store:
         """When (monotonic) the writes started to fail; None while they work."""
         self.fault = ""
         """Why the last write failed ('' while writes work)."""
+        self.parts: dict[str, Callable[[], str]] = {}
+        """More of the job's state, by name (the shard queues): each save writes the part's text if it changed."""
+        self._written_parts: dict[str, str] = {}
         try:
             self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -90,14 +91,12 @@ class Store:
         with self._lock:
             self._db.close()
 
-    def save(self, job: Job, events: list[Event], master_url: str, nodes: list[NodeRecord],
-             parts: dict[str, Any] | None = None) -> str | None:
+    def save(self, job: Job, events: list[Event], master_url: str, nodes: list[NodeRecord]) -> str | None:
         """Record events (after any kept from failed writes) and the job, round and node rows in one
-        transaction, with the JSON state of the master's other parts (``parts``: name -> state, e.g. the
-        roles). Returns a note when state that could not be written before now is; raises StateWriteError
-        (the events are kept) when the write fails."""
+        transaction, with the state of the master's other ``parts`` that changed. Returns a note when state
+        that could not be written before now is; raises StateWriteError (the events are kept) when the
+        write fails."""
         now = time.time()
-        self._parts.update(parts or {})
         with self._lock:
             for event in events:
                 if len(self._pending) >= MAX_PENDING_EVENTS:
@@ -117,7 +116,6 @@ class Store:
             note = self._recovery_note() if self.failing_since is not None else None
             self._pending.clear()
             self._pending_rounds.clear()
-            self._parts.clear()
             self.failing_since, self.fault, self.lost_events = None, "", 0
             return note
 
@@ -163,10 +161,12 @@ class Store:
             )
         for closed, closed_at in self._pending_rounds.values():
             self._save_round(closed, closed_at)
-        self._db.executemany("INSERT OR REPLACE INTO parts VALUES (?,?)",
-                             [(name, json.dumps(state)) for name, state in self._parts.items()])
         self._db.executemany("INSERT INTO events (ts, kind, node_id, round_id, message) VALUES (?,?,?,?,?)", rows)
+        parts = {name: text() for name, text in self.parts.items()}
+        changed = [(name, text) for name, text in parts.items() if self._written_parts.get(name) != text]
+        self._db.executemany("INSERT OR REPLACE INTO parts VALUES (?,?)", changed)
         self._db.execute("COMMIT")
+        self._written_parts.update(changed)
 
     def _save_round(self, membership: Membership, now: float) -> None:
         members = json.dumps([[m.node_rank, m.node_id, m.host, m.nproc] for m in membership.members])
@@ -210,24 +210,6 @@ def restore(run_dir: Path, now: float) -> tuple[MasterConfig, Job, list[NodeReco
     return config, job, nodes
 
 
-def read_parts(run_dir: Path) -> dict[str, Any]:
-    """The state of the master's parts as its last save left it (name -> JSON state; empty when none)."""
-    path = Path(run_dir) / STATE_FILE
-    try:
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-        try:
-            rows = db.execute("SELECT name, state FROM parts").fetchall()
-        finally:
-            db.close()
-        return {name: json.loads(state) for name, state in rows}
-    except sqlite3.OperationalError as exc:
-        if "no such table" in str(exc):
-            return {}  # written by a version without parts
-        raise ConfigError(f"cannot read the job's state in {str(path)!r}: {exc}") from exc
-    except (sqlite3.Error, ValueError) as exc:
-        raise ConfigError(f"cannot read the job's state in {str(path)!r}: {exc}") from exc
-
-
 def read_status(run_dir: Path, recent: int = 15) -> dict[str, Any]:
     """Read a job's state from its run dir (works while it runs and after it ended)."""
     path = Path(run_dir) / STATE_FILE
@@ -248,3 +230,15 @@ def read_status(run_dir: Path, recent: int = 15) -> dict[str, Any]:
         "round": dict(last_round) if last_round else None,
         "events": [dict(e) for e in reversed(events)],
     }
+
+
+def read_part(run_dir: Path, name: str) -> str | None:
+    """The text ``Store.parts[name]`` last wrote to the run dir's state file (None if none)."""
+    db = sqlite3.connect(f"file:{Path(run_dir) / STATE_FILE}?mode=ro", uri=True)
+    try:
+        row = db.execute("SELECT state FROM parts WHERE name=?", (name,)).fetchone()
+    except sqlite3.OperationalError:  # a state file older than the table
+        return None
+    finally:
+        db.close()
+    return None if row is None else str(row[0])

@@ -141,19 +141,22 @@ def test_a_state_file_of_an_earlier_version_is_still_written_and_restored(tmp_pa
     assert restore(tmp_path, now=0.0)[1].excluded == {}
 
 
-def test_the_parts_state_is_kept_newest_first_and_read_back(tmp_path: Path) -> None:
+def test_each_part_is_written_with_the_job_and_read_back_as_last_written(tmp_path: Path) -> None:
     import sqlite3
 
-    from convoy.control.store import read_parts
+    from convoy.control.store import read_part
 
     store = Store(tmp_path)
     job = Job("feedbeef", Rendezvous(1, 2, 0.0, opened_at=0.0), max_restarts=3, join_timeout_s=60.0)
-    store.save(job, [], "127.0.0.1:4000", [], {"roles": {"begun": False}})
-    store.save(job, [], "127.0.0.1:4000", [], {"roles": {"begun": True, "pending": [[1, "x"]]}})
-    store.save(job, [], "127.0.0.1:4000", [])  # a save without parts leaves them as they were
+    roles = {"begun": False}
+    store.parts["roles"] = lambda: json.dumps(roles)
+    store.save(job, [], "127.0.0.1:4000", [])
+    roles["begun"] = True
+    store.save(job, [], "127.0.0.1:4000", [])
     store.close()
-    assert read_parts(tmp_path) == {"roles": {"begun": True, "pending": [[1, "x"]]}}
+    assert json.loads(read_part(tmp_path, "roles") or "null") == {"begun": True}
+    assert read_part(tmp_path, "shards") is None
     older = tmp_path / "older"
     older.mkdir()
     sqlite3.connect(older / "state.db").execute("CREATE TABLE job (job_id TEXT)").connection.close()
-    assert read_parts(older) == {}, "a state file written before parts existed holds none"
+    assert read_part(older, "roles") is None, "a state file written before parts existed holds none"
