@@ -16,7 +16,8 @@ grows back; skipped where ``ip netns add`` fails), ``corrupt_request`` (garbage,
 tokens, malformed, oversize and half-open requests to the master's API while the job trains).
 
 Per fault it prints runs, recovered (the job exits 0 and trains after the fault), finished
-steps lost (a restart that resumes at step S while step >= S had finished: the steps redone),
+steps lost (a restart that resumes at step S while step >= S had finished on every rank of its
+round: the steps redone; a step a killed rank had not finished yet is redone exactly, not lost),
 and the time to recover: fault -> the first step finished by the restarted workers; for a
 master kill (workers train through it) fault -> the restarted master answers again; 0 for
 corrupt requests that leave the job untouched. For the faults of issue 22, recovered means the

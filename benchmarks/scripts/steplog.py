@@ -64,10 +64,16 @@ def first(steps: list[Step], accept: Callable[[Step], bool]) -> Step | None:
 
 
 def steps_lost(steps: list[Step]) -> int:
-    """Finished steps done again after a restart: step numbers that a later round finished again."""
-    first_round: dict[int, int] = {}
-    redone: set[int] = set()
+    """Finished steps done again after a restart. A step is finished once every rank of the round has
+    finished it (its ``ckpt.step()`` returned and its line was written): in a synchronous job a step that
+    a rank was killed inside is not finished, and redoing it is the exact resume, not a loss."""
+    ranks: dict[int, set[int]] = {}
+    done: dict[tuple[int, int], set[int]] = {}
     for step in steps:
-        if step.round_id > first_round.setdefault(step.step, step.round_id):
-            redone.add(step.step)
-    return len(redone)
+        ranks.setdefault(step.round_id, set()).add(step.rank)
+        done.setdefault((step.round_id, step.step), set()).add(step.rank)
+    finished = {}  # step -> the first round in which every rank of that round finished it
+    for (round_id, number), by in sorted(done.items()):
+        if by >= ranks[round_id]:
+            finished.setdefault(number, round_id)
+    return len({s.step for s in steps if s.step in finished and s.round_id > finished[s.step]})
