@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +68,7 @@ def batch_of(gen: torch.Generator, rows: int, size: int) -> tuple[torch.Tensor, 
 def main() -> int:
     args = parse()
     torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message="Sparse invariant checks")  # torch's Adagrad on sparse gradients
     hidden = [int(w) for w in args.hidden.split(",") if w]
     gen = torch.Generator().manual_seed(0)
     batch_of(gen, args.rows, 2)  # the data pipeline has run once: its code is loaded

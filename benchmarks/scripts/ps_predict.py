@@ -2,10 +2,11 @@
 the worker's real peak over 100 iterations under the predicted limit.
 
 Per configuration (ps_memory_worker.py: one embedding table with Adagrad and an MLP with Adam): one process
-runs with ``--handshake`` in a memory cgroup of its own (no real limit) while ``TreeSampler`` samples it: the
-baseline before the model is built, the peak RSS of iteration 0 (convoy's one measured iteration), and after
-each of iterations 0-4 the cgroup's usage less its inactive file cache (the container-wide figure DLRover
-samples, five step samples). ``sizing.predict`` gives the worker's need; the limit adds the margin of a
+runs with ``--handshake`` while ``TreeSampler`` samples it: the baseline before the model is built, the peak
+RSS of iteration 0 (convoy's one measured iteration), and the RSS after each of iterations 0-4 (DLRover's five
+step samples of ``psutil.virtual_memory().used``, which in a container holding only this worker is its
+memory less the page cache; the RSS stands for it, since on this shared host the libraries' pages are charged
+to whichever cgroup read them first). ``sizing.predict`` gives the worker's need; the limit adds the margin of a
 ``MarginModel`` that has recorded every earlier configuration's error (the prior alone for the first). The
 worker then trains 100 iterations with that limit enforced (``MemoryLimiter``: cgroup, else the RSS
 watchdog) while a ``TreeSampler`` keeps its peak RSS. Over-allocation is limit / measured peak - 1.
@@ -23,13 +24,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from convoy.agent.memory import TreeSampler  # noqa: E402
-from convoy.agent.memory_limits import MemoryLimiter, RssWatchdog  # noqa: E402
+from convoy.agent.memory_limits import MemoryLimiter  # noqa: E402
 from convoy.control.sizing import IterationShape, MarginModel, MeasuredIteration, dlrover_allocation, predict  # noqa: E402,E501
 
 WORKER = Path(__file__).resolve().parent / "ps_memory_worker.py"
 ITERATIONS, DLROVER_STEPS = 100, 5
-MEASURE_LIMIT = 16 << 30
-"""The measuring process's cgroup limit: only there to read its usage; the machine has 24 GiB."""
 PEAK_TOL, OVER_GOAL = 0.10, 0.15
 MIB = 1 << 20
 
@@ -62,24 +61,11 @@ def env() -> dict[str, str]:
     return {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
-def container_used(limit) -> int:  # noqa: ANN001 - a MemoryLimit
-    """The container-wide used memory DLRover samples: the cgroup's usage less its inactive file cache (as
-    ``docker stats``); the tree's RSS where the limit is the watchdog."""
-    if isinstance(limit, RssWatchdog):
-        return limit.outcome().peak_bytes
-    stat = dict(line.split() for line in (limit.path / "memory.stat").read_text().splitlines())
-    usage = int((limit.path / ("memory.current" if limit.v2 else "memory.usage_in_bytes")).read_text())
-    inactive = int(stat.get("inactive_file" if limit.v2 else "total_inactive_file", 0))
-    return usage - inactive
-
-
-def measure(config: Config, limiter: MemoryLimiter) -> tuple[MeasuredIteration, list[int]]:
+def measure(config: Config) -> tuple[MeasuredIteration, list[int], int]:
     """The handshake run: the baseline, iteration 0's peak, and DLRover's five step samples."""
-    limit = limiter.limit(f"bench-measure-{config.name}", MEASURE_LIMIT)
     proc = subprocess.Popen([*config.argv(DLROVER_STEPS), "--handshake"], env=env(), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     try:
-        limit.add(proc.pid)
         sampler = TreeSampler(proc.pid).start()
         peaks, samples = {}, []
         while (line := proc.stdout.readline().strip()) and not line.startswith("{"):
@@ -89,17 +75,15 @@ def measure(config: Config, limiter: MemoryLimiter) -> tuple[MeasuredIteration, 
             elif line == "start 0":
                 sampler.window()
             elif line.startswith("end"):
-                sampler.sample_once()
+                samples.append(sampler.sample_once().rss_bytes)
                 if line == "end 0":
                     peaks["iteration"] = sampler.window()
-                samples.append(container_used(limit))
             proc.stdin.write("go\n")
             proc.stdin.flush()
         shape_info = json.loads(line)
         proc.wait(timeout=120)
         sampler.stop()
     finally:
-        limit.close()
         if proc.poll() is None:
             proc.kill()
             proc.wait()
@@ -132,7 +116,7 @@ def predict_section(quick: bool) -> list[str]:
     margins = MarginModel()
     rows, lines = [], []
     for config in QUICK if quick else CONFIGS:
-        measured, samples, params = measure(config, limiter)
+        measured, samples, params = measure(config)
         prediction = predict(measured, measured.shape, margins.margin())
         peak, kills, mechanism = run_worker(config, limiter, prediction.limit_bytes)
         error = margins.record(prediction.rss_bytes, peak)
