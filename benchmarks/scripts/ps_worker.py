@@ -64,6 +64,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--held-out", type=int, default=16384)
     parser.add_argument("--out", default="")
+    parser.add_argument("--check-sparse", action="store_true", help="torch's sparse-tensor invariant checks on")
     return parser.parse_args()
 
 
@@ -244,6 +245,8 @@ def run_sync(args: argparse.Namespace, store: dist.TCPStore) -> dict:
 def main() -> int:
     args = parse()
     torch.set_num_threads(1)
+    if args.check_sparse:
+        torch.sparse.check_sparse_tensor_invariants.enable()
     if args.mode == "server":
         server = ServerProcess("127.0.0.1", args.port)
         server.wait()
