@@ -18,6 +18,7 @@ from convoy.control.api import ApiServer
 from convoy.control.job import RUNNING, Event, Job
 from convoy.control.nodes import NodeRegistry
 from convoy.control.role_master import RoleMaster, load_roles
+from convoy.control.sanitize import printable
 from convoy.control.rendezvous import Membership, Rendezvous
 from convoy.control.store import Store, restore
 from convoy.control.throttle import EventBudget, budget_for
@@ -200,7 +201,7 @@ class JobMaster:
                                    report.node_id, report.round_id)])
                 return p.Ack()
             more = f" ({dropped} more from node {report.node_id} not recorded)" if dropped else ""
-            self._apply([Event(report.kind, f"rank {report.rank}: {report.message}{more}", report.node_id,
+            self._apply([Event(report.kind, f"rank {report.rank}: {printable(report.message)}{more}", report.node_id,
                                report.round_id, console=True)])
             return p.Ack()
 
@@ -213,7 +214,7 @@ class JobMaster:
         with self._changed:
             self.nodes.mark(req.node_id, "left")
             lost = self.role_master.node_lost(req.node_id) if self.role_master else []
-            self._apply(lost + self.job.node_lost(req.node_id, f"left ({req.reason or 'agent exited'})",
+            self._apply(lost + self.job.node_lost(req.node_id, f"left ({printable(req.reason) or 'agent exited'})",
                                                   time.monotonic()))
             return p.Ack()
 
@@ -324,7 +325,7 @@ class JobMaster:
                 self.console(f"convoy: {note}")
         for event in events:
             if event.console:
-                self.console(f"convoy: {event.message}")
+                self.console(f"convoy: {printable(event.message, keep_lines=True)}")
         self._changed.notify_all()
 
     def _state_write_give_up(self, now: float) -> list[Event]:
