@@ -267,6 +267,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send(self, code: int, data: bytes) -> None:
         self.send_response(code)
+        if self.server.crowded():  # requests wait for a thread: this one goes back to them, the client reconnects
+            self.close_connection = True
+            self.send_header("Connection", "close")
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -287,6 +290,10 @@ class _Server:
     def __init__(self, master: Routed, token: str, limits: Limits) -> None:
         self.master, self.token, self.limits, self.routes = master, token, limits, _routes(master)
         self.replies = ReplyCache()
+        self.front: FrontDoor | None = None
+
+    def crowded(self) -> bool:
+        return bool(self.front.pool.waiting) if self.front is not None else False
 
     def screen(self, head: bytes, client: str) -> Screened:
         """Before any body is read or a thread is spent: refuse a malformed head or a missing token; put
@@ -325,6 +332,7 @@ class ApiServer:
                  tls: ssl.SSLContext | None = None) -> None:
         self._server = _Server(master, token, limits or Limits())
         self.front = FrontDoor(host, port, self._server.limits, self._server.screen, self._server.serve, tls)
+        self._server.front = self.front
 
     @property
     def address(self) -> tuple[str, int]:

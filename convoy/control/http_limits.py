@@ -75,6 +75,10 @@ class HandlerPool:
         self._order = itertools.count()
         self.active = 0
 
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
     def submit(self, priority: int, item: object) -> None:
         with self._lock:
             if self.active >= self.size:
@@ -313,11 +317,3 @@ def server_tls(cert: str, key: str) -> ssl.SSLContext:
                           "certificate and its private key") from exc
     return context
 
-
-def client_tls(ca: str) -> ssl.SSLContext:
-    """An agent's TLS context: the master's certificate must chain to ``ca`` and name the host dialled."""
-    try:
-        return ssl.create_default_context(cafile=ca)
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"--tls-ca {ca!r} cannot be loaded: {exc}; give the PEM certificate that signed the "
-                          "master's") from exc

@@ -15,6 +15,7 @@ from typing import Any, Callable
 from convoy.config import MasterConfig
 from convoy.control import protocol as p
 from convoy.control.api import ApiServer
+from convoy.control.http_limits import server_tls
 from convoy.control.job import RUNNING, Event, Job
 from convoy.control.nodes import NodeRegistry
 from convoy.control.role_master import RoleMaster, load_roles
@@ -63,7 +64,8 @@ class JobMaster:
         roles = load_roles(config.run_dir)
         self.role_master = RoleMaster(self.job, roles, config.max_restarts) if roles else None
         """A job of roles (``roles.json`` in the run dir): its processes come from the heartbeats' assignments."""
-        self.api = ApiServer(self, config.host, config.port, self.token)  # bind first: a refusal leaves no state
+        tls = server_tls(config.tls_cert, config.tls_key) if config.tls_cert else None
+        self.api = ApiServer(self, config.host, config.port, self.token, tls=tls)  # bind first: no state if refused
         if not token_path.exists():
             write_token(token_path, self.token)
         self.store = Store(config.run_dir, config.to_json())
