@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
-from fault_job import Job, read_state, wait_for
+from fault_job import Job, wait_for
 from steplog import steps_lost
 
 from convoy.agent.client import MasterClient
@@ -207,9 +207,9 @@ def main() -> int:
         wait_for(job, lambda: None, 120)  # until the job exits
         job.steps.poll()
         code = job.exit_code()
-        state = read_state(job.run_dir) or {}
+        rows = job.state_rows("SELECT restart_count FROM job")
+        restarts = int(rows[0][0]) if rows else -1  # type: ignore[call-overload]
         lost = steps_lost(job.steps.steps)
-        restarts = int(state.get("restart_count", -1))  # type: ignore[arg-type]
         answered = sum(v for k, v in results.items() if k.startswith("bad"))
         print(f"storm {storm_s:.1f} s: {results.get('unauth', 0)} unauthenticated connections opened "
               f"({UNAUTHENTICATED} held at once), {results.get('slow', 0)} slow-body clients ({SLOW_BODIES} at once), "
