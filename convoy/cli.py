@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from convoy.config import (
-    STATE_FILE, JobConfig, MasterConfig, RendezvousConfig, WorkerConfig, check_run_dir, default_run_dir, parse_address,
-    parse_nnodes,
+    MAX_NPROC_PER_NODE, STATE_FILE, JobConfig, MasterConfig, RendezvousConfig, WorkerConfig, check_run_dir,
+    default_run_dir, parse_address, parse_nnodes, resolve_address,
 )
+from convoy.control.sanitize import safe_host, safe_name
 from convoy.errors import ConfigError, ConvoyError
 from convoy.jobfile import JOB_FILE_SUFFIX, load_job_file
 from convoy.roles_config import apply_role_counts, role_counts_from_flags
@@ -50,7 +51,8 @@ Options = argparse.ArgumentParser | _ExplicitOnly
 
 
 def _add_worker_options(parser: Options) -> None:
-    parser.add_argument("--nproc-per-node", type=int, default=_WORKERS.nproc_per_node, help="worker processes per node")
+    parser.add_argument("--nproc-per-node", type=int, default=_WORKERS.nproc_per_node,
+                        help=f"worker processes per node (1 to {MAX_NPROC_PER_NODE})")
     parser.add_argument("--stop-grace", type=float, default=_WORKERS.stop_grace_s,
                         help="seconds from SIGTERM to SIGKILL (default %(default)s)")
     parser.add_argument("--preload", default=",".join(_WORKERS.preload),
@@ -90,7 +92,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                               description=RUN_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_run_options(run)
     master = commands.add_parser("master", help="serve the control plane for agents on other hosts")
-    _add_master_options(master, "0.0.0.0")
+    _add_master_options(master, "127.0.0.1")  # other hosts reach it only when --host says so
+    master.add_argument("--tls-cert", default="", metavar="PEM",
+                        help="serve the API over TLS with this certificate (chain); agents then give --tls-ca")
+    master.add_argument("--tls-key", default="", metavar="PEM", help="the private key of --tls-cert")
     master.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
                         help="continue the job in RUN_DIR after a master crash (its other settings are reused)")
     master.add_argument("--job-id", default="", help="the job's id (default: random)")
@@ -102,6 +107,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     agent.add_argument("--node-id", default=None, help="a name unique in the job (default HOSTNAME-PID)")
     agent.add_argument("--host", default=None, help="address other nodes reach this one at (default: detected)")
     agent.add_argument("--run-dir", type=Path, default=None, help="where worker logs go (default: the token's dir)")
+    agent.add_argument("--tls-ca", default="", metavar="PEM",
+                       help="the master serves TLS: trust its certificate if this CA certificate signed it")
     _add_worker_options(agent)
     status = commands.add_parser("status", help="show a job's nodes, round, restarts and recent events")
     status.add_argument("--run-dir", type=Path, required=True, help="the job's run directory")
@@ -229,7 +236,7 @@ def _master(args: argparse.Namespace) -> int:
         master = JobMaster(MasterConfig(run_dir=args.resume), console=_console, resume=True, token_file=args.token_file)
     else:
         config = _master_config(args)
-        config.job_id = args.job_id
+        config.job_id, config.tls_cert, config.tls_key = args.job_id, args.tls_cert, args.tls_key
         config.validate()
         master = JobMaster(config, console=_console, token_file=args.token_file)
     master.start()
@@ -260,6 +267,12 @@ def _agent(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or args.token_file.parent
     workers.validate(need_entrypoint=not (run_dir / ROLES_FILE).is_file())  # roles may each name their script
     host, port = parse_address(args.master)
+    resolve_address(host, port)
+    if args.node_id is not None and not safe_name(args.node_id):
+        raise ConfigError(f"--node-id {args.node_id!r}: use letters, digits and . _ @ + - (starting with a letter "
+                          "or digit)")
+    if args.host is not None and not safe_host(args.host):
+        raise ConfigError(f"--host {args.host!r}: give a host name or an IP address")
     try:
         token = args.token_file.read_text().strip()
     except OSError as exc:
@@ -276,6 +289,7 @@ def _agent(args: argparse.Namespace) -> int:
     config = AgentConfig(
         master_host=host, master_port=port, token=token,
         node_id=args.node_id or f"{socket.gethostname()}-{os.getpid()}", host=address, run_dir=run_dir, workers=workers,
+        tls_ca=args.tls_ca,
     )
     return Agent(config, group).run()
 

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import secrets
+import socket
+import stat
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from convoy.control.sanitize import safe_host
 from convoy.errors import ConfigError
 from convoy.roles_config import RoleSpec, check_roles
 
@@ -18,6 +22,15 @@ STATE_FILE = "state.db"
 """The master's SQLite state inside the run dir."""
 RUN_DIR_PROBE_BYTES = 64 << 10
 """What a run dir must take before a job starts: room for the token, the first state and logs."""
+MAX_NPROC_PER_NODE = 1024
+"""Worker processes one agent may start: past it an agent would fork standbys until fork fails."""
+
+
+def check_seconds(flag: str, value: float, allow_zero: bool = True) -> None:
+    """A timeout flag is a finite number of seconds: nan or inf would make it never fire."""
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        need = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{flag} {value}: need a finite number of seconds {need}")
 
 
 def parse_nnodes(spec: str) -> tuple[int, int]:
@@ -32,11 +45,20 @@ def parse_nnodes(spec: str) -> tuple[int, int]:
 
 
 def parse_address(spec: str) -> tuple[str, int]:
-    """Parse ``HOST:PORT`` (the master's address as an agent gives it)."""
+    """Parse ``HOST:PORT`` (the master's address as an agent gives it); a URL or a name with other characters
+    is refused here, not retried as if the master were down."""
     host, sep, port = spec.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"--master {spec!r} is not HOST:PORT, e.g. 10.0.0.5:29400")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or not safe_host(host):
+        raise ConfigError(f"--master {spec!r} is not HOST:PORT (no scheme, no path), e.g. 10.0.0.5:29400")
     return host.strip("[]"), int(port)
+
+
+def resolve_address(host: str, port: int) -> None:
+    """A name that does not resolve is a usage error, not a master that is down for a while."""
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ConfigError(f"--master {host}:{port}: cannot resolve {host!r} ({exc}): check the name") from None
 
 
 def default_run_dir() -> Path:
@@ -59,8 +81,8 @@ class RendezvousConfig:
     def validate(self) -> None:
         if not 1 <= self.min_nodes <= self.max_nodes:
             raise ConfigError(f"nnodes {self.min_nodes}:{self.max_nodes}: need 1 <= MIN <= MAX")
-        if self.wait_s < 0 or self.join_timeout_s <= 0:
-            raise ConfigError("rendezvous wait and join timeout must be positive seconds")
+        check_seconds("--rdzv-wait", self.wait_s)
+        check_seconds("--join-timeout", self.join_timeout_s, allow_zero=False)
 
 
 @dataclass
@@ -84,10 +106,10 @@ class WorkerConfig:
 
     def validate(self, need_entrypoint: bool = True) -> None:
         """``need_entrypoint`` False: every role of the job has its own script, so the job's may be empty."""
-        if self.nproc_per_node < 1:
-            raise ConfigError(f"--nproc-per-node {self.nproc_per_node}: need at least 1 worker per node")
-        if self.stop_grace_s < 0:
-            raise ConfigError(f"--stop-grace {self.stop_grace_s}: need seconds >= 0")
+        if not 1 <= self.nproc_per_node <= MAX_NPROC_PER_NODE:
+            raise ConfigError(f"--nproc-per-node {self.nproc_per_node}: need 1 to {MAX_NPROC_PER_NODE} workers per "
+                              "node")
+        check_seconds("--stop-grace", self.stop_grace_s)
         if self.entrypoint or need_entrypoint:
             check_entrypoint(self.entrypoint, self.module)
 
@@ -138,6 +160,10 @@ class MasterConfig:
     excludes it, so a flapping node cannot restart the job forever."""
     regroup_window_s: float = 600.0
     """The window, in seconds, over which a node's regroups are counted."""
+    tls_cert: str = ""
+    """PEM certificate (chain) the API serves TLS with; empty: plain HTTP."""
+    tls_key: str = ""
+    """The certificate's private key (PEM)."""
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "run_dir": str(self.run_dir)})
@@ -154,14 +180,19 @@ class MasterConfig:
             raise ConfigError(f"--job-id {self.job_id!r}: use up to 32 letters and digits")
         if self.max_regroups < 1:
             raise ConfigError(f"--max-regroups {self.max_regroups}: need 1 or more regroups per node and window")
-        if not self.regroup_window_s > 0:
-            raise ConfigError(f"--regroup-window {self.regroup_window_s}: need seconds > 0")
+        check_seconds("--regroup-window", self.regroup_window_s, allow_zero=False)
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts {self.max_restarts}: need 0 or more")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"--port {self.port}: need 0..65535 (0 picks a free port)")
+        check_seconds("--heartbeat-timeout", self.heartbeat_timeout_s, allow_zero=False)
         if self.heartbeat_s <= 0 or self.heartbeat_timeout_s <= self.heartbeat_s:
             raise ConfigError("need 0 < heartbeat interval < heartbeat timeout")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("give --tls-cert and --tls-key together (or neither, for plain HTTP)")
+        for flag, path in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key)):
+            if path and not os.access(path, os.R_OK):
+                raise ConfigError(f"{flag} {path!r} is not a readable file")
         check_run_dir(self.run_dir)
         if (self.run_dir / STATE_FILE).exists() and not resume:
             raise ConfigError(f"run dir {str(self.run_dir)!r} already holds a job's state: give a new --run-dir "
@@ -194,13 +225,21 @@ class JobConfig:
 
 
 def check_run_dir(run_dir: Path) -> None:
-    """Create the run directory, or say why it cannot be used."""
+    """Create the run directory (mode 0700), or say why it cannot be used.
+
+    A directory others may write to is refused (unless sticky and ours): they could replace the token or
+    the state by a link, or read what the job writes."""
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"run dir {str(run_dir)!r} cannot be created: {exc.strerror}") from exc
     if not run_dir.is_dir():
         raise ConfigError(f"run dir {str(run_dir)!r} is not a directory")
+    info = run_dir.stat()
+    sticky_and_ours = info.st_mode & stat.S_ISVTX and info.st_uid == os.geteuid()
+    if info.st_mode & stat.S_IWOTH and not sticky_and_ours:
+        raise ConfigError(f"run dir {str(run_dir)!r} is writable by others (mode {stat.S_IMODE(info.st_mode):o}): "
+                          f"chmod o-w {str(run_dir)!r} or give another --run-dir")
     probe = run_dir / f".write-test-{os.getpid()}"
     try:
         probe.write_bytes(b"\0" * RUN_DIR_PROBE_BYTES)  # bytes, not just a name: a full disk takes no more

@@ -44,6 +44,8 @@ class AgentConfig:
     heartbeat_s: float = 1.0
     master_timeout_s: float = 30.0
     """How long the master may be unreachable before the agent stops its workers and exits."""
+    tls_ca: str = ""
+    """Speak TLS to the master and trust its certificate if this CA signed it (empty: plain HTTP)."""
 
 
 class _Heartbeat(threading.Thread):
@@ -52,7 +54,8 @@ class _Heartbeat(threading.Thread):
     def __init__(self, config: AgentConfig) -> None:
         super().__init__(name="convoy-heartbeat", daemon=True)
         self.config = config
-        self.client = MasterClient(config.master_host, config.master_port, config.token, config.master_timeout_s)
+        self.client = MasterClient(config.master_host, config.master_port, config.token, config.master_timeout_s,
+                                   config.tls_ca)
         self.latest: p.HeartbeatResponse | None = None
         self.error: ConvoyError | None = None
         self.changed = threading.Event()
@@ -103,7 +106,8 @@ class Agent:
 
     def __init__(self, config: AgentConfig, group: WorkerGroup | None = None) -> None:
         self.config = config
-        self.client = MasterClient(config.master_host, config.master_port, config.token, config.master_timeout_s)
+        self.client = MasterClient(config.master_host, config.master_port, config.token, config.master_timeout_s,
+                                   config.tls_ca)
         self.group = group or WorkerGroup(config.workers, config.run_dir, host=config.host)
         self.heartbeat = _Heartbeat(config)
         self.master_url = f"{config.master_host}:{config.master_port}"
@@ -115,7 +119,7 @@ class Agent:
         """Bound to the port this node offered as MASTER_PORT, from its join until its workers start."""
         self._role_processes: RoleProcesses | None = None
         self.local_api = LocalApi(ClientPool(lambda: MasterClient(
-            config.master_host, config.master_port, config.token, config.master_timeout_s)).forward)
+            config.master_host, config.master_port, config.token, config.master_timeout_s, config.tls_ca)).forward)
         """The node's processes reach the master through it (data shards); they hold no job token."""
         self.group.agent_env = self.local_api.env()
 
@@ -368,7 +372,8 @@ class Agent:
 
     def _leave(self, reason: str) -> None:
         try:
-            quick = MasterClient(self.config.master_host, self.config.master_port, self.config.token, 1.0)
+            quick = MasterClient(self.config.master_host, self.config.master_port, self.config.token, 1.0,
+                                 self.config.tls_ca)
             quick.call("/leave", p.LeaveRequest(node_id=self.config.node_id, reason=reason), p.Ack)
         except ConvoyError:
             pass  # the master may already be gone; leaving is a courtesy

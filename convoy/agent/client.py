@@ -3,26 +3,41 @@
 from __future__ import annotations
 
 import http.client
+import random
 import secrets
+import socket
+import ssl
 import time
 from typing import TypeVar
 
 from pydantic import BaseModel
 
 from convoy.control import protocol as p
-from convoy.errors import AuthError, ConflictError, ConvoyError, MasterUnreachableError, StateWriteError
+from convoy.errors import AuthError, ConfigError, ConflictError, ConvoyError, MasterUnreachableError, StateWriteError
 
 Reply = TypeVar("Reply", bound=BaseModel)
 REPLY_GRACE_S = 3.0
 """How much longer than its long-poll wait a request may take before it counts as lost."""
+FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.05, 1.0
+
+
+def jittered(backoff: float, rng: random.Random) -> float:
+    """A retry's pause: ``backoff`` scaled by a random factor in [0.5, 1.5), so that agents that lost the
+    master together (a restart) do not all come back in the same instant."""
+    return backoff * (0.5 + rng.random())
 
 
 class MasterClient:
     """One keep-alive connection to the master; not shared between threads."""
 
-    def __init__(self, host: str, port: int, token: str, give_up_after_s: float = 30.0) -> None:
+    def __init__(self, host: str, port: int, token: str, give_up_after_s: float = 30.0, tls_ca: str = "") -> None:
+        """``tls_ca``: speak TLS, and trust the master's certificate only if this CA (a PEM file) signed it."""
         self.host, self.port, self.token = host, port, token
         self.give_up_after_s = give_up_after_s
+        self._tls: ssl.SSLContext | None = None
+        if tls_ca:
+            self._tls = client_tls(tls_ca)
+        self._rng = random.Random()
         self._conn: http.client.HTTPConnection | None = None
         self._key_prefix = secrets.token_hex(8)
         self._calls = 0
@@ -43,24 +58,37 @@ class MasterClient:
         headers = {"Content-Type": "application/json", p.TOKEN_HEADER: f"Bearer {self.token}",
                    p.IDEMPOTENCY_HEADER: f"{self._key_prefix}-{self._calls}"}
         deadline = time.monotonic() + self.give_up_after_s
-        backoff = 0.05
+        backoff = FIRST_BACKOFF_S
         while True:
+            pause = jittered(backoff, self._rng)
             try:
                 status, data = self._post(p.API_PREFIX + path, body, headers, wait_s + REPLY_GRACE_S)
+            except ssl.SSLError as exc:
+                self.close()
+                if isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError)):  # cut off (a master restarting)
+                    if time.monotonic() + pause > deadline:
+                        raise MasterUnreachableError(f"master at {self.host}:{self.port} unreachable for "
+                                                     f"{self.give_up_after_s:.0f} s ({exc})") from exc
+                    time.sleep(pause)
+                    backoff = min(backoff * 2, MAX_BACKOFF_S)
+                    continue
+                raise MasterUnreachableError(f"TLS with the master at {self.host}:{self.port} failed: "
+                                             f"{getattr(exc, 'verify_message', '') or exc.reason}; check --tls-ca "
+                                             "and that the master serves TLS") from exc
             except (OSError, http.client.HTTPException) as exc:
                 self.close()
-                if time.monotonic() + backoff > deadline:
+                if time.monotonic() + pause > deadline:
                     raise MasterUnreachableError(
                         f"master at {self.host}:{self.port} unreachable for {self.give_up_after_s:.0f} s ({exc})"
                     ) from exc
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 1.0)
+                time.sleep(pause)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
                 continue
             if status == 200:
                 return reply.model_validate_json(data)
-            if status == 503 and time.monotonic() + backoff <= deadline:  # handled, not yet on disk: ask again
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 1.0)
+            if status == 503 and time.monotonic() + pause <= deadline:  # handled, not yet on disk: ask again
+                time.sleep(pause)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
                 continue
             if status == 503:
                 raise StateWriteError(f"master at {self.host}:{self.port}: {_error_text(data)}")
@@ -72,13 +100,27 @@ class MasterClient:
 
     def _post(self, path: str, body: bytes, headers: dict[str, str], timeout: float) -> tuple[int, bytes]:
         if self._conn is None:
-            self._conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+            if self._tls is not None:
+                self._conn = http.client.HTTPSConnection(self.host, self.port, timeout=timeout, context=self._tls)
+            else:
+                self._conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+            self._conn.connect()
+            self._conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no wait for a delayed ACK
         self._conn.timeout = timeout
         if self._conn.sock is not None:
             self._conn.sock.settimeout(timeout)
         self._conn.request("POST", path, body=body, headers=headers)
         response = self._conn.getresponse()
         return response.status, response.read()
+
+
+def client_tls(ca: str) -> ssl.SSLContext:
+    """An agent's TLS context: the master's certificate must chain to ``ca`` and name the host dialled."""
+    try:
+        return ssl.create_default_context(cafile=ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"--tls-ca {ca!r} cannot be loaded: {exc}; give the PEM certificate that signed the "
+                          "master's") from exc
 
 
 def _error_text(data: bytes) -> str:

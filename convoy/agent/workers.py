@@ -99,8 +99,9 @@ class LogPump(threading.Thread):
         """Open the log file (unbuffered: a failed write leaves nothing behind to retry)."""
         self._next_open_at = time.monotonic() + LOG_REOPEN_S
         try:
-            Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.log_path, "ab", buffering=0)  # noqa: SIM115 (closed when the stream ends)
+            Path(self.log_path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)  # the owner's only
+            self._file = open(fd, "ab", buffering=0)  # noqa: SIM115 (closed when the stream ends)
         except OSError as exc:
             self._log_failed(exc)
 

@@ -3,25 +3,28 @@
 
 from __future__ import annotations
 
-import errno
 import hmac
+import http.client
+import io
 import json
-import sys
-import threading
+import socket
+import ssl
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable, Protocol
 
 from pydantic import BaseModel, ValidationError
 
 from convoy.control import protocol as p
 from convoy.control import shard_protocol as sp
+from convoy.control.http_limits import (
+    DISCARD_S, FrontDoor, Limits, PrefixedReader, Screened, SocketWriter, plain_reply,
+)
 from convoy.control.replies import MAX_KEY_LENGTH, ReplyCache
-from convoy.errors import ConfigError, ConflictError
+from convoy.control.sanitize import printable
+from convoy.errors import ConflictError
 
 MAX_BODY = 1 << 20
-DISCARD_S = 2.0
-"""How long a refused body is read and dropped before the connection closes."""
 KEPT_STATUSES = (200, 409)
 """Answers a retry gets again; after a fault (500, 503) a retry runs the call again."""
 
@@ -83,7 +86,7 @@ def _routes(master: Routed) -> dict[str, tuple[type[BaseModel] | None, Callable[
         "/worker_exit": master.worker_exit, "/event": master.worker_event, "/node_done": master.node_done,
         "/leave": master.leave, "/role_report": master.role_report, "/scale": master.scale,
         "/memory": master.memory_report,
-        "/abort": lambda req: master.abort(req.reason) or p.Ack(), "/status": lambda _: master.status(),
+        "/abort": lambda req: master.abort(printable(req.reason)) or p.Ack(), "/status": lambda _: master.status(),
         "/openapi.json": lambda _: openapi_schema(),
         **{path: master.shard_call for path in SHARD_PATHS},
     }
@@ -131,11 +134,30 @@ def openapi_schema() -> dict[str, Any]:
     }
 
 
+def bearer_token(header: str) -> str:
+    """The token of an ``Authorization: Bearer TOKEN`` header (the scheme in any case), or ''."""
+    scheme, _, token = header.strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
-    disable_nagle_algorithm = True
-    """Headers and body go out as two writes; with Nagle on, the body waits for the client's delayed ACK."""
     server: _Server
+
+    def version_string(self) -> str:
+        """The Server header names convoy only, not the Python it runs on."""
+        return "convoy"
+
+    def setup(self) -> None:
+        sock, _, prefix = self.request
+        self.connection = sock
+        sock.settimeout(self.server.limits.idle_timeout_s)
+        self.rfile = io.BufferedReader(PrefixedReader(sock, prefix))
+        self.wfile = SocketWriter(sock)
+
+    def handle_one_request(self) -> None:
+        self.connection.settimeout(self.server.limits.idle_timeout_s)  # between requests of a keep-alive client
+        super().handle_one_request()
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         self._handle(with_body=False)
@@ -147,6 +169,12 @@ class _Handler(BaseHTTPRequestHandler):
         """Requests are not logged: the job's events are the record."""
 
     def _handle(self, with_body: bool) -> None:
+        master = self.server.master
+        if not self._authorized():  # from the headers: no body of a client without the token is read
+            self.close_connection = True
+            master.unauthorized(self.client_address[0], printable(self.path[:200]))
+            self._reply(401, p.ErrorBody(error="missing or wrong job token"))
+            return self._discard(MAX_BODY)
         try:
             length = int(self.headers.get("Content-Length") or 0)
         except ValueError:
@@ -158,18 +186,18 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             self._reply(413, p.ErrorBody(error="request body too large"))
             return self._discard(length)
-        body = self.rfile.read(length) if length else b""
-        master = self.server.master
-        if not self._authorized():
-            master.unauthorized(self.client_address[0], self.path)
-            return self._reply(401, p.ErrorBody(error="missing or wrong job token"))
+        body = self._read_body(length)
+        if body is None:
+            self.close_connection = True
+            return self._reply(408, p.ErrorBody(error=f"the body did not arrive within "
+                                                      f"{self.server.limits.body_timeout_s:g} s"))
         path = self.path.split("?", 1)[0]
         route = self.server.routes.get(path.removeprefix(p.API_PREFIX)) if path.startswith(p.API_PREFIX) else None
         if route is None:
             return self._reply(404, p.ErrorBody(error=f"no such endpoint {path}"))
         model, call = route
         try:
-            request = model.model_validate_json(body or b"{}") if model and with_body else None
+            request = model.model_validate_json(body or b"{}", strict=True) if model and with_body else None
         except ValidationError as exc:
             return self._reply(400, p.ErrorBody(error=f"bad request to {path}: {exc.errors()[0]['msg']}"))
         if model is not None and request is None:
@@ -211,6 +239,25 @@ class _Handler(BaseHTTPRequestHandler):
             return 500, _encode(p.ErrorBody(error=f"internal error in {path}: {type(exc).__name__}"))
         return 200, _encode(reply)
 
+    def _read_body(self, length: int) -> bytes | None:
+        """The body, or None when it does not arrive in time (a slow client holds a thread that long at most)."""
+        deadline = time.monotonic() + self.server.limits.body_timeout_s
+        chunks, left = [], length
+        try:
+            while left > 0:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self.connection.settimeout(remaining)
+                chunk = self.rfile.read1(min(left, 1 << 16))
+                if not chunk:
+                    return None
+                chunks.append(chunk)
+                left -= len(chunk)
+        except TimeoutError:
+            return None
+        return b"".join(chunks)
+
     def _discard(self, length: int) -> None:
         """Read and drop a refused body (for a bounded time) before closing: closing with unread
         bytes resets the connection, and the client may lose the answer before it reads it."""
@@ -226,15 +273,16 @@ class _Handler(BaseHTTPRequestHandler):
             return
 
     def _authorized(self) -> bool:
-        given = self.headers.get(p.TOKEN_HEADER, "")
-        expected = f"Bearer {self.server.token}"
-        return hmac.compare_digest(given.encode(), expected.encode())
+        return authorized(self.headers.get(p.TOKEN_HEADER, ""), self.server.token)
 
     def _reply(self, code: int, payload: BaseModel | dict[str, Any]) -> None:
         self._send(code, _encode(payload))
 
     def _send(self, code: int, data: bytes) -> None:
         self.send_response(code)
+        if self.server.crowded():  # requests wait for a thread: this one goes back to them, the client reconnects
+            self.close_connection = True
+            self.send_header("Connection", "close")
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -245,42 +293,66 @@ def _encode(payload: BaseModel | dict[str, Any]) -> bytes:
     return payload.model_dump_json().encode() if isinstance(payload, BaseModel) else json.dumps(payload).encode()
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
+def authorized(header: str, token: str) -> bool:
+    return hmac.compare_digest(bearer_token(header).encode(), token.encode())
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A client that went away mid-request (an agent killed in a long poll) is not an error."""
-        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
-            super().handle_error(request, client_address)
-    master: Routed
-    token: str
-    replies: ReplyCache
-    routes: dict[str, tuple[type[BaseModel] | None, Callable[[Any], Any]]]
+
+class _Server:
+    """What a handler reads of the server it serves."""
+
+    def __init__(self, master: Routed, token: str, limits: Limits) -> None:
+        self.master, self.token, self.limits, self.routes = master, token, limits, _routes(master)
+        self.replies = ReplyCache()
+        self.front: FrontDoor | None = None
+
+    def crowded(self) -> bool:
+        return bool(self.front.pool.waiting) if self.front is not None else False
+
+    def screen(self, head: bytes, client: str) -> Screened:
+        """Before any body is read or a thread is spent: refuse a malformed head or a missing token; put
+        heartbeats (the nodes' leases) first."""
+        line, _, rest = head.partition(b"\n")
+        try:
+            method, target, version = line.decode("latin-1").split()
+            headers = http.client.parse_headers(io.BytesIO(rest.lstrip(b"\r")))
+        except (ValueError, http.client.HTTPException):
+            return plain_reply(400, "malformed request line or headers")
+        if not version.startswith("HTTP/1."):
+            return plain_reply(400, f"unsupported protocol {printable(version[:20])}")
+        if not authorized(headers.get(p.TOKEN_HEADER, ""), self.token):
+            self.master.unauthorized(client, printable(target[:200]))
+            return plain_reply(401, "missing or wrong job token")
+        return 0 if target == p.API_PREFIX + "/heartbeat" else 1
+
+    def serve(self, item: object) -> None:
+        sock, client, _ = item  # type: ignore[misc]
+        try:
+            _Handler(item, client, self)  # type: ignore[arg-type]
+        except (ConnectionError, TimeoutError, ssl.SSLError):
+            pass  # a client that went away mid-request (an agent killed in a long poll) is not an error
+        finally:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
 
 
 class ApiServer:
     """Binds the API (a clear ConfigError if the port is taken) and serves it on a thread."""
 
-    def __init__(self, master: Routed, host: str, port: int, token: str) -> None:
-        try:
-            self._server = _Server((host, port), _Handler)
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise ConfigError(f"port {port} on {host} is already in use: pick another --port or 0 for any") from exc
-            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
-        self._server.master, self._server.token, self._server.routes = master, token, _routes(master)
-        self._server.replies = ReplyCache()
-        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.1,), name="convoy-api", daemon=True)
+    def __init__(self, master: Routed, host: str, port: int, token: str, limits: Limits | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
+        self._server = _Server(master, token, limits or Limits())
+        self.front = FrontDoor(host, port, self._server.limits, self._server.screen, self._server.serve, tls)
+        self._server.front = self.front
 
     @property
     def address(self) -> tuple[str, int]:
-        host, port = self._server.server_address[:2]
-        return str(host), int(port)
+        return self.front.address
 
     def start(self) -> None:
-        self._thread.start()
+        self.front.start()
 
     def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        self.front.stop()

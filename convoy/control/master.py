@@ -15,10 +15,12 @@ from typing import Any, Callable
 from convoy.config import MasterConfig
 from convoy.control import protocol as p
 from convoy.control.api import ApiServer
+from convoy.control.http_limits import server_tls
 from convoy.control.job import RUNNING, Event, Job
 from convoy.control.master_roles import RoleCalls
 from convoy.control.nodes import NodeRegistry
 from convoy.control.rendezvous import Membership, Rendezvous
+from convoy.control.sanitize import printable
 from convoy.control.store import Store, restore
 from convoy.control.throttle import EventBudget, budget_for
 from convoy.control.token import TOKEN_FILE, new_token, read_token, write_token
@@ -60,7 +62,8 @@ class JobMaster(RoleCalls):
         self.job.max_regroups, self.job.regroup_window_s = config.max_regroups, config.regroup_window_s
         self.config, self.console, self.resumed = config, console, resume
         self._compose_roles(config, resume)
-        self.api = ApiServer(self, config.host, config.port, self.token)  # bind first: a refusal leaves no state
+        tls = server_tls(config.tls_cert, config.tls_key) if config.tls_cert else None
+        self.api = ApiServer(self, config.host, config.port, self.token, tls=tls)  # bind first: no state if refused
         if not token_path.exists():
             write_token(token_path, self.token)
         self.store = Store(config.run_dir, config.to_json())
@@ -178,7 +181,7 @@ class JobMaster(RoleCalls):
                                    report.node_id, report.round_id)])
                 return p.Ack()
             more = f" ({dropped} more from node {report.node_id} not recorded)" if dropped else ""
-            self._apply([Event(report.kind, f"rank {report.rank}: {report.message}{more}", report.node_id,
+            self._apply([Event(report.kind, f"rank {report.rank}: {printable(report.message)}{more}", report.node_id,
                                report.round_id, console=True)])
             return p.Ack()
 
@@ -191,7 +194,7 @@ class JobMaster(RoleCalls):
         with self._changed:
             self.nodes.mark(req.node_id, "left")
             lost = self.role_master.node_lost(req.node_id) if self.role_master else []
-            self._apply(lost + self.job.node_lost(req.node_id, f"left ({req.reason or 'agent exited'})",
+            self._apply(lost + self.job.node_lost(req.node_id, f"left ({printable(req.reason) or 'agent exited'})",
                                                   time.monotonic()))
             return p.Ack()
 
@@ -302,7 +305,7 @@ class JobMaster(RoleCalls):
                 self.console(f"convoy: {note}")
         for event in events:
             if event.console:
-                self.console(f"convoy: {event.message}")
+                self.console(f"convoy: {printable(event.message, keep_lines=True)}")
         self._changed.notify_all()
 
     def _state_write_give_up(self, now: float) -> list[Event]:

@@ -6,6 +6,8 @@ from typing import Annotated, Literal, Optional
 
 from pydantic import BaseModel, Field
 
+from convoy.control.sanitize import SAFE_HOST, SAFE_NAME
+
 API_PREFIX = "/v1"
 TOKEN_HEADER = "Authorization"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
@@ -13,7 +15,7 @@ IDEMPOTENCY_HEADER = "Idempotency-Key"
 
 JobStatusName = Literal["running", "succeeded", "failed"]
 # Bounded types for everything an agent sends: no request can carry a value the state cannot hold.
-NodeId = Annotated[str, Field(min_length=1, max_length=200)]
+NodeId = Annotated[str, Field(min_length=1, max_length=200, pattern=SAFE_NAME)]
 RoundId = Annotated[int, Field(ge=0, le=2**31)]
 Rank = Annotated[int, Field(ge=0, le=2**31)]
 Text = Annotated[str, Field(max_length=4096)]
@@ -21,7 +23,7 @@ Text = Annotated[str, Field(max_length=4096)]
 
 class JoinRequest(BaseModel):
     node_id: NodeId
-    host: str = Field(min_length=1, max_length=255)
+    host: str = Field(min_length=1, max_length=255, pattern=SAFE_HOST)
     nproc: int = Field(ge=1, le=4096)
     port: int = Field(gt=0, lt=65536, description="a free port on this host, MASTER_PORT if this node gets rank 0")
     instance: str = Field(default="", max_length=64, description="random id of this agent process")

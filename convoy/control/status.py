@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from convoy.control.sanitize import printable
+
 MEMORY_FILE = "memory.json"
 """Where the master leaves each role process's predicted memory, limit and measured peak for ``convoy status``."""
 
@@ -21,6 +23,7 @@ def write_memory(run_dir: Path, rows: list[dict[str, object]], margin: float) ->
     temporary = path.with_suffix(".tmp")
     try:
         temporary.write_text(json.dumps({"margin": margin, "processes": rows}))
+        os.chmod(temporary, 0o600)  # private, as the job's state is
         os.replace(temporary, path)
     except OSError:
         pass  # a full disk: status shows the last table written; the job goes on
@@ -51,30 +54,36 @@ def _mib(value: int) -> str:
     return f"{value / 2**20:.1f}" if value else "-"
 
 
+def _line(text: object) -> str:
+    """One line of a recorded text, its control characters escaped: what agents sent cannot forge lines."""
+    return printable(str(text).splitlines()[0] if str(text) else "")
+
+
 def format_status(state: dict[str, Any], memory: dict[str, Any] | None = None) -> str:
     job = state["job"]
     if job is None:
         return "no job recorded yet"
     lines = [
-        f"job {job['job_id']}: {job['status']}, round {job['round_id']}, "
+        f"job {_line(job['job_id'])}: {job['status']}, round {job['round_id']}, "
         f"restarts {job['restart_count']}/{job['max_restarts']}, nodes {job['min_nodes']}:{job['max_nodes']}, "
-        f"master {job['master_url']}",
+        f"master {_line(job['master_url'])}",
     ]
     if job["outcome"]:
-        lines.append(f"  {job['outcome'].splitlines()[0]}")
+        lines.append(f"  {_line(job['outcome'])}")
     round_row = state["round"]
     if round_row:
-        members = ", ".join(f"node{rank}={host}x{nproc}" for rank, _, host, nproc in json.loads(round_row["members"]))
+        members = ", ".join(f"node{rank}={_line(host)}x{nproc}"
+                            for rank, _, host, nproc in json.loads(round_row["members"]))
         lines.append(f"round {round_row['round_id']}: world size {round_row['world_size']}, "
-                     f"store {round_row['master_addr']}:{round_row['master_port']} [{members}]")
+                     f"store {_line(round_row['master_addr'])}:{round_row['master_port']} [{members}]")
     lines.append("nodes:")
     for node in state["nodes"]:
         rank = "-" if node["node_rank"] is None else node["node_rank"]
-        lines.append(f"  {node['node_id']:<20} rank {rank:<3} {node['host']:<15} x{node['nproc']} "
-                     f"{node['state']:<6} last seen {_clock(node['last_seen'])}")
+        lines.append(f"  {_line(node['node_id']):<20} rank {rank:<3} {_line(node['host']):<15} x{node['nproc']} "
+                     f"{_line(node['state']):<6} last seen {_clock(node['last_seen'])}")
     lines += format_memory(memory)
     lines.append("recent events:")
     for event in state["events"]:
-        lines.append(f"  {_clock(event['ts'])} {event['kind']:<14} {event['message'].splitlines()[0]}")
+        lines.append(f"  {_clock(event['ts'])} {_line(event['kind']):<14} {_line(event['message'])}")
     return "\n".join(lines)
 

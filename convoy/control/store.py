@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -66,12 +67,13 @@ class Store:
         """More of the job's state, by name (the shard queues): each save writes the part's text if it changed."""
         self._written_parts: dict[str, str] = {}
         try:
+            private_file(self.path)  # SQLite gives its WAL and journal files the database's mode
             self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
             self._add_new_columns()
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:
             raise ConfigError(f"cannot create the job's state file {str(self.path)!r}: {exc}; free space in the "
                               "run dir or give another --run-dir") from exc
 
@@ -242,3 +244,12 @@ def read_part(run_dir: Path, name: str) -> str | None:
     finally:
         db.close()
     return None if row is None else str(row[0])
+
+
+def private_file(path: Path) -> None:
+    """Create ``path`` readable by its owner only (or make it so), never through a symlink."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)

@@ -16,15 +16,24 @@ def new_token() -> str:
 
 
 def write_token(path: Path, token: str | None = None) -> str:
-    """Write ``token`` (default: a fresh random one) to ``path`` with mode 0600."""
+    """Write ``token`` (default: a fresh random one) to a new file ``path`` with mode 0600.
+
+    ``O_EXCL|O_NOFOLLOW``: a file or symlink someone put there first is refused, never written through."""
     token = token or new_token()
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(token + "\n")
-        os.chmod(path, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError as exc:
+        raise ConfigError(f"token file {str(path)!r} already exists (a file or a link): remove it or give another "
+                          "--run-dir") from exc
     except OSError as exc:
-        path.unlink(missing_ok=True)  # no empty or partial token file is left behind
+        raise ConfigError(f"cannot create the token file {str(path)!r}: {exc.strerror}; give another --run-dir") \
+            from exc
+    try:
+        with os.fdopen(fd, "w") as handle:
+            os.fchmod(handle.fileno(), 0o600)
+            handle.write(token + "\n")
+    except OSError as exc:
+        path.unlink(missing_ok=True)  # ours (O_EXCL made it): no empty or partial token file is left behind
         raise ConfigError(f"cannot write the token file {str(path)!r}: {exc.strerror}; free space there or give "
                           "another --run-dir") from exc
     return token

@@ -19,6 +19,7 @@ from convoy.control import protocol as p
 from convoy.control.master import TOKEN_FILE, JobMaster
 from convoy.control.store import read_status
 from convoy.errors import AuthError, ConvoyError
+from helpers import wait_for
 
 
 class Master:
@@ -137,9 +138,18 @@ def test_unknown_endpoint_wrong_method_and_oversized_body(master: Master) -> Non
     status, reply = master.raw("GET", "/v1/join")
     assert status == 405 and "takes POST" in reply["error"]
     with socket.create_connection((master.host, master.port), timeout=10) as sock:
-        sock.sendall(b"POST /v1/join HTTP/1.1\r\nHost: x\r\nContent-Length: 2000000\r\n\r\n")
+        sock.sendall(f"POST /v1/join HTTP/1.1\r\nHost: x\r\nContent-Length: 2000000\r\n"
+                     f"{p.TOKEN_HEADER}: Bearer {master.master.token}\r\n\r\n".encode())
         reply_bytes = sock.recv(4096)
     assert reply_bytes.startswith(b"HTTP/1.1 413"), reply_bytes
+
+
+def test_an_oversized_body_without_the_token_is_401_and_recorded_unauthorized(master: Master) -> None:
+    with socket.create_connection((master.host, master.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/join HTTP/1.1\r\nHost: x\r\nContent-Length: 2000000\r\n\r\n")
+        reply_bytes = sock.recv(4096)
+    assert reply_bytes.startswith(b"HTTP/1.1 401"), reply_bytes
+    wait_for(lambda: "unauthorized" in master.event_kinds(), 5, "the unauthorized event")
 
 
 def test_join_wait_heartbeat_through_a_restart_to_success(master: Master) -> None:

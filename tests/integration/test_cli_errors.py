@@ -56,6 +56,19 @@ def paths(tmp_path: Path) -> dict[str, str]:
     (["agent", "--master", "127.0.0.1:9", "--token-file", "{file}", *QUICK, "--nproc-per-node", "0", "{script}"],
      "--nproc-per-node 0"),
     (["status", "--run-dir", "{tmp}"], "no convoy job state in '{tmp}'"),
+    # issue 25, item 6: refused at once, not retried for 30 s as if the master were down
+    (["agent", "--master", "http://10.0.0.5:29400", "--token-file", "{file}", *QUICK, "{script}"],
+     "--master 'http://10.0.0.5:29400' is not HOST:PORT"),
+    (["agent", "--master", "nosuchhost.invalid:29400", "--token-file", "{file}", *QUICK, "{script}"],
+     "cannot resolve 'nosuchhost.invalid'"),
+    (["agent", "--master", "127.0.0.1:9", "--token-file", "{file}", "--node-id", "n1\nconvoy: job succeeded", *QUICK,
+      "{script}"], "--node-id 'n1\\nconvoy: job succeeded'"),
+    (["run", *QUICK, "--run-dir", "{run_dir}", "--heartbeat-timeout", "nan", "{script}"], "--heartbeat-timeout nan"),
+    (["run", *QUICK, "--run-dir", "{run_dir}", "--rdzv-wait", "nan", "{script}"], "--rdzv-wait nan"),
+    (["run", *QUICK, "--run-dir", "{run_dir}", "--join-timeout", "inf", "{script}"], "--join-timeout inf"),
+    (["run", "--preload", "", "--stop-grace", "nan", "--run-dir", "{run_dir}", "{script}"], "--stop-grace nan"),
+    (["run", *QUICK, "--run-dir", "{run_dir}", "--nproc-per-node", "1000000000", "{script}"], "need 1 to 1024"),
+    (["master", "--run-dir", "{run_dir}", "--tls-cert", "{file}"], "--tls-cert and --tls-key together"),
 ], ids=lambda value: " ".join(value) if isinstance(value, list) else "")
 def test_bad_input_is_one_line_and_exit_code_2(procs: ProcessScope, paths: dict[str, str], args: list[str],
                                                expected: str) -> None:

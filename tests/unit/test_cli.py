@@ -30,10 +30,11 @@ def test_module_mode_and_preload_list() -> None:
     assert workers.preload == ("torch", "numpy")
 
 
-def test_run_defaults_listen_on_loopback_and_master_on_all_interfaces() -> None:
+def test_run_and_master_listen_on_loopback_unless_host_is_given() -> None:
     parser = build_parser()
     assert parser.parse_args(["run", "s.py"]).host == "127.0.0.1"
-    assert parser.parse_args(["master"]).host == "0.0.0.0"
+    assert parser.parse_args(["master"]).host == "127.0.0.1"
+    assert parser.parse_args(["master", "--host", "0.0.0.0"]).host == "0.0.0.0"
 
 
 def test_config_errors_become_one_line_and_exit_code_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
