@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import signal
 import socket
@@ -19,6 +18,7 @@ from convoy.config import (
 )
 from convoy.control.sanitize import safe_host, safe_name
 from convoy.errors import ConfigError, ConvoyError
+from convoy.cli_scale import scale_roles
 from convoy.jobfile import JOB_FILE_SUFFIX, load_job_file
 from convoy.roles_config import apply_role_counts, role_counts_from_flags
 from convoy.procs import Interrupted, raise_interrupted
@@ -115,6 +115,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     scale = commands.add_parser("scale", help="change how many processes a role of a running job runs")
     scale.add_argument("--run-dir", type=Path, required=True, help="the job's run directory")
     scale.add_argument("counts", metavar="ROLE=COUNT", nargs="+", help="e.g. worker=4")
+    scale.add_argument("--tls-ca", default=None, metavar="PEM",
+                       help="verify a TLS master with this CA (default: the master's own certificate)")
     _add_pipeline_commands(commands.add_parser("pipeline", help="plan pipeline-parallel schedules"))
     for name, (module, help_text) in WORKLOAD_COMMANDS.items():
         workload = commands.add_parser(name, help=help_text)
@@ -302,39 +304,6 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _scale(args: argparse.Namespace) -> int:
-    """Ask the running job's master (its address in the run dir's state, its token beside it) to scale roles."""
-    from convoy.agent.client import MasterClient
-    from convoy.control import protocol as p
-    from convoy.control.store import read_status
-    from convoy.control.token import TOKEN_FILE, read_token
-
-    requests = []
-    for spec in args.counts:
-        role, sep, count = spec.partition("=")
-        if not sep or not role.strip() or not count.strip().isdigit():
-            raise ConfigError(f"{spec!r} is not ROLE=COUNT with a whole number, e.g. worker=4")
-        requests.append(p.ScaleRequest(role=role.strip(), count=int(count)))
-    job = read_status(args.run_dir, recent=0)["job"]
-    if job is None or job["status"] != "running":
-        state = "has no job state yet" if job is None else f"holds a job that has {job['status']}"
-        raise ConfigError(f"run dir {str(args.run_dir)!r} {state}: only a running job can be scaled")
-    host, _, port = job["master_url"].rpartition(":")
-    client = MasterClient(host, int(port), read_token(args.run_dir / TOKEN_FILE), give_up_after_s=5.0)
-    for request in requests:
-        try:
-            client.call("/scale", request, p.Ack)
-        except ConvoyError as exc:  # a 409 carries the master's reason as {"error": ...}: say just that
-            _, _, body = str(exc).partition("to /scale: ")
-            try:
-                reason = json.loads(body)["error"]
-            except (ValueError, KeyError, TypeError):
-                raise exc from None
-            raise ConfigError(f"cannot scale role {request.role} to {request.count}: {reason}") from None
-        print(f"convoy: role {request.role} of job {job['job_id']} scaled to {request.count}", flush=True)
-    return 0
-
-
 def _pipeline(args: argparse.Namespace) -> int:
     from convoy.parallel.pipeline.fill import plan_fills
     from convoy.parallel.pipeline.schedule import GENERATORS
@@ -384,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser(command).parse_args(argv)
     run_argv = argv[argv.index(command) + 1:] if command == "run" else []
     handlers = {"run": lambda args: _run(args, run_argv), "master": _master, "agent": _agent, "status": _status,
-                "scale": _scale, "pipeline": _pipeline}
+                "scale": scale_roles, "pipeline": _pipeline}
     try:
         if args.command in WORKLOAD_COMMANDS:
             return importlib.import_module(WORKLOAD_COMMANDS[args.command][0]).run(args)

@@ -255,6 +255,21 @@ def test_tls_on_loopback_with_a_certificate_the_test_makes(tmp_path: Path) -> No
         master.stop()
 
 
+def test_convoy_scale_reaches_a_tls_master_through_its_own_certificate(tmp_path: Path) -> None:
+    """``convoy scale`` verifies a TLS master with the certificate the master serves (its saved config names it)."""
+    import sys
+
+    cert, key = _certificate(tmp_path, "master")
+    master = _master(tmp_path / "run", tls_cert=str(cert), tls_key=str(key))
+    try:
+        done = subprocess.run([sys.executable, "-m", "convoy", "scale", "--run-dir", str(tmp_path / "run"),
+                               "worker=2"], capture_output=True, text=True, timeout=30)
+    finally:
+        master.stop()
+    assert done.returncode == 2, done.stderr
+    assert "declares no roles" in done.stderr, "the master answered (over TLS) that this job has no roles"
+
+
 def test_wire_details_server_header_bearer_case_and_strict_types(master: JobMaster) -> None:
     """Item 6: no Python version in Server; `bearer` in any case; booleans, strings, floats are not integers."""
     conn = http.client.HTTPConnection(*master.api.address, timeout=5)
