@@ -27,6 +27,10 @@ class TransportError(ConvoyError):
     """A parameter server or worker went away mid-message, or answered with an error."""
 
 
+class ConnectionLost(TransportError):
+    """The peer cannot be reached or went away: a worker may find the server's next incarnation."""
+
+
 @dataclass
 class Message:
     """One request or reply."""
@@ -56,7 +60,7 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
     while got < size:
         count = sock.recv_into(view[got:], size - got)
         if count == 0:
-            raise TransportError("the peer closed the connection mid-message")
+            raise ConnectionLost("the peer closed the connection mid-message")
         got += count
 
 
@@ -95,7 +99,7 @@ class Connection:
         try:
             self.sock = socket.create_connection((host, int(port)), timeout=timeout)
         except OSError as exc:
-            raise TransportError(f"cannot reach the parameter server at {address}: {exc}") from exc
+            raise ConnectionLost(f"cannot reach the parameter server at {address}: {exc}") from exc
         _tune(self.sock)
         self.address, self.lock = address, threading.Lock()
 
@@ -104,8 +108,10 @@ class Connection:
             try:
                 _send_all(self.sock, message)
                 reply = _recv_message(self.sock)
+            except ConnectionLost as exc:
+                raise ConnectionLost(f"parameter server at {self.address} went away: {exc}") from exc
             except OSError as exc:
-                raise TransportError(f"parameter server at {self.address} went away: {exc}") from exc
+                raise ConnectionLost(f"parameter server at {self.address} went away: {exc}") from exc
         if reply.op == "error":
             kind = ConfigError if reply.meta.get("kind") == "ConfigError" else TransportError
             raise kind(f"parameter server at {self.address}: {reply.meta['message']}")
