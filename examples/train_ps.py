@@ -9,7 +9,9 @@ Adagrad on the servers. A worker pulls the MLPs and only its batch's rows, compu
 them without waiting for them to be applied; ``--staleness S`` lets it run at most S pushes ahead of what it
 has seen applied. Worker 0 is the chief: it gives the servers their initial shards, and when every worker's
 pushes are in, it scores a held-out set and prints the AUC beside the teacher's. The servers are stopped by
-convoy once every worker has finished.
+convoy once every worker has finished. The chief has the servers snapshot their shards every
+``--snapshot-every`` steps; a killed server comes back with its shard and the workers resend what it had not
+kept (``convoy/parallel/ps/snapshots.py``), so every push is applied exactly once.
 
 Roles come from ``convoy.role()``: ``ps`` serves on ``CONVOY_ROLE_PORT``; ``worker`` finds the servers in
 ``CONVOY_ROLE_ADDRESSES``.
@@ -36,7 +38,7 @@ from convoy.parallel.embedding.bags import TableSpec as BagSpec  # noqa: E402
 from convoy.parallel.ps.client import PSClient, Pulled  # noqa: E402
 from convoy.parallel.ps.optimizers import OptimizerSpec  # noqa: E402
 from convoy.parallel.ps.placement import DenseSpec, TableSpec, place  # noqa: E402
-from convoy.parallel.ps.service import ServerProcess  # noqa: E402
+from convoy.parallel.ps.service import from_role_env  # noqa: E402
 from convoy.parallel.ps.transport import TransportError  # noqa: E402
 
 CONNECT_S = 60.0
@@ -54,6 +56,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--held-out", type=int, default=8192)
     parser.add_argument("--slow-worker", type=float, default=0.0, help="seconds worker 1 sleeps per step")
+    parser.add_argument("--snapshot-every", type=int, default=20, help="steps between the chief's PS snapshots")
     args = parser.parse_args()
     if args.steps < 1 or args.batch < 1 or args.rows < 1 or args.dim < 1 or args.staleness < 0:
         raise ConfigError("--steps, --batch, --rows and --dim must be >= 1 and --staleness >= 0")
@@ -68,9 +71,12 @@ def model_specs(args: argparse.Namespace) -> tuple[DenseArch, list[BagSpec]]:
 
 
 def serve() -> None:
-    port = int(os.environ["CONVOY_ROLE_PORT"])
-    server = ServerProcess("", port)
-    print(f"parameter server {convoy.role().rank} serving on port {port}", flush=True)
+    server = from_role_env()
+    if server.restored is not None:
+        shard = server.restored.server
+        print(f"parameter server {convoy.role().rank} restored from its {server.restored.source} at version "
+              f"{shard.version} (pushes held {dict(sorted(shard.applied.items()))})", flush=True)
+    print(f"parameter server {convoy.role().rank} serving on port {os.environ['CONVOY_ROLE_PORT']}", flush=True)
     server.wait()
 
 
@@ -79,7 +85,7 @@ def connect(addresses: list[str], placement, rank: int, staleness: int) -> PSCli
     deadline = time.monotonic() + CONNECT_S
     while True:
         try:
-            return PSClient(placement, addresses, f"worker{rank}", staleness)
+            return PSClient(placement, addresses, f"worker{rank}", staleness, follow=lambda: convoy.role().peers("ps"))
         except TransportError:
             if time.monotonic() > deadline:
                 raise
@@ -132,11 +138,16 @@ def train(args: argparse.Namespace, info: convoy.RoleInfo) -> None:
         losses.append(loss.item())
         if args.slow_worker and info.rank == 1:
             time.sleep(args.slow_worker)
+        if info.rank == 0 and args.snapshot_every and step % args.snapshot_every == args.snapshot_every - 1:
+            client.snapshot()
         if step % 50 == 49:
             print(f"worker {info.rank} step {step + 1}: loss {sum(losses[-50:]) / len(losses[-50:]):.4f}", flush=True)
     client.flush()
     rate = args.steps * args.batch / (time.perf_counter() - started)
     print(f"worker {info.rank}: {args.steps} steps, {rate:.0f} samples/s", flush=True)
+    client.snapshot(persist=info.rank == 0)  # a server killed after this worker left keeps all of its pushes
+    print(f"worker {info.rank}: pushes held per server {client.applied()}, resent {client.resent}, lost "
+          f"{client.lost}, servers moved {client.moves}", flush=True)
     if info.rank == 0:
         evaluate(args, client, arch, bags, data, info.world_size)
     client.close()

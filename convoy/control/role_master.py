@@ -82,6 +82,7 @@ class RoleMaster:
         self.outboxes: dict[str, Outbox] = {}
         self.lost: dict[str, int] = {}
         """Lost node -> the round it was lost in: nothing is placed on it until a later round has it again."""
+        self._published: tuple[int, dict[str, list[str]]] = (0, {})
 
     def advance(self) -> list[Event]:
         """Start the roles once the first round has closed, place what waits, and end the job when all is done."""
@@ -142,6 +143,14 @@ class RoleMaster:
             events += self.report(p.RoleReport(node_id=node_id, role=key[0], rank=key[1], incarnation=key[2],
                                                state="exited", signal=f"the loss of node {node_id}"))
         return events
+
+    def published(self) -> tuple[int, dict[str, list[str]]]:
+        """``(version, addresses)``: every role's current addresses by rank (``""`` while a process is down), the
+        version grown by one whenever they change (heartbeat replies carry them to the agents)."""
+        current = self.roles.addresses()
+        if current != self._published[1]:
+            self._published = (self._published[0] + 1, current)
+        return self._published
 
     def has_news(self, node_id: str) -> bool:
         """Whether the node has assignments or stops not sent yet (its heartbeat answers at once)."""
