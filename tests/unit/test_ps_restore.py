@@ -4,6 +4,10 @@ and a worker that goes on, on real loopback sockets, through a server replaced b
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -174,3 +178,40 @@ def test_a_worker_goes_on_through_a_killed_server_restored_on_a_new_port(tmp_pat
     client.close()
     for server in (servers[0], again):
         assert server.wait(10)
+
+
+SNAPSHOT_FOREVER = """
+import sys, torch
+from pathlib import Path
+from convoy.parallel.ps.optimizers import OptimizerSpec
+from convoy.parallel.ps.placement import DenseSpec, TableSpec, place
+from convoy.parallel.ps.server import ParameterServer
+from convoy.parallel.ps.snapshots import ShardSnapshots
+layout = place([DenseSpec("w", (1 << 20,))], [TableSpec("emb", 4, 2)], 1)
+server = ParameterServer(0, layout, OptimizerSpec("sgd", 1.0), {"w": torch.zeros(1 << 20)}, {"emb": torch.zeros(4, 2)})
+snapshots = ShardSnapshots(Path(sys.argv[1]))
+while True:
+    server.push("w0", {"w": -torch.ones(1 << 20)}, {})
+    print(snapshots.take(server), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_server_killed_while_it_snapshots_leaves_a_whole_shard_of_one_version(tmp_path: Path) -> None:
+    segment = tmp_path / "seg"
+    child = subprocess.Popen([sys.executable, "-c", SNAPSHOT_FOREVER, str(segment)], stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    try:
+        assert child.stdout is not None
+        for line in child.stdout:
+            if int(line) >= 20:
+                break
+        os.kill(child.pid, signal.SIGKILL)  # most likely in the middle of a 4 MiB copy
+    finally:
+        child.kill()
+        child.wait()
+    restored = ShardSnapshots(segment).restore()
+    version = restored.server.version
+    assert version >= 20 and restored.server.applied == {"w0": version}
+    assert torch.equal(restored.server.dense["w"], torch.full((1 << 20,), float(version))), \
+        "every value of the shard is of the snapshot's version: no torn write was read"
