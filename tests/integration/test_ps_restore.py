@@ -20,8 +20,8 @@ from convoy.parallel.ps.transport import Connection, ConnectionLost, Message
 
 pytestmark = pytest.mark.slow
 EXAMPLE = str(REPO / "examples" / "train_ps.py")
-STEPS = 150
-ARGS = ["--steps", STEPS, "--batch", 32, "--rows", 1000, "--dim", 8, "--held-out", 1024, "--snapshot-every", 10]
+STEPS = 40
+ARGS = ["--steps", STEPS, "--batch", 32, "--rows", 1000, "--dim", 8, "--held-out", 512, "--snapshot-every", 5]
 HELD = re.compile(r"\[worker(\d)\]: worker \d: pushes held per server \[(\d+), (\d+)\], resent \[(\d+), (\d+)\], "
                   r"lost \[(\d+), (\d+)\], servers moved (.*)")
 
@@ -33,27 +33,31 @@ def serving_ports(run_dir: Path, rank: int) -> list[int]:
 
 
 def status_when_training(port: int, pushes: int) -> dict | None:
-    """The server's status once it has applied ``pushes`` pushes (None before, or while it cannot be reached)."""
+    """The server's status once it has applied ``pushes`` pushes and holds a push its newest snapshot lacks (so
+    that a kill now loses one that must be resent); None before, or while it cannot be reached."""
     try:
         connection = Connection(f"127.0.0.1:{port}", timeout=5)
     except ConnectionLost:
         return None
     try:
-        meta = connection.request(Message("status", {"worker": "worker0"})).meta
+        metas = [connection.request(Message("status", {"worker": f"worker{rank}"})).meta for rank in (0, 1)]
     except ConnectionLost:
         return None
     finally:
         connection.close()
-    return meta if meta["version"] >= pushes else None
+    unkept = any(meta["applied"] > meta["kept"] for meta in metas)
+    return metas[0] if metas[0]["version"] >= pushes and unkept else None
 
 
 def kill_mid_training(procs: ProcessScope, run_dir: Path, rank: int,
                       take_port: bool = False) -> tuple[Launched, int, dict, socket.socket | None]:
-    """SIGKILL PS ``rank`` once it has applied 100 pushes; ``take_port``: with its agent stopped meanwhile, so
-    that the test listens on the old port before the agent can start the PS again."""
-    job = procs.start(["run", "--ps", 2, "--workers", 2, "--stop-grace", 1, "--run-dir", run_dir, EXAMPLE, *ARGS])
+    """SIGKILL PS ``rank`` once it has applied half of all pushes; ``take_port``: with its agent stopped meanwhile,
+    so that the test listens on the old port before the agent can start the PS again."""
+    job = procs.start(["run", "--ps", 2, "--workers", 2, "--preload", "", "--stop-grace", 1, "--run-dir", run_dir,
+                       EXAMPLE, *ARGS])
     port = wait_for(lambda: serving_ports(run_dir, rank), 60, f"ps{rank} to serve")[0]
-    status = wait_for(lambda: status_when_training(port, 2 * STEPS // 3), 60, f"ps{rank} to apply 100 pushes")
+    status = wait_for(lambda: status_when_training(port, STEPS), 60, f"ps{rank} to apply {STEPS} pushes",
+                      interval=0.02)
     agent = psutil.Process(status["pid"]).parent()
     if take_port:
         agent.suspend()
