@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -215,3 +217,27 @@ def test_a_server_killed_while_it_snapshots_leaves_a_whole_shard_of_one_version(
     assert version >= 20 and restored.server.applied == {"w0": version}
     assert torch.equal(restored.server.dense["w"], torch.full((1 << 20,), float(version))), \
         "every value of the shard is of the snapshot's version: no torn write was read"
+
+
+def test_a_stale_address_taken_by_another_listener_does_not_hold_up_the_wait(tmp_path: Path) -> None:
+    server = ServerProcess(snapshots=ShardSnapshots(tmp_path / "seg"))
+    dense, tables = whole_model()
+    client = PSClient(placement(), [server.address], "w0")
+    client.setup(OptimizerSpec("sgd", 0.1), dense, tables)
+    client.close()
+    with socket.create_server(("127.0.0.1", 0)) as taker:  # accepts (its backlog) and never answers
+        published = [f"127.0.0.1:{taker.getsockname()[1]}"]
+        looks: list[str] = []
+
+        def follow() -> list[str]:
+            looks.append(published[0])
+            if len(looks) == 2:
+                published[0] = server.address  # the master publishes the server's new address
+            return list(published)
+
+        started = time.monotonic()
+        found = find_server(follow, 0, "w0", published[0], timeout=20)
+        assert found.address == server.address and time.monotonic() - started < 10
+        assert looks[0] != server.address
+        found.connection.close()
+    server.listener.close()

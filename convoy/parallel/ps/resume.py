@@ -11,11 +11,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from convoy.errors import ConfigError
-from convoy.parallel.ps.transport import Connection, ConnectionLost, Message, TransportError
+from convoy.parallel.ps.transport import REQUEST_S, Connection, ConnectionLost, Message, TransportError
 
 FOLLOW_S = 60.0
 """How long a worker waits for a lost server to answer again before it gives up."""
 FOLLOW_POLL_S = 0.2
+PROBE_S = 2.0
+"""How long one look at a published address may take: whatever listens on a stale one (another process that
+took the port) must not hold the wait up."""
 Follow = Callable[[], Sequence[str]]
 """The servers' current addresses (``""`` for one that is down), e.g. ``convoy.role().refresh().peers("ps")``."""
 
@@ -90,15 +93,16 @@ def find_server(follow: Follow, server: int, worker: str, last: str, timeout: fl
 def _ask(address: str, worker: str) -> Found | str:
     """The server at ``address`` if it answers holding a shard, else why not."""
     try:
-        connection = Connection(address)
+        connection = Connection(address, timeout=PROBE_S)
     except ConnectionLost as exc:
         return str(exc)
     try:
         status = connection.request(Message("status", {"worker": worker}))
-    except ConnectionLost as exc:
+    except (TransportError, ValueError, KeyError) as exc:  # gone again, or not a parameter server at all
         connection.close()
-        return str(exc)
+        return f"{address} did not answer as a parameter server: {exc}"
     if not status.meta.get("ready", True):
         connection.close()
         return f"the server at {address} holds no shard (was it restarted without CONVOY_ROLE_RESTORE=1?)"
+    connection.settimeout(REQUEST_S)
     return Found(connection, address, int(status.meta["applied"]), int(status.meta.get("kept", 0)))

@@ -18,6 +18,8 @@ import torch
 from convoy.errors import ConfigError, ConvoyError
 
 HEADER_SIZE = struct.Struct("!Q")
+REQUEST_S = 60.0
+"""How long a connection waits to connect, and for each reply."""
 SOCKET_BUFFER_BYTES = 4 << 20
 DTYPES = {str(dtype): dtype for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16,
                                           torch.int64, torch.int32, torch.uint8, torch.bool)}
@@ -94,7 +96,7 @@ def _tune(sock: socket.socket) -> None:
 class Connection:
     """A worker's link to one server: ``request`` waits for the reply; one request at a time per connection."""
 
-    def __init__(self, address: str, timeout: float = 60.0) -> None:
+    def __init__(self, address: str, timeout: float = REQUEST_S) -> None:
         host, _, port = address.rpartition(":")
         try:
             self.sock = socket.create_connection((host, int(port)), timeout=timeout)
@@ -116,6 +118,10 @@ class Connection:
             kind = ConfigError if reply.meta.get("kind") == "ConfigError" else TransportError
             raise kind(f"parameter server at {self.address}: {reply.meta['message']}")
         return reply
+
+    def settimeout(self, seconds: float) -> None:
+        """How long a request may wait for its reply from now on."""
+        self.sock.settimeout(seconds)
 
     def close(self) -> None:
         self.sock.close()
