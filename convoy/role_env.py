@@ -1,17 +1,24 @@
 """A process's role, as its environment says: torchrun's ROLE_NAME, ROLE_RANK and ROLE_WORLD_SIZE, plus the
-addresses of every role's processes (``CONVOY_ROLE_ADDRESSES``). The agent writes these (``role_env``) and a
-script reads them (``convoy.role()``); both sides of the contract live here. No torch."""
+addresses of every role's processes (``CONVOY_ROLE_ADDRESSES``, as they were at the start), and the file where
+the agent keeps the current ones (``CONVOY_ROLE_ADDRESSES_FILE``: a process that moved, e.g. a restored PS on a
+new port, is found there; ``RoleInfo.refresh()``). The agent writes these (``role_env``, ``write_addresses``)
+and a script reads them (``convoy.role()``); both sides of the contract live here. No torch."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from convoy.errors import ConfigError
 
 ADDRESSES_ENV = "CONVOY_ROLE_ADDRESSES"
+ADDRESSES_FILE_ENV = "CONVOY_ROLE_ADDRESSES_FILE"
+"""A JSON file ``{"version": n, "addresses": {role: [host:port, ...]}}``, replaced whole by the agent whenever
+the master's version of the addresses grows (``""`` for a process that is down)."""
 DEFAULT_ROLE = "default"
 
 
@@ -27,6 +34,20 @@ class RoleInfo:
     """How many processes the role has now."""
     addresses: dict[str, tuple[str, ...]] = field(default_factory=dict)
     """Each role's processes' ``host:port`` by role rank (empty where the role publishes none)."""
+    addresses_file: str = ""
+    """Where the agent keeps the current addresses (empty: outside convoy, the addresses never change)."""
+    addresses_version: int = 0
+    """The master's version of ``addresses`` (0: as the process's environment gave them)."""
+
+    def refresh(self) -> RoleInfo:
+        """This role with the current addresses, read again from ``addresses_file`` (itself when the file is
+        absent or not newer)."""
+        if not self.addresses_file:
+            return self
+        version, addresses = read_addresses(Path(self.addresses_file))
+        if version <= self.addresses_version:
+            return self
+        return replace(self, addresses=addresses, addresses_version=version)
 
     def peers(self, role: str) -> tuple[str, ...]:
         """The addresses of ``role``'s processes; a ConfigError naming the roles there are if it has none."""
@@ -61,4 +82,36 @@ def role(env: Mapping[str, str] | None = None) -> RoleInfo:
         raise ConfigError(f"{ADDRESSES_ENV}={raw!r} is not a JSON object of role -> [host:port, ...]") from exc
     if not 0 <= rank < world_size:
         raise ConfigError(f"ROLE_RANK {rank} is outside ROLE_WORLD_SIZE {world_size}")
-    return RoleInfo(env.get("ROLE_NAME", DEFAULT_ROLE), rank, world_size, addresses)
+    info = RoleInfo(env.get("ROLE_NAME", DEFAULT_ROLE), rank, world_size, addresses, env.get(ADDRESSES_FILE_ENV, ""))
+    return info.refresh()
+
+
+def addresses_file(run_dir: Path, node_id: str) -> Path:
+    """The file where one node's agent keeps the current role addresses."""
+    return Path(run_dir) / "roles" / f"addresses-{re.sub(r'[^A-Za-z0-9_.-]', '_', node_id)}.json"
+
+
+def write_addresses(path: Path, version: int, addresses: Mapping[str, Sequence[str]]) -> None:
+    """Replace the file at once (a reader sees the old whole file or the new one, never part of one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps({"version": version, "addresses": {r: list(a) for r, a in addresses.items()}}))
+    os.replace(partial, path)
+
+
+def read_addresses(path: Path) -> tuple[int, dict[str, tuple[str, ...]]]:
+    """``(version, addresses)`` from ``write_addresses``'s file; ``(0, {})`` when there is none yet."""
+    try:
+        raw = path.read_text()
+    except FileNotFoundError:
+        return 0, {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read the role addresses in {path}: {exc}") from exc
+    try:
+        data = json.loads(raw)
+        version = int(data["version"])
+        addresses = {str(name): tuple(str(a) for a in listed) for name, listed in data["addresses"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"{path} does not hold role addresses ({exc}); it is written by the convoy agent "
+                          f"({ADDRESSES_FILE_ENV}); do not edit it") from exc
+    return version, addresses

@@ -1,6 +1,7 @@
 """A DLRM-style click model trained asynchronously on parameter servers: one script for every role.
 
     convoy run --ps 2 --workers 2 examples/train_ps.py
+    convoy run --ps 2 --workers auto examples/train_ps.py    # as many workers as fit, sized from the chief
 
 Data and model are ``train_dlrm.py``'s (synthetic Criteo-shaped samples, power-law ids, a hidden teacher;
 bottom MLP, pairwise interaction, top MLP). Here every parameter lives on the parameter servers
@@ -9,13 +10,17 @@ Adagrad on the servers. A worker pulls the MLPs and only its batch's rows, compu
 them without waiting for them to be applied; ``--staleness S`` lets it run at most S pushes ahead of what it
 has seen applied. Worker 0 is the chief: it gives the servers their initial shards, and when every worker's
 pushes are in, it scores a held-out set and prints the AUC beside the teacher's. The servers are stopped by
-convoy once every worker has finished.
+convoy once every worker has finished. The chief has the servers snapshot their shards every
+``--snapshot-every`` steps; a killed server comes back with its shard and the workers resend what it had not
+kept (``convoy/parallel/ps/snapshots.py``), so every push is applied exactly once.
 
 Roles come from ``convoy.role()``: ``ps`` serves on ``CONVOY_ROLE_PORT``; ``worker`` finds the servers in
 ``CONVOY_ROLE_ADDRESSES``. The workers' data comes from the master's shards (``convoy.shards``): the epoch is
-workers x ``--steps`` batches, batch ``i`` drawn from the seed a fixed split would give rank ``i // steps`` at step
-``i % steps``, handed out as they ask; a worker reports a batch trained once every server has applied its push, so a
-worker that fails gives back only the batches the servers do not have.
+``--batches`` (default 2 x ``--steps``) batches, batch ``i`` drawn from the seed a fixed split would give rank
+``i // steps`` at step ``i % steps``, handed out as they ask; a worker reports a batch trained once every server
+has applied its push, so a worker that fails gives back only the batches the servers do not have. The chief's
+first iteration is the measuring one (``convoy.measure_iteration``): under ``--workers auto`` the master sizes
+and starts the other workers from it.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from convoy.parallel.embedding.bags import TableSpec as BagSpec  # noqa: E402
 from convoy.parallel.ps.client import PSClient, Pulled  # noqa: E402
 from convoy.parallel.ps.optimizers import OptimizerSpec  # noqa: E402
 from convoy.parallel.ps.placement import DenseSpec, TableSpec, place  # noqa: E402
-from convoy.parallel.ps.service import ServerProcess  # noqa: E402
+from convoy.parallel.ps.service import from_role_env  # noqa: E402
 from convoy.parallel.ps.transport import TransportError  # noqa: E402
 
 CONNECT_S = 60.0
@@ -49,10 +54,10 @@ CONNECT_S = 60.0
 
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=200, help="steps per worker: the epoch is workers x steps batches")
+    parser.add_argument("--steps", type=int, default=200, help="the epoch's default size: 2 x steps batches")
     parser.add_argument("--shard-batches", type=int, default=10, help="batches per data shard")
-    parser.add_argument("--batches", type=int, default=0, help="batches in the epoch (default: workers x steps; "
-                        "give it when the workers are scaled while they train, so a new one declares the same)")
+    parser.add_argument("--batches", type=int, default=0, help="batches in the epoch (default: 2 x --steps, what two "
+                        "workers of --steps each would train); the workers, however many, share them")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--rows", type=int, default=20000, help="cap on each table's rows")
     parser.add_argument("--dim", type=int, default=16)
@@ -62,6 +67,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--held-out", type=int, default=8192)
     parser.add_argument("--slow-worker", type=float, default=0.0, help="seconds worker 1 sleeps per step")
+    parser.add_argument("--snapshot-every", type=int, default=20, help="steps between the chief's PS snapshots")
     args = parser.parse_args()
     if min(args.steps, args.batch, args.rows, args.dim, args.shard_batches) < 1 or min(args.staleness,
                                                                                       args.batches) < 0:
@@ -78,9 +84,12 @@ def model_specs(args: argparse.Namespace) -> tuple[DenseArch, list[BagSpec]]:
 
 
 def serve() -> None:
-    port = int(os.environ["CONVOY_ROLE_PORT"])
-    server = ServerProcess("", port)
-    print(f"parameter server {convoy.role().rank} serving on port {port}", flush=True)
+    server = from_role_env()
+    if server.restored is not None:
+        shard = server.restored.server
+        print(f"parameter server {convoy.role().rank} restored from its {server.restored.source} at version "
+              f"{shard.version} (pushes held {dict(sorted(shard.applied.items()))})", flush=True)
+    print(f"parameter server {convoy.role().rank} serving on port {os.environ['CONVOY_ROLE_PORT']}", flush=True)
     server.wait()
 
 
@@ -89,7 +98,7 @@ def connect(addresses: list[str], placement, rank: int, staleness: int) -> PSCli
     deadline = time.monotonic() + CONNECT_S
     while True:
         try:
-            return PSClient(placement, addresses, f"worker{rank}", staleness)
+            return PSClient(placement, addresses, f"worker{rank}", staleness, follow=lambda: convoy.role().peers("ps"))
         except TransportError:
             if time.monotonic() > deadline:
                 raise
@@ -160,10 +169,16 @@ def train(args: argparse.Namespace, info: convoy.RoleInfo) -> None:
         client.setup(OptimizerSpec("adagrad", args.lr),
                      dense, {s.name: torch.randn(s.num_rows, s.dim, generator=init) * 0.01 for s in bags})
     data = Synthetic(bags, args.seed, args.zipf)
-    batches = BatchShards(client, args.batches or info.world_size * args.steps, args.shard_batches)
+    batches = BatchShards(client, args.batches or 2 * args.steps, args.shard_batches)  # not by world size:
+    # under --workers auto the chief starts alone, and every worker must declare the same epoch
     started, losses = time.perf_counter(), []
     for step, index in enumerate(batches):
         batch = data.draw(seeded("train", args.seed, *divmod(index, args.steps)), args.batch)  # (rank, step) of old
+        measuring = None
+        if step == 0 and info.rank == 0:  # --workers auto sizes the other workers from this iteration
+            loaded = [batch.dense, batch.labels, *(t for f in batch.features.values() for t in (f.ids, f.offsets))]
+            sample_bytes = max(1, sum(t.numel() * t.element_size() for t in loaded) // args.batch)
+            measuring = convoy.measure_iteration(batch_size=args.batch, sample_bytes=sample_bytes, model=arch).begin()
         ids = {s.name: batch.features[s.name].ids for s in bags}
         pulled = pull_when_set_up(client, ids)
         if not batches.seen(pulled):
@@ -174,13 +189,20 @@ def train(args: argparse.Namespace, info: convoy.RoleInfo) -> None:
         loss.backward()
         client.push({n: t.grad for n, t in params.items()}, {n: (pulled.ids[n], t.grad) for n, t in rows.items()})
         losses.append(loss.item())
+        if measuring is not None:
+            measuring.end()
         if args.slow_worker and info.rank == 1:
             time.sleep(args.slow_worker)
+        if info.rank == 0 and args.snapshot_every and step % args.snapshot_every == args.snapshot_every - 1:
+            client.snapshot()
         if step % 50 == 49:
             print(f"worker {info.rank} step {step + 1}: loss {sum(losses[-50:]) / len(losses[-50:]):.4f}", flush=True)
     client.flush()
     rate = len(losses) * args.batch / (time.perf_counter() - started)
     print(f"worker {info.rank}: {len(losses)} steps, {rate:.0f} samples/s", flush=True)
+    client.snapshot(persist=info.rank == 0)  # a server killed after this worker left keeps all of its pushes
+    print(f"worker {info.rank}: pushes held per server {client.applied()}, resent {client.resent}, lost "
+          f"{client.lost}, servers moved {client.moves}", flush=True)
     if info.rank == 0:
         evaluate(args, client, arch, bags, data, batches.total)
     client.close()

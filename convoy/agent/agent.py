@@ -24,6 +24,7 @@ from convoy.errors import ConvoyError, MasterUnreachableError, WorkerStartError
 from convoy.lease import LeaseWriter, lease_path
 from convoy.procs import Interrupted, raise_interrupted, signal_name
 from convoy.ports import hold_port, port_taken
+from convoy.role_env import addresses_file, write_addresses
 from convoy.shm import remove_segments
 
 POLL_S = 0.02
@@ -65,12 +66,14 @@ class _Heartbeat(threading.Thread):
         """The round this node's workers run in; each heartbeat of it renews their lease."""
         self.orders: queue.SimpleQueue[tuple[list[p.RoleAssignment], list[p.RoleStop]]] = queue.SimpleQueue()
         """What the master's replies asked of a job of roles, for the main loop to carry out."""
+        self.addresses_version = 0
+        """The role addresses' version written to this node's addresses file (role_env.ADDRESSES_FILE_ENV)."""
 
     def run(self) -> None:
         while not self.stopping.is_set():
             known_round = self.latest.round_id if self.latest else 0
             request = p.HeartbeatRequest(node_id=self.config.node_id, round_id=known_round,
-                                         wait_s=self.config.heartbeat_s)
+                                         wait_s=self.config.heartbeat_s, addresses_version=self.addresses_version)
             sent_at = time.monotonic()
             try:
                 reply = self.client.call("/heartbeat", request, p.HeartbeatResponse, wait_s=request.wait_s)
@@ -79,6 +82,7 @@ class _Heartbeat(threading.Thread):
                 self.changed.set()
                 return
             self._renew(reply, sent_at)
+            self._publish_addresses(reply)
             if reply.assignments or reply.stops:
                 self.orders.put((reply.assignments, reply.stops))
                 self.changed.set()
@@ -88,6 +92,19 @@ class _Heartbeat(threading.Thread):
                 self.changed.set()
             if reply.job_status != "running":
                 return
+
+    def _publish_addresses(self, reply: p.HeartbeatResponse) -> None:
+        """Give this node's role processes the master's newer addresses (a moved process is found there)."""
+        if reply.addresses_version <= self.addresses_version:
+            return
+        path = addresses_file(self.config.run_dir, self.config.node_id)
+        try:
+            write_addresses(path, reply.addresses_version, reply.addresses)
+        except OSError as exc:  # the processes keep the addresses they have; the next reply tries again
+            print(f"convoy agent {self.config.node_id}: cannot write the role addresses to {path}: {exc}",
+                  file=sys.stderr, flush=True)
+            return
+        self.addresses_version = reply.addresses_version
 
     def _renew(self, reply: p.HeartbeatResponse, sent_at: float) -> None:
         """The master heard this node at ``sent_at``: its workers may write state that much longer,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -27,7 +28,7 @@ from convoy.control import protocol as p
 from convoy.errors import WorkerStartError
 from convoy.ports import free_port
 from convoy.procs import die_with_parent, signal_name
-from convoy.role_env import role_env
+from convoy.role_env import ADDRESSES_FILE_ENV, addresses_file, role_env
 
 ROLE_PORT_ENV = "CONVOY_ROLE_PORT"
 STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072"}
@@ -90,7 +91,8 @@ class RoleProcesses:
         self.seen.add(key)
         for older in [proc for proc in self.running.values() if proc.key[:2] == key[:2]]:
             self._stop_now([older])
-        port = assignment.port or free_port(self.context.host)
+        port = assignment.port if assignment.port and _can_listen(self.context.host, assignment.port) \
+            else free_port(self.context.host)  # a rank's old port taken: a new one, which the master publishes
         name = f"{assignment.role}{assignment.rank}"
         log_path = self.context.run_dir / "logs" / "roles" / f"{name}.log"
         env = {**STEADY_MALLOC, **self._env, **self._job_env(assignment, port, log_path)}
@@ -187,4 +189,17 @@ class RoleProcesses:
             "CONVOY_MASTER": context.master_url,
             "CONVOY_LOG_FILE": str(log_path),
             **context.agent_env,
+            ADDRESSES_FILE_ENV: str(addresses_file(context.run_dir, context.node_id)),
         }
+
+
+def _can_listen(host: str, port: int) -> bool:
+    """Whether a server could listen on ``port`` now (as servers bind: connections of an old process that
+    linger in TIME_WAIT do not count as taking it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True

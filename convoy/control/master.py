@@ -155,12 +155,15 @@ class JobMaster(RoleCalls):
             roles = self.role_master
             self._changed.wait_for(
                 lambda: self.ended or self.job.round_id != req.round_id or self._stopping.is_set()
-                or (roles is not None and roles.has_news(req.node_id)), req.wait_s
+                or (roles is not None and (roles.has_news(req.node_id)
+                                           or roles.published()[0] > req.addresses_version)), req.wait_s
             )
             self._note_outcome_heard(req.node_id)
             assignments, stops = roles.deliver(req.node_id, time.monotonic()) if roles and not self.ended else ([], [])
+            version, addresses = roles.published() if roles else (0, {})
             return p.HeartbeatResponse(job_status=self.job.status, round_id=self.job.round_id, message=self.job.outcome,
-                                       assignments=assignments, stops=stops)
+                                       assignments=assignments, stops=stops, addresses=addresses,
+                                       addresses_version=version)
 
     def worker_exit(self, report: p.WorkerExit) -> p.Ack:
         with self._changed:

@@ -77,6 +77,8 @@ class HeartbeatRequest(BaseModel):
     node_id: NodeId
     round_id: RoundId
     wait_s: float = Field(default=0, ge=0, le=60, description="hold the answer until the round or job changes")
+    addresses_version: int = Field(default=0, ge=0, le=2**62, description="the role addresses' version this node "
+                                   "has: the answer comes at once when the master's is newer")
 
 
 class RoleAssignment(BaseModel):
@@ -114,6 +116,9 @@ class HeartbeatResponse(BaseModel):
     message: str = ""
     assignments: list[RoleAssignment] = Field(default_factory=list)
     stops: list[RoleStop] = Field(default_factory=list)
+    addresses: dict[str, list[str]] = Field(default_factory=dict, description="a job of roles: each role's "
+                                            "current host:port by rank (\"\" for a process that is down)")
+    addresses_version: int = Field(default=0, description="grows whenever ``addresses`` changes (0: no roles)")
 
 
 class RoleReport(BaseModel):

@@ -1,13 +1,14 @@
 """The worker's side of parameter-server training: pull what a batch needs (the dense tensors and only the rows
 of the batch's ids), push gradients without waiting for them to be applied, and wait only when a staleness bound
 says so: a pull returns once each server has applied all but ``staleness`` of this worker's pushes (0: every
-push, so one worker trains as one process would)."""
+push, so one worker trains as one process would). Given ``follow``, a worker goes on through a server's kill and
+restore: it waits for the server's next incarnation and resends the pushes that server had not kept (resume.py)."""
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +18,9 @@ import torch
 from convoy.errors import ConfigError
 from convoy.parallel.ps.optimizers import OptimizerSpec
 from convoy.parallel.ps.placement import Placement
+from convoy.parallel.ps.resume import FOLLOW_S, Follow, Found, Unkept, find_server
 from convoy.parallel.ps.server import shard_of
-from convoy.parallel.ps.transport import Connection, Message, TransportError
+from convoy.parallel.ps.transport import Connection, ConnectionLost, Message, TransportError
 
 
 @dataclass
@@ -38,10 +40,12 @@ class Pulled:
 
 
 class _Pusher:
-    """Sends one server's pushes in order from a background thread, so that ``push`` returns at once."""
+    """Sends one server's pushes in order from a background thread, so that ``push`` returns at once; trims
+    ``unkept`` (if given) by what each reply says the server has kept."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, unkept: Unkept | None = None) -> None:
         self.connection = Connection(address)
+        self.unkept = unkept
         self.pending: queue.Queue[Message | None] = queue.Queue()
         self.failure: Exception | None = None
         self.thread = threading.Thread(target=self._run, name="ps-push", daemon=True)
@@ -54,7 +58,9 @@ class _Pusher:
                 if message is None:
                     return
                 if self.failure is None:
-                    self.connection.request(message)
+                    reply = self.connection.request(message)
+                    if self.unkept is not None and "kept" in reply.meta:
+                        self.unkept.trim(int(reply.meta["kept"]))
             except (TransportError, ConfigError) as exc:
                 self.failure = exc
             finally:
@@ -67,9 +73,12 @@ class _Pusher:
 
 
 class PSClient:
-    """One worker's links to every parameter server of ``placement`` (``addresses[s]`` is server ``s``)."""
+    """One worker's links to every parameter server of ``placement`` (``addresses[s]`` is server ``s``). With
+    ``follow`` (the servers' current addresses), a lost server is waited for (``follow_s``) and its unkept pushes
+    resent; ``resent``, ``lost`` (per server) and ``moves`` ((server, old, new) addresses) count what happened."""
 
-    def __init__(self, placement: Placement, addresses: list[str], worker: str, staleness: int = 0) -> None:
+    def __init__(self, placement: Placement, addresses: list[str], worker: str, staleness: int = 0,
+                 follow: Follow | None = None, follow_s: float = FOLLOW_S) -> None:
         if staleness < 0:
             raise ConfigError(f"parameter-server staleness bound must be >= 0 (got {staleness}); use 0 for "
                               f"synchronous training or s > 0 to let a worker run s pushes ahead")
@@ -79,21 +88,74 @@ class PSClient:
         self.placement, self.worker, self.staleness = placement, worker, staleness
         self.addresses = list(addresses)
         self.requests = [Connection(address) for address in addresses]
-        self.pushers = [_Pusher(address) for address in addresses]
         self.pushed = 0
         self.pushed_to = [0] * placement.num_servers
         """Pushes each server should have from this worker (a restored server may have fewer than ``pushed``)."""
         self.pool = ThreadPoolExecutor(max_workers=placement.num_servers, thread_name_prefix="ps-pull")
+        self.follow, self.follow_s = follow, follow_s
+        self.unkept = [Unkept() for _ in addresses]
+        self.resent = [0] * placement.num_servers
+        self.lost = [0] * placement.num_servers
+        self.moves: list[tuple[int, str, str]] = []
+        self.pushers = [_Pusher(address, self._log(s)) for s, address in enumerate(addresses)]
 
-    def _all(self, messages: list[Message]) -> list[Message]:
-        """Send ``messages[s]`` to server ``s``, all at once, and return the replies in order."""
+    def _log(self, server: int) -> Unkept | None:
+        return self.unkept[server] if self.follow is not None else None
+
+    def _all(self, messages: list[Message] | Callable[[int], Message]) -> list[Message]:
+        """Send ``messages[s]`` (or ``messages(s)``, built again after a server was found anew) to server ``s``,
+        all at once, and return the replies in order."""
+        make = messages if callable(messages) else messages.__getitem__
         self._raise_push_failure()
-        return list(self.pool.map(lambda pair: pair[0].request(pair[1]), zip(self.requests, messages, strict=True)))
+        replies: list[Message | None] = [None] * len(self.requests)
+        todo = list(range(len(self.requests)))
+        while todo:
+            answers = list(self.pool.map(lambda s: self._ask(s, make(s)), todo))
+            lost = []
+            for server, answer in zip(todo, answers, strict=True):
+                if isinstance(answer, ConnectionLost):
+                    lost.append(server)
+                else:
+                    replies[server] = answer
+            for server in lost:
+                self._find_again(server)
+            todo = lost
+        return [reply for reply in replies if reply is not None]
+
+    def _ask(self, server: int, message: Message) -> Message | ConnectionLost:
+        try:
+            return self.requests[server].request(message)
+        except ConnectionLost as exc:
+            if self.follow is None:
+                raise
+            return exc
 
     def _raise_push_failure(self) -> None:
-        for pusher in self.pushers:
-            if pusher.failure is not None:
+        for server, pusher in enumerate(self.pushers):
+            if isinstance(pusher.failure, ConnectionLost) and self.follow is not None:
+                self._find_again(server)
+            elif pusher.failure is not None:
                 raise pusher.failure
+
+    def _find_again(self, server: int) -> None:
+        """Server ``server`` went away: wait for its next incarnation, then resend what it had not kept."""
+        self.requests[server].close()
+        self.pushers[server].stop()
+        assert self.follow is not None
+        found = find_server(self.follow, server, self.worker, self.addresses[server], self.follow_s)
+        if found.address != self.addresses[server]:
+            self.moves.append((server, self.addresses[server], found.address))
+        self._resume(server, found)
+
+    def _resume(self, server: int, found: Found) -> None:
+        self.addresses[server], self.requests[server] = found.address, found.connection
+        resend, lost = self.unkept[server].resume(found.applied, self.pushed_to[server])
+        self.pushed_to[server] = found.applied + len(resend)
+        self.resent[server] += len(resend)
+        self.lost[server] += lost
+        self.pushers[server] = _Pusher(found.address, self._log(server))
+        for message in resend:
+            self.pushers[server].pending.put(message)
 
     def setup(self, optimizer: OptimizerSpec, dense: Mapping[str, torch.Tensor],
               tables: Mapping[str, torch.Tensor]) -> None:
@@ -118,13 +180,10 @@ class PSClient:
                 raise ConfigError(f"row id {int(bad)} of table {table!r} is outside 0..{spec.num_rows - 1}; "
                                   f"map the feature's values into the table first")
             unique[table] = torch.unique(flat)
-        messages = []
-        for server in range(self.placement.num_servers):
-            tensors = {f"ids/{t}": self.placement.local_rows(u[self.placement.owner_of_rows(u) == server])
-                       for t, u in unique.items()}
-            at_least = self.pushed_to[server] - self.staleness
-            messages.append(Message("pull", {"worker": self.worker, "at_least": at_least}, tensors))
-        replies = self._all(messages)
+        wanted = [{f"ids/{t}": self.placement.local_rows(u[self.placement.owner_of_rows(u) == server])
+                   for t, u in unique.items()} for server in range(self.placement.num_servers)]
+        replies = self._all(lambda server: Message(  # at_least read when sent: a restore may change it
+            "pull", {"worker": self.worker, "at_least": self.pushed_to[server] - self.staleness}, wanted[server]))
         dense: dict[str, torch.Tensor] = {}
         rows = {t: torch.empty(len(u), self.placement.tables[t].dim) for t, u in unique.items()}
         for server, reply in enumerate(replies):
@@ -169,15 +228,34 @@ class PSClient:
                 split[server][f"grads/{table}"] = grads[mask]
         for server, tensors in enumerate(split):
             tensors = {name: t.detach().clone() for name, t in tensors.items()}
-            self.pushers[server].pending.put(Message("push", {"worker": self.worker}, tensors))
+            message = Message("push", {"worker": self.worker}, tensors)
             self.pushed_to[server] += 1
+            if self.follow is not None:
+                self.unkept[server].add(self.pushed_to[server], message)
+            self.pushers[server].pending.put(message)
         self.pushed += 1
 
     def flush(self) -> None:
-        """Wait until every queued push has been applied."""
-        for pusher in self.pushers:
-            pusher.pending.join()
-        self._raise_push_failure()
+        """Wait until every queued push has been applied (resent to a server that came back, with ``follow``)."""
+        while True:
+            for pusher in self.pushers:
+                pusher.pending.join()
+            if all(pusher.failure is None for pusher in self.pushers):
+                return
+            self._raise_push_failure()
+
+    def snapshot(self, persist: bool = False) -> list[int]:
+        """Every server snapshots its shard in memory (``persist``: and saves it to its checkpoint directory);
+        returns the versions they hold. The chief calls this every few steps; a worker, at its end, so that a
+        server killed after it left keeps all of its pushes."""
+        replies = self._all(lambda s: Message("snapshot", {"persist": persist, "worker": self.worker}))
+        for server, reply in enumerate(replies):
+            self.unkept[server].trim(int(reply.meta["kept"]))
+        return [int(reply.meta["version"]) for reply in replies]
+
+    def applied(self) -> list[int]:
+        """This worker's pushes each server holds now."""
+        return [int(reply.meta["applied"]) for reply in self._all(lambda s: Message("status", {"worker": self.worker}))]
 
     def save(self, directory: Path) -> None:
         """Each server writes its shard to ``directory/ps-<index>.pt`` (after this worker's pushes so far)."""
@@ -192,15 +270,13 @@ class PSClient:
     def reconnect(self, server: int, address: str, restore_from: Path | None = None) -> None:
         """Point at server ``server``'s new process (optionally telling it to load its shard file), and count
         this worker's pushes as the restored shard does."""
-        self.addresses[server] = address
         self.requests[server].close()
         self.pushers[server].stop()
-        self.requests[server] = Connection(address)
-        self.pushers[server] = _Pusher(address)
+        connection = Connection(address)
         if restore_from is not None:
-            self.requests[server].request(Message("restore", {"path": str(restore_from)}))
-        status = self.requests[server].request(Message("status", {"worker": self.worker}))
-        self.pushed_to[server] = int(status.meta["applied"])
+            connection.request(Message("restore", {"path": str(restore_from)}))
+        status = connection.request(Message("status", {"worker": self.worker}))
+        self._resume(server, Found(connection, address, int(status.meta["applied"]), int(status.meta.get("kept", 0))))
 
     def shutdown_servers(self) -> None:
         """Stop every server process (the last worker does this at the end of training)."""

@@ -111,14 +111,17 @@ class ParameterServer:
                                       f"waited {timeout:.0f}s for {at_least}; is its push thread alive?")
             return self.applied.get(worker, 0)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to come back: values, optimizer state, version and per-worker counts (copies)."""
+    def state_dict(self, copy: bool = True) -> dict[str, Any]:
+        """Everything needed to come back: values, optimizer state, version and per-worker counts (copies;
+        ``copy=False``: the live tensors, for a caller that holds ``changed`` while it copies them out)."""
+        keep = (lambda t: t.clone()) if copy else (lambda t: t)
         with self.changed:
             return {"index": self.index, "version": self.version, "applied": dict(self.applied),
                     "optimizer": self.optimizer.to_dict(),
-                    "dense": {name: t.clone() for name, t in self.dense.items()},
-                    "rows": {name: t.clone() for name, t in self.rows.items()},
-                    "dense_state": _copy_state(self.dense_state), "rows_state": _copy_state(self.rows_state)}
+                    "dense": {name: keep(t) for name, t in self.dense.items()},
+                    "rows": {name: keep(t) for name, t in self.rows.items()},
+                    "dense_state": _copy_state(self.dense_state) if copy else self.dense_state,
+                    "rows_state": _copy_state(self.rows_state) if copy else self.rows_state}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state["index"] != self.index:
@@ -160,7 +163,7 @@ def save_shard(server: ParameterServer, path: Path) -> None:
     """Write the server's state to ``path`` atomically (a reader sees the old file or the new one)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
-    torch.save({"placement": server.placement.to_dict(), "state": server.state_dict()}, partial)
+    torch.save(saved_form(server), partial)
     partial.replace(path)
 
 
@@ -168,7 +171,16 @@ def restore_shard(path: Path) -> ParameterServer:
     """A server rebuilt from ``save_shard``'s file: same shard, optimizer state, version and counts."""
     if not path.is_file():
         raise CheckpointError(f"no parameter-server shard at {path}; pass the file save_shard wrote")
-    saved = torch.load(path, weights_only=True)  # plain data and tensors only: loading runs no pickled code
+    return server_from_saved(torch.load(path, weights_only=True))  # plain data and tensors: runs no pickled code
+
+
+def saved_form(server: ParameterServer, copy: bool = True) -> dict[str, Any]:
+    """What a save or a snapshot holds: the placement (as plain data) and the server's ``state_dict``."""
+    return {"placement": server.placement.to_dict(), "state": server.state_dict(copy)}
+
+
+def server_from_saved(saved: Mapping[str, Any]) -> ParameterServer:
+    """A server rebuilt from ``saved_form``'s dict: same shard, optimizer state, version and counts."""
     state, placement = saved["state"], Placement.from_dict(saved["placement"])
     server = ParameterServer(state["index"], placement, OptimizerSpec.from_dict(state["optimizer"]),
                              state["dense"], state["rows"])

@@ -18,6 +18,8 @@ import torch
 from convoy.errors import ConfigError, ConvoyError
 
 HEADER_SIZE = struct.Struct("!Q")
+REQUEST_S = 60.0
+"""How long a connection waits to connect, and for each reply."""
 SOCKET_BUFFER_BYTES = 4 << 20
 DTYPES = {str(dtype): dtype for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16,
                                           torch.int64, torch.int32, torch.uint8, torch.bool)}
@@ -25,6 +27,10 @@ DTYPES = {str(dtype): dtype for dtype in (torch.float32, torch.float64, torch.fl
 
 class TransportError(ConvoyError):
     """A parameter server or worker went away mid-message, or answered with an error."""
+
+
+class ConnectionLost(TransportError):
+    """The peer cannot be reached or went away: a worker may find the server's next incarnation."""
 
 
 @dataclass
@@ -56,7 +62,7 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
     while got < size:
         count = sock.recv_into(view[got:], size - got)
         if count == 0:
-            raise TransportError("the peer closed the connection mid-message")
+            raise ConnectionLost("the peer closed the connection mid-message")
         got += count
 
 
@@ -90,12 +96,12 @@ def _tune(sock: socket.socket) -> None:
 class Connection:
     """A worker's link to one server: ``request`` waits for the reply; one request at a time per connection."""
 
-    def __init__(self, address: str, timeout: float = 60.0) -> None:
+    def __init__(self, address: str, timeout: float = REQUEST_S) -> None:
         host, _, port = address.rpartition(":")
         try:
             self.sock = socket.create_connection((host, int(port)), timeout=timeout)
         except OSError as exc:
-            raise TransportError(f"cannot reach the parameter server at {address}: {exc}") from exc
+            raise ConnectionLost(f"cannot reach the parameter server at {address}: {exc}") from exc
         _tune(self.sock)
         self.address, self.lock = address, threading.Lock()
 
@@ -104,12 +110,18 @@ class Connection:
             try:
                 _send_all(self.sock, message)
                 reply = _recv_message(self.sock)
+            except ConnectionLost as exc:
+                raise ConnectionLost(f"parameter server at {self.address} went away: {exc}") from exc
             except OSError as exc:
-                raise TransportError(f"parameter server at {self.address} went away: {exc}") from exc
+                raise ConnectionLost(f"parameter server at {self.address} went away: {exc}") from exc
         if reply.op == "error":
             kind = ConfigError if reply.meta.get("kind") == "ConfigError" else TransportError
             raise kind(f"parameter server at {self.address}: {reply.meta['message']}")
         return reply
+
+    def settimeout(self, seconds: float) -> None:
+        """How long a request may wait for its reply from now on."""
+        self.sock.settimeout(seconds)
 
     def close(self) -> None:
         self.sock.close()

@@ -1,0 +1,131 @@
+"""A parameter server SIGKILLed mid-training in the example's job of roles (2 PS, 2 async workers): the master
+restarts it with CONVOY_ROLE_RESTORE=1, it comes back from its in-memory snapshot, the workers resend what it
+had not kept, and the job finishes with every push applied exactly once (counted per worker and server); once on
+its old port, once with that port taken, where it comes back on another one and the workers follow it there."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+from pathlib import Path
+
+import psutil
+import pytest
+from helpers import REPO, Launched, ProcessScope, wait_for
+
+from convoy.parallel.ps.transport import Connection, ConnectionLost, Message
+
+pytestmark = pytest.mark.slow
+EXAMPLE = str(REPO / "examples" / "train_ps.py")
+STEPS = 40
+ARGS = ["--steps", STEPS, "--batch", 32, "--rows", 1000, "--dim", 8, "--held-out", 512, "--snapshot-every", 5]
+HELD = re.compile(r"\[worker(\d)\]: worker \d: pushes held per server \[(\d+), (\d+)\], resent \[(\d+), (\d+)\], "
+                  r"lost \[(\d+), (\d+)\], servers moved (.*)")
+
+
+def serving_ports(run_dir: Path, rank: int) -> list[int]:
+    log = run_dir / "logs" / "roles" / f"ps{rank}.log"
+    text = log.read_text() if log.exists() else ""
+    return [int(port) for port in re.findall(rf"parameter server {rank} serving on port (\d+)", text)]
+
+
+def status_when_training(port: int, pushes: int) -> dict | None:
+    """The server's status once it has applied ``pushes`` pushes and holds a push its newest snapshot lacks (so
+    that a kill now loses one that must be resent); None before, or while it cannot be reached."""
+    try:
+        connection = Connection(f"127.0.0.1:{port}", timeout=5)
+    except ConnectionLost:
+        return None
+    try:
+        metas = [connection.request(Message("status", {"worker": f"worker{rank}"})).meta for rank in (0, 1)]
+    except ConnectionLost:
+        return None
+    finally:
+        connection.close()
+    unkept = any(meta["applied"] > meta["kept"] for meta in metas)
+    return metas[0] if metas[0]["version"] >= pushes and unkept else None
+
+
+def kill_mid_training(procs: ProcessScope, run_dir: Path, rank: int,
+                      take_port: bool = False) -> tuple[Launched, int, dict, socket.socket | None]:
+    """SIGKILL PS ``rank`` once it has applied half of all pushes; ``take_port``: with its agent stopped meanwhile,
+    so that the test listens on the old port before the agent can start the PS again."""
+    job = procs.start(["run", "--ps", 2, "--workers", 2, "--preload", "", "--stop-grace", 1, "--run-dir", run_dir,
+                       EXAMPLE, *ARGS])
+    port = wait_for(lambda: serving_ports(run_dir, rank), 60, f"ps{rank} to serve")[0]
+    status = wait_for(lambda: status_when_training(port, STEPS), 60, f"ps{rank} to apply {STEPS} pushes",
+                      interval=0.02)
+    agent = psutil.Process(status["pid"]).parent()
+    if take_port:
+        agent.suspend()
+    try:
+        os.kill(status["pid"], signal.SIGKILL)
+        taker = wait_for(lambda: _listen(port), 5, f"port {port} to be free to take") if take_port else None
+    finally:
+        agent.resume()
+    return job, port, status, taker
+
+
+def assert_every_push_applied_once(out: str, killed: int) -> list[re.Match[str]]:
+    held = sorted(HELD.finditer(out), key=lambda m: m.group(1))
+    assert len(held) == 2, out
+    for found in held:
+        assert [int(found.group(2)), int(found.group(3))] == [STEPS, STEPS], found.group(0)
+        assert [int(found.group(6)), int(found.group(7))] == [0, 0], found.group(0)
+    resent = [sum(int(found.group(4 + server)) for found in held) for server in (0, 1)]
+    assert resent[killed] >= 1 and resent[1 - killed] == 0, f"only the killed server's unkept pushes resent: {held}"
+    assert re.search(rf"\[worker0\]: held-out AUC [\d.]+ \(teacher [\d.]+\) after {2 * STEPS} pushes per server", out)
+    return held
+
+
+def test_a_killed_ps_comes_back_with_its_shard_and_no_push_is_lost(procs: ProcessScope, run_dir: Path) -> None:
+    job, port, status, _ = kill_mid_training(procs, run_dir, 0)
+    result = job.wait(120)
+    assert result.returncode == 0, result.explain()
+    out = result.stdout
+    assert "convoy: ps 0 failed (was killed by SIGKILL); restarting only it with its state" in out, out
+    restored = re.search(r"\[ps0\]: parameter server 0 restored from its in-memory snapshot at version (\d+) "
+                         r"\(pushes held \{'worker0': (\d+), 'worker1': (\d+)\}\)", out)
+    assert restored, out
+    version, kept = int(restored.group(1)), int(restored.group(2)) + int(restored.group(3))
+    assert 0 < version == kept <= status["version"], "the snapshot is the shard at one version, before the kill"
+    assert serving_ports(run_dir, 0) == [port, port], "restarted on its node and port"
+    held = assert_every_push_applied_once(out, killed=0)
+    assert all(found.group(8) == "[]" for found in held), "nobody moved"
+    assert (run_dir / "checkpoints" / "ps0" / "shard.pt").is_file(), "the chief's persistent save at the end"
+    assert result.stdout.index("job succeeded")
+    procs.wait_no_leftovers()
+
+
+def test_a_ps_whose_port_is_taken_comes_back_on_another_and_the_workers_follow(procs: ProcessScope,
+                                                                                run_dir: Path) -> None:
+    job, port, _, taker = kill_mid_training(procs, run_dir, 1, take_port=True)
+    assert taker is not None
+    try:
+        result = job.wait(120)
+    finally:
+        taker.close()
+    assert result.returncode == 0, result.explain()
+    out = result.stdout
+    first, again = serving_ports(run_dir, 1)
+    assert first == port and again != port, "the second incarnation got another port"
+    assert "[ps1]: parameter server 1 restored from its in-memory snapshot" in out, out
+    held = assert_every_push_applied_once(out, killed=1)
+    moved = f"[(1, '127.0.0.1:{port}', '127.0.0.1:{again}')]"
+    assert all(found.group(8) == moved for found in held), held
+    files = list((run_dir / "roles").glob("addresses-*.json"))
+    assert len(files) == 1, files
+    current = json.loads(files[0].read_text())
+    assert current["addresses"]["ps"][1] == f"127.0.0.1:{again}" and current["version"] >= 2, current
+    procs.wait_no_leftovers()
+
+
+def _listen(port: int) -> socket.socket | None:
+    """A listener on ``port`` once the killed server's socket is gone."""
+    try:
+        return socket.create_server(("127.0.0.1", port))
+    except OSError:
+        return None
