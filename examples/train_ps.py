@@ -137,11 +137,11 @@ class BatchShards:
         self.stream = convoy.shards("train-batches", num_seeds=total, shard_size=shard_batches)
         self.shard: convoy.data_shards.Shard | None = None
         self.applied_before: int | None = None
-        self.pushed = 0
+        self.pushed = self.reported = 0
 
     def __iter__(self) -> Iterator[int]:
         for shard in self.stream:
-            self.shard, self.applied_before, self.pushed = shard, None, 0
+            self.shard, self.applied_before, self.pushed, self.reported = shard, None, 0, 0
             for index in shard.items:
                 if shard.lost:
                     break
@@ -155,7 +155,9 @@ class BatchShards:
         assert self.shard is not None
         applied = min(pulled.applied)
         self.applied_before = applied if self.applied_before is None else self.applied_before
-        return self.shard.progress(min(applied - self.applied_before, self.pushed))
+        # a restored server holds fewer pushes until this worker's resends land: what was reported stays reported
+        self.reported = max(self.reported, min(applied - self.applied_before, self.pushed))
+        return self.shard.progress(self.reported)
 
 
 def train(args: argparse.Namespace, info: convoy.RoleInfo) -> None:

@@ -159,6 +159,7 @@ def test_a_worker_goes_on_through_a_killed_server_restored_on_a_new_port(tmp_pat
             steps += 1
 
     train(4)
+    client.flush()  # pushes are sent on their own connection: let all 4 land before the snapshot is asked for
     client.snapshot()
     train(3)  # three pushes server 1 has applied but not kept
     client.flush()
