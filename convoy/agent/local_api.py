@@ -14,7 +14,6 @@ import queue
 import secrets
 import sys
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
@@ -22,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from convoy.control import protocol as p
 from convoy.control import shard_protocol as sp
+from convoy.control.http_limits import discard_body
 from convoy.errors import ConflictError, ConvoyError
 
 AGENT_URL_ENV = "CONVOY_AGENT_URL"
@@ -29,7 +29,6 @@ AGENT_TOKEN_ENV = "CONVOY_AGENT_TOKEN"
 MAX_BODY = 1 << 20
 SOCKET_TIMEOUT_S = 60.0
 """A connection that sends nothing for this long is closed (longer than a forwarded call may take)."""
-DISCARD_S = 2.0
 ROUTES: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
     "/shards/declare": (sp.ShardDeclare, sp.ShardDeclared),
     "/shards/request": (sp.ShardRequest, sp.ShardGrant),
@@ -106,18 +105,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, reply.model_dump_json().encode())
 
     def _discard(self, length: int) -> None:
-        """Drop a refused body for a bounded time before closing, so the process can read the answer first
-        (closing on unread bytes resets the connection)."""
-        deadline = time.monotonic() + DISCARD_S
-        self.connection.settimeout(DISCARD_S)
-        try:
-            while length > 0 and time.monotonic() < deadline:
-                chunk = self.rfile.read1(min(length, 1 << 16))
-                if not chunk:
-                    return
-                length -= len(chunk)
-        except OSError:
-            return
+        discard_body(self.connection, self.rfile, length)
 
     def do_GET(self) -> None:  # noqa: N802
         self._reply(405, "the agent's local API takes POST")

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 from convoy.control import protocol as p
 from convoy.control import shard_protocol as sp
 from convoy.control.http_limits import (
-    DISCARD_S, FrontDoor, Limits, PrefixedReader, Screened, SocketWriter, plain_reply,
+    FrontDoor, Limits, PrefixedReader, Screened, SocketWriter, discard_body, plain_reply,
 )
 from convoy.control.replies import MAX_KEY_LENGTH, ReplyCache
 from convoy.control.sanitize import printable
@@ -259,18 +259,7 @@ class _Handler(BaseHTTPRequestHandler):
         return b"".join(chunks)
 
     def _discard(self, length: int) -> None:
-        """Read and drop a refused body (for a bounded time) before closing: closing with unread
-        bytes resets the connection, and the client may lose the answer before it reads it."""
-        deadline = time.monotonic() + DISCARD_S
-        self.connection.settimeout(DISCARD_S)
-        try:
-            while length > 0 and time.monotonic() < deadline:
-                chunk = self.rfile.read1(min(length, 1 << 16))
-                if not chunk:
-                    return
-                length -= len(chunk)
-        except OSError:  # timed out or gone: the answer was sent, the connection closes anyway
-            return
+        discard_body(self.connection, self.rfile, length)
 
     def _authorized(self) -> bool:
         return authorized(self.headers.get(p.TOKEN_HEADER, ""), self.server.token)

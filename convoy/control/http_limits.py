@@ -15,7 +15,7 @@ import ssl
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Union
+from typing import Any, Callable, Union
 
 from convoy.errors import ConfigError
 
@@ -317,3 +317,17 @@ def server_tls(cert: str, key: str) -> ssl.SSLContext:
                           "certificate and its private key") from exc
     return context
 
+
+def discard_body(connection: Any, rfile: Any, length: int) -> None:
+    """Read and drop a refused body (for at most DISCARD_S) before the connection closes: closing with unread
+    bytes resets it, and the client may lose the answer before it reads it."""
+    deadline = time.monotonic() + DISCARD_S
+    connection.settimeout(DISCARD_S)
+    try:
+        while length > 0 and time.monotonic() < deadline:
+            chunk = rfile.read1(min(length, 1 << 16))
+            if not chunk:
+                return
+            length -= len(chunk)
+    except OSError:  # timed out or gone: the answer was sent, the connection closes anyway
+        return
