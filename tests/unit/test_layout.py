@@ -130,3 +130,12 @@ def test_the_readme_layout_names_every_module_and_nothing_that_is_gone() -> None
     folders = {str(path.relative_to(root)) + "/" for path in PACKAGE.rglob("*") if path.is_dir()
                and path.name != "__pycache__" and (path.parent == workloads or workloads not in path.parents)}
     assert sorted((modules | folders) - listed) == [], "the README's layout leaves these out: add them"
+
+
+def test_every_test_file_has_a_name_of_its_own() -> None:
+    """pytest imports test files by basename (tests/ has no packages): two with one name stop the whole run."""
+    tests = PACKAGE.parent / "tests"
+    seen: dict[str, list[str]] = {}
+    for path in tests.rglob("test_*.py"):
+        seen.setdefault(path.name, []).append(str(path.relative_to(tests)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
