@@ -86,14 +86,12 @@ def finish(job: Job, began: float) -> tuple[int | None, bool]:
     left = max(1.0, min(WAIT_S["exit"], began + RUN_BOUND_S - time.monotonic()))
     code = wait_for(job, job.exit_code, left)
     job.steps.poll()
-    if code is None:
-        job.stacks = job.dump_stacks()
     return code, code is not None
 
 
 def ended_text(code: int | None, job: Job) -> str:
     if code is None:
-        return f"hung: still running {RUN_BOUND_S:.0f} s after it started (stacks in {job.stacks or 'none taken'})"
+        return f"hung: still running {RUN_BOUND_S:.0f} s after it started (stacks in {job.dump_stacks()})"
     return "finished" if code == 0 else f"failed (exit {code}): {job.last_error()}"
 
 

@@ -109,8 +109,6 @@ class Job:
         self.main: subprocess.Popen[bytes] | None = None
         self.known: dict[int, psutil.Process] = {}
         self.job_id = ""
-        self.stacks = ""
-        """Where ``dump_stacks`` wrote this job's stacks (empty: not taken)."""
 
     def train_args(self, sleep_s: float, seed: int, extra: Sequence[str] = ()) -> list[str]:
         return [str(TRAIN), "--out", str(self.out), "--sleep", str(sleep_s), "--seed", str(seed), *extra]
