@@ -113,6 +113,9 @@ class FrontDoor:
                 raise ConfigError(f"port {port} on {host} is already in use: pick another --port or 0 for any") from exc
             raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
         self._listener.setblocking(False)
+        bound_host, bound_port = self._listener.getsockname()[:2]
+        self.address = (str(bound_host), int(bound_port))
+        """Where it listens (kept: the master still names it once the listener is closed at its stop)."""
         self.pool = HandlerPool(limits.max_handlers, serve)
         self._pending: dict[int, _Pending] = {}
         self._by_client: dict[str, dict[int, _Pending]] = {}
@@ -124,11 +127,6 @@ class FrontDoor:
         self._thread = threading.Thread(target=self._loop, name="convoy-api", daemon=True)
         self.shed = 0
         """Connections closed to make room (over a bound, or out of descriptors)."""
-
-    @property
-    def address(self) -> tuple[str, int]:
-        host, port = self._listener.getsockname()[:2]
-        return str(host), int(port)
 
     @property
     def pending(self) -> int:
