@@ -133,7 +133,8 @@ def test_heartbeats_are_served_first_when_every_handler_is_busy(master: JobMaste
         order.append(name)
 
     round_id = master.job.round_id
-    hold = p.HeartbeatRequest(node_id="holder", round_id=round_id, wait_s=1.0).model_dump_json().encode()
+    # held long enough for both calls to queue behind it even on a loaded machine
+    hold = p.HeartbeatRequest(node_id="holder", round_id=round_id, wait_s=5.0).model_dump_json().encode()
     beat = p.HeartbeatRequest(node_id="beater", round_id=round_id + 1).model_dump_json().encode()
     threads = [threading.Thread(target=call, args=("/heartbeat", hold, "long poll"))]
     threads[0].start()
