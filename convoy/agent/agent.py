@@ -244,7 +244,7 @@ class Agent:
             elif len(done) == len(self.group.workers) and not reported_done:
                 reported_done = True
                 for worker in done:
-                    worker.pump.join(timeout=0.2)  # their last lines (and events) are read
+                    worker.pump.join(timeout=2.0)  # their last lines, events and drop counts are read (bounded)
                 self._forward_events(round_info, most=1000)  # before the job can end on this report
                 self.client.call("/node_done", p.NodeDone(node_id=self.config.node_id, round_id=round_info.round_id),
                                  p.Ack)
