@@ -18,7 +18,9 @@ Roles come from ``convoy.role()``: ``ps`` serves on ``CONVOY_ROLE_PORT``; ``work
 ``CONVOY_ROLE_ADDRESSES``. The workers' data comes from the master's shards (``convoy.shards``): the epoch is
 ``--batches`` (default 2 x ``--steps``) batches, batch ``i`` drawn from the seed a fixed split would give rank
 ``i // steps`` at step ``i % steps``, handed out as they ask; a worker reports a batch trained once every server
-has applied its push, so a worker that fails gives back only the batches the servers do not have. The chief's
+has applied its push, so a worker that fails gives back the batches after the last it reported. The servers may
+hold some of those already: each push carries its batch's index as a tag, and a server applies a tag once, so
+every batch lands once on every server; the chief prints that count (``exactly once: ...``) at the end. The chief's
 first iteration is the measuring one (``convoy.measure_iteration``): under ``--workers auto`` the master sizes
 and starts the other workers from it.
 """
@@ -43,7 +45,7 @@ import convoy  # noqa: E402
 import convoy.data_shards  # noqa: E402
 from convoy.errors import ConfigError  # noqa: E402
 from convoy.parallel.embedding.bags import TableSpec as BagSpec  # noqa: E402
-from convoy.parallel.ps.client import PSClient, Pulled  # noqa: E402
+from convoy.parallel.ps.client import PSClient, Pulled, Tally  # noqa: E402
 from convoy.parallel.ps.optimizers import OptimizerSpec  # noqa: E402
 from convoy.parallel.ps.placement import DenseSpec, TableSpec, place  # noqa: E402
 from convoy.parallel.ps.service import from_role_env  # noqa: E402
@@ -189,7 +191,8 @@ def train(args: argparse.Namespace, info: convoy.RoleInfo) -> None:
         rows = {n: t.requires_grad_() for n, t in pulled.rows.items()}
         loss = F.binary_cross_entropy_with_logits(logits_of(arch, bags, pulled, batch, params, rows), batch.labels)
         loss.backward()
-        client.push({n: t.grad for n, t in params.items()}, {n: (pulled.ids[n], t.grad) for n, t in rows.items()})
+        client.push({n: t.grad for n, t in params.items()}, {n: (pulled.ids[n], t.grad) for n, t in rows.items()},
+                    tag=index)  # a batch trained again after its shard was given back is applied once
         losses.append(loss.item())
         if measuring is not None:
             measuring.end()
@@ -222,6 +225,22 @@ def evaluate(args: argparse.Namespace, client: PSClient, arch: DenseArch, bags: 
         scores = logits_of(arch, bags, pulled, held, pulled.dense, pulled.rows)
     print(f"held-out AUC {auc(scores, held.labels):.4f} (teacher {auc(held.teacher, held.labels):.4f}) after "
           f"{min(pulled.versions)} pushes per server", flush=True)
+    print(exactly_once(client.tally(), batches), flush=True)
+
+
+def exactly_once(tallies: list[Tally], batches: int) -> str:
+    """The count behind "every batch trained exactly once": each server holds each batch's tag once."""
+    problems = []
+    for server, tally in enumerate(tallies):
+        missing, outside = tally.exactly_once(batches)
+        if missing or outside:
+            problems.append(f"server {server} lacks {len(missing)} batches {missing[:5]} and holds {len(outside)} "
+                            f"outside the epoch {outside[:5]}")
+    repeats = sum(t.duplicates for t in tallies)
+    if problems:
+        return f"batches NOT trained exactly once: {'; '.join(problems)}"
+    return (f"exactly once: each of the {batches} batches applied once on each of {len(tallies)} servers "
+            f"({repeats} repeated pushes skipped)")
 
 
 def main() -> int:

@@ -27,5 +27,6 @@ def test_two_servers_and_two_async_workers_learn_the_teacher(procs: ProcessScope
     assert found, out
     learnt, teacher = float(found.group(1)), float(found.group(2))
     assert 0.6 < learnt < teacher, out
+    assert "[worker0]: exactly once: each of the 80 batches applied once on each of 2 servers (0 repeated" in out, out
     assert "job succeeded" in out, out
     procs.wait_no_leftovers()

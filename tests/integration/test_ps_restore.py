@@ -78,6 +78,7 @@ def assert_every_push_applied_once(out: str, killed: int) -> list[re.Match[str]]
     resent = [sum(int(found.group(4 + server)) for found in held) for server in (0, 1)]
     assert resent[killed] >= 1 and resent[1 - killed] == 0, f"only the killed server's unkept pushes resent: {held}"
     assert re.search(rf"\[worker0\]: held-out AUC [\d.]+ \(teacher [\d.]+\) after {2 * STEPS} pushes per server", out)
+    assert f"[worker0]: exactly once: each of the {2 * STEPS} batches applied once on each of 2 servers" in out, out
     return held
 
 

@@ -141,3 +141,25 @@ def test_bad_pushes_and_settings_are_refused_by_name() -> None:
         OptimizerSpec("adam", 0.1, betas=(0.9, 1.0)).validate()
     with pytest.raises(ConfigError, match="staleness bound must be >= 0 \\(got -1\\)"):
         PSClient(shard.placement, ["127.0.0.1:1", "127.0.0.1:2"], "w0", staleness=-1)
+
+
+def test_a_tag_is_applied_once_and_its_repeats_counted() -> None:
+    """A batch trained again after its shard was given back reaches the server again: it is handled (the worker's
+    count goes on) but not applied; the tags and the repeats survive a save."""
+    tagged, plain = servers(SPECS["adagrad"]), servers(SPECS["adagrad"])
+    for step in (0, 1, 1, 2, 0):
+        dense_grad, ids, row_grads = gradients(step)
+        owner = tagged[0].placement.owner_of_rows(ids)
+        for shard in tagged:
+            mine = owner == shard.index
+            shard.push("w0", {n: dense_grad for n in shard.dense},
+                       {"emb": (shard.placement.local_rows(ids[mine]), row_grads[mine])}, tag=step)
+    for step in (0, 1, 2):
+        push_all(plain, step)
+    assert torch.equal(whole_table(tagged), whole_table(plain))
+    assert [(s.version, s.applied, s.tags, s.duplicates) for s in tagged] == [(3, {"w0": 5}, {0, 1, 2}, 2)] * 2
+    again = ParameterServer(0, tagged[0].placement, SPECS["adagrad"], *shard_of(tagged[0].placement, 0, *model()))
+    again.load_state_dict(tagged[0].state_dict())
+    assert (again.tags, again.duplicates, again.version) == ({0, 1, 2}, 2, 3)
+    again.push("w0", {}, {"emb": (torch.tensor([0]), torch.ones(1, DIM))}, tag=1)
+    assert (again.version, again.duplicates) == (3, 3)

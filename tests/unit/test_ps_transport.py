@@ -63,6 +63,29 @@ def test_a_client_at_staleness_0_pulls_every_push_it_made() -> None:
         PSClient(placement, [servers[0].address], "w0")
 
 
+def test_tagged_pushes_cross_and_each_server_counts_them() -> None:
+    servers = [ServerProcess() for _ in range(2)]
+    placement = place([DenseSpec("w", (3,))], [TableSpec("emb", 9, 2)], 2)
+    client = PSClient(placement, [server.address for server in servers], "w0")
+    client.setup(OptimizerSpec("sgd", 1.0), {"w": torch.zeros(3)}, {"emb": torch.zeros(9, 2)})
+    for tag in (2, 0, 2, 1, 3):
+        client.push({"w": torch.ones(3)}, {"emb": (torch.tensor([4, 7]), torch.ones(2, 2))}, tag=tag)
+    client.flush()
+    tallies = client.tally()
+    assert [(t.tags, t.duplicates, t.version) for t in tallies] == [([0, 1, 2, 3], 1, 4)] * 2
+    assert tallies[0].exactly_once(5) == ([4], []) and tallies[0].exactly_once(3) == ([], [3])
+    assert torch.equal(client.pull({"emb": torch.tensor([4])}).dense["w"], torch.full((3,), -4.0))
+    client.close()
+    again = PSClient(placement, [server.address for server in servers], "w0")  # the rank started again
+    assert again.pushed_to == [5, 5], "it goes on from its predecessor's count"
+    again.push({"w": torch.ones(3)}, {"emb": (torch.tensor([4]), torch.ones(1, 2))}, tag=4)
+    assert again.pull({"emb": torch.tensor([4])}).applied == [6, 6]
+    client = again
+    client.shutdown_servers()
+    client.close()
+    assert all(server.wait(5.0) for server in servers)
+
+
 def test_a_worker_waits_only_when_more_than_s_pushes_ahead() -> None:
     """Server 0's pushes are held up (its push link is kept busy); at staleness 1 the first pull still returns,
     the second waits until the held pushes are applied."""

@@ -39,6 +39,22 @@ class Pulled:
     """This worker's pushes sent (or queued) to each server when it pulled; ``pushed[s] - applied[s] <= staleness``."""
 
 
+@dataclass(frozen=True)
+class Tally:
+    """One server's count of tagged pushes (``PSClient.tally``)."""
+
+    tags: list[int]
+    """The tags applied, ascending: a run that trains each batch once has every batch's index here once."""
+    duplicates: int
+    """Pushes skipped because their tag was applied already (data trained again after a shard was given back)."""
+    version: int
+
+    def exactly_once(self, expected: int) -> tuple[list[int], list[int]]:
+        """(the tags in 0..expected-1 missing, the tags outside that range) against an epoch of ``expected``."""
+        held = set(self.tags)
+        return [t for t in range(expected) if t not in held], [t for t in self.tags if not 0 <= t < expected]
+
+
 class _Pusher:
     """Sends one server's pushes in order from a background thread, so that ``push`` returns at once; trims
     ``unkept`` (if given) by what each reply says the server has kept."""
@@ -98,6 +114,9 @@ class PSClient:
         self.lost = [0] * placement.num_servers
         self.moves: list[tuple[int, str, str]] = []
         self.pushers = [_Pusher(address, self._log(s)) for s, address in enumerate(addresses)]
+        # a worker started again under its predecessor's id goes on from the count that one left on each server,
+        # so that its staleness bound and its resends after a server's restore count from there
+        self.pushed_to = self.applied()
 
     def _log(self, server: int) -> Unkept | None:
         return self.unkept[server] if self.follow is not None else None
@@ -197,9 +216,10 @@ class PSClient:
                       [r.meta["applied"] for r in replies], list(self.pushed_to))
 
     def push(self, dense_grads: Mapping[str, torch.Tensor],
-             row_grads: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+             row_grads: Mapping[str, tuple[torch.Tensor, torch.Tensor]], tag: int | None = None) -> None:
         """Queue one step's gradients (dense by name; per table, row ids and one gradient row each) to every
-        server and return without waiting for them to be applied."""
+        server and return without waiting for them to be applied. ``tag`` names the data they came from (a
+        batch's index): a server applies each tag once (server.py)."""
         self._raise_push_failure()
         for name, grad in dense_grads.items():
             if name not in self.placement.dense:
@@ -228,7 +248,8 @@ class PSClient:
                 split[server][f"grads/{table}"] = grads[mask]
         for server, tensors in enumerate(split):
             tensors = {name: t.detach().clone() for name, t in tensors.items()}
-            message = Message("push", {"worker": self.worker}, tensors)
+            meta: dict[str, object] = {"worker": self.worker} if tag is None else {"worker": self.worker, "tag": tag}
+            message = Message("push", meta, tensors)
             self.pushed_to[server] += 1
             if self.follow is not None:
                 self.unkept[server].add(self.pushed_to[server], message)
@@ -256,6 +277,11 @@ class PSClient:
     def applied(self) -> list[int]:
         """This worker's pushes each server holds now."""
         return [int(reply.meta["applied"]) for reply in self._all(lambda s: Message("status", {"worker": self.worker}))]
+
+    def tally(self) -> list[Tally]:
+        """What each server holds of the tagged pushes: the tags applied and the repeats it skipped."""
+        return [Tally(reply.tensors["tags"].tolist(), int(reply.meta["duplicates"]), int(reply.meta["version"]))
+                for reply in self._all(lambda s: Message("tags"))]
 
     def save(self, directory: Path) -> None:
         """Each server writes its shard to ``directory/ps-<index>.pt`` (after this worker's pushes so far)."""

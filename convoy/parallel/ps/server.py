@@ -1,6 +1,12 @@
 """One parameter server's shard: the dense tensors and table rows ``placement`` gives it, its optimizer, and a
 version counted per applied push. All of it is one ``state_dict`` so that a killed server comes back with its
-shard (``save_shard``/``restore_shard``; ``convoy.Checkpointer`` can hold the same dict)."""
+shard (``save_shard``/``restore_shard``; ``convoy.Checkpointer`` can hold the same dict).
+
+A push may carry a ``tag`` naming the data it was computed from (a batch's index in the epoch). A server applies
+each tag once: a push whose tag it holds already is counted (``duplicates``) and not applied. A data shard given
+back by a lost worker is trained again from where the master last heard of it, which can be behind what the
+servers got; the tags make that re-delivery harmless, so each batch lands exactly once on every server, and
+``tags`` is the count a run is checked against."""
 
 from __future__ import annotations
 
@@ -47,7 +53,12 @@ class ParameterServer:
         self.rows_state = {name: new_state(self.optimizer, t) for name, t in self.rows.items()}
         self.version = 0
         self.applied: dict[str, int] = {}
-        """Pushes applied per worker id: what a worker's staleness bound is checked against."""
+        """Pushes handled per worker id (a skipped duplicate included): what a worker's staleness bound is checked
+        against and what its resends after a restore start from."""
+        self.tags: set[int] = set()
+        """The tags of the pushes applied."""
+        self.duplicates = 0
+        """Pushes not applied because their tag was applied already."""
         self.changed = threading.Condition()
 
     def _check_shape(self, what: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
@@ -75,9 +86,10 @@ class ParameterServer:
         return local
 
     def push(self, worker: str, dense_grads: Mapping[str, torch.Tensor],
-             row_grads: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
+             row_grads: Mapping[str, tuple[torch.Tensor, torch.Tensor]], tag: int | None = None) -> int:
         """Apply one worker's gradients (dense tensors by name; per table, local rows and their gradient rows,
-        duplicates allowed) and return the new version. Everything is checked before anything changes."""
+        duplicates allowed) and return the new version; a ``tag`` applied already only counts the push as
+        handled. Everything is checked before anything changes."""
         for name, grad in dense_grads.items():
             if name not in self.dense:
                 raise ConfigError(f"parameter server {self.index} holds no dense tensor {name!r} (it holds "
@@ -92,12 +104,18 @@ class ParameterServer:
             summed = torch.zeros(len(unique), dim, dtype=grads.dtype).index_add_(0, inverse, grads)
             coalesced[name] = (unique, summed)
         with self.changed:
+            self.applied[worker] = self.applied.get(worker, 0) + 1
+            if tag is not None and tag in self.tags:
+                self.duplicates += 1
+                self.changed.notify_all()
+                return self.version
             for name, grad in dense_grads.items():
                 apply_dense(self.optimizer, self.dense[name], grad, self.dense_state[name])
             for name, (unique, summed) in coalesced.items():
                 apply_rows(self.optimizer, self.rows[name], unique, summed, self.rows_state[name])
             self.version += 1
-            self.applied[worker] = self.applied.get(worker, 0) + 1
+            if tag is not None:
+                self.tags.add(tag)
             self.changed.notify_all()
             return self.version
 
@@ -117,6 +135,7 @@ class ParameterServer:
         keep = (lambda t: t.clone()) if copy else (lambda t: t)
         with self.changed:
             return {"index": self.index, "version": self.version, "applied": dict(self.applied),
+                    "tags": torch.tensor(sorted(self.tags), dtype=torch.int64), "duplicates": self.duplicates,
                     "optimizer": self.optimizer.to_dict(),
                     "dense": {name: keep(t) for name, t in self.dense.items()},
                     "rows": {name: keep(t) for name, t in self.rows.items()},
@@ -143,6 +162,8 @@ class ParameterServer:
             self.dense_state = _copy_state(state["dense_state"])
             self.rows_state = _copy_state(state["rows_state"])
             self.version, self.applied = int(state["version"]), dict(state["applied"])
+            self.tags = set(state["tags"].tolist()) if "tags" in state else set()
+            self.duplicates = int(state.get("duplicates", 0))
             self.changed.notify_all()
 
 

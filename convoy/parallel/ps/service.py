@@ -1,6 +1,6 @@
 """A parameter-server process's request loop: the ops a worker sends (set up a shard, restore one from a file,
-pull, push, snapshot, save, shut down), mapped onto one ``ParameterServer``. Pure dispatch; the bytes are
-transport.py's, the snapshots snapshots.py's. ``from_role_env`` is a PS of a convoy job of roles."""
+pull, push, snapshot, save, status, tags, shut down), mapped onto one ``ParameterServer``. Pure dispatch; the
+bytes are transport.py's, the snapshots snapshots.py's. ``from_role_env`` is a PS of a convoy job of roles."""
 
 from __future__ import annotations
 
@@ -86,7 +86,8 @@ class ServerProcess:
             dense = {name[len("dense/"):]: t for name, t in tensors.items() if name.startswith("dense/")}
             rows = {name[len("ids/"):]: (t, tensors[f"grads/{name[len('ids/'):]}"])
                     for name, t in tensors.items() if name.startswith("ids/")}
-            version = server.push(str(meta["worker"]), dense, rows)
+            tag = meta.get("tag")
+            version = server.push(str(meta["worker"]), dense, rows, None if tag is None else int(tag))
             return Message("pushed", {"version": version, "kept": self._kept(str(meta["worker"]))})
         if op == "snapshot":
             server = self._shard()
@@ -110,10 +111,15 @@ class ServerProcess:
             applied = server.applied.get(worker, 0) if server else 0
             return Message("ok", {"pid": os.getpid(), "version": server.version if server else 0, "applied": applied,
                                   "ready": server is not None, "kept": self._kept(worker)})
+        if op == "tags":
+            server = self._shard()
+            with server.changed:
+                tags = torch.tensor(sorted(server.tags), dtype=torch.int64)
+                return Message("ok", {"duplicates": server.duplicates, "version": server.version}, {"tags": tags})
         if op == "shutdown":
             return Message("bye", {"pid": os.getpid()})  # stopped once this reply is out (_replied)
         raise ConfigError(f"parameter server: unknown op {op!r}; send setup, restore, pull, push, snapshot, save, "
-                          f"status or shutdown")
+                          f"status, tags or shutdown")
 
     def _kept(self, worker: str) -> int:
         """The worker's pushes a kill of this server cannot take away (without snapshots: every applied one,
