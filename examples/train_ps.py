@@ -20,7 +20,10 @@ Roles come from ``convoy.role()``: ``ps`` serves on ``CONVOY_ROLE_PORT``; ``work
 ``i // steps`` at step ``i % steps``, handed out as they ask; a worker reports a batch trained once every server
 has applied its push, so a worker that fails gives back the batches after the last it reported. The servers may
 hold some of those already: each push carries its batch's index as a tag, and a server applies a tag once, so
-every batch lands once on every server; the chief prints that count (``exactly once: ...``) at the end. The chief's
+every batch lands once on every server; the chief prints that count (``exactly once: ...``) at the end. A push is
+lost for good when a server and the worker that pushed to it go down together (their node lost): the server comes
+back from a snapshot older than the push, and nobody is left to resend it; once the epoch is done, the chief
+trains such batches again (``repair``). The chief's
 first iteration is the measuring one (``convoy.measure_iteration``): under ``--workers auto`` the master sizes
 and starts the other workers from it.
 """
@@ -168,7 +171,7 @@ def train(args: argparse.Namespace, info: convoy.RoleInfo) -> None:
     placement = place([DenseSpec(n, tuple(t.shape)) for n, t in dense.items()],
                       [TableSpec(s.name, s.num_rows, s.dim) for s in bags], len(info.peers("ps")))
     client = connect(list(info.peers("ps")), placement, info.rank, args.staleness)
-    if info.rank == 0:
+    if info.rank == 0 and not all(client.ready()):  # a chief started again finds the servers trained on
         init = seeded("tables", args.seed)
         client.setup(OptimizerSpec("adagrad", args.lr),
                      dense, {s.name: torch.randn(s.num_rows, s.dim, generator=init) * 0.01 for s in bags})
@@ -177,7 +180,7 @@ def train(args: argparse.Namespace, info: convoy.RoleInfo) -> None:
     # under --workers auto the chief starts alone, and every worker must declare the same epoch
     started, losses = time.perf_counter(), []
     for step, index in enumerate(batches):
-        batch = data.draw(seeded("train", args.seed, *divmod(index, args.steps)), args.batch)  # (rank, step) of old
+        batch = draw(args, data, index)
         measuring = None
         if step == 0 and info.rank == 0:  # --workers auto sizes the other workers from this iteration
             loaded = [batch.dense, batch.labels, *(t for f in batch.features.values() for t in (f.ids, f.offsets))]
@@ -187,13 +190,8 @@ def train(args: argparse.Namespace, info: convoy.RoleInfo) -> None:
         pulled = pull_when_set_up(client, ids)
         if not batches.seen(pulled):
             continue  # the shard went back to the queue (this worker was taken for lost): stop training it
-        params = {n: t.requires_grad_() for n, t in pulled.dense.items()}
-        rows = {n: t.requires_grad_() for n, t in pulled.rows.items()}
-        loss = F.binary_cross_entropy_with_logits(logits_of(arch, bags, pulled, batch, params, rows), batch.labels)
-        loss.backward()
-        client.push({n: t.grad for n, t in params.items()}, {n: (pulled.ids[n], t.grad) for n, t in rows.items()},
-                    tag=index)  # a batch trained again after its shard was given back is applied once
-        losses.append(loss.item())
+        loss = push_gradients(client, arch, bags, batch, pulled, index)
+        losses.append(loss)
         if measuring is not None:
             measuring.end()
         if args.slow_worker and info.rank == 1:
@@ -213,9 +211,46 @@ def train(args: argparse.Namespace, info: convoy.RoleInfo) -> None:
     client.close()
 
 
+def draw(args: argparse.Namespace, data: Synthetic, index: int):  # noqa: ANN201 (train_dlrm's batch)
+    """Batch ``index`` of the epoch: the seed a fixed split would give rank ``index // steps`` at its step."""
+    return data.draw(seeded("train", args.seed, *divmod(index, args.steps)), args.batch)
+
+
+def push_gradients(client: PSClient, arch: DenseArch, bags: list[BagSpec], batch, pulled: Pulled,
+                   index: int) -> float:
+    """One batch's loss and gradients from what was pulled, pushed tagged with the batch's index (a batch trained
+    again, after its shard was given back, is applied once per server); returns the loss."""
+    params = {n: t.requires_grad_() for n, t in pulled.dense.items()}
+    rows = {n: t.requires_grad_() for n, t in pulled.rows.items()}
+    loss = F.binary_cross_entropy_with_logits(logits_of(arch, bags, pulled, batch, params, rows), batch.labels)
+    loss.backward()
+    client.push({n: t.grad for n, t in params.items()}, {n: (pulled.ids[n], t.grad) for n, t in rows.items()},
+                tag=index)
+    return loss.item()
+
+
+def repair(args: argparse.Namespace, client: PSClient, arch: DenseArch, bags: list[BagSpec], data: Synthetic,
+           batches: int) -> int:
+    """Once the epoch is done, train again each batch a server lacks and push it tagged: the servers that hold it
+    skip it, the others apply it. A server lacks a batch of a finished shard when it came back from a snapshot
+    older than a worker's push of that batch and the worker died too (the node that ran both was lost): nobody
+    is left to resend the push. Returns how many batches were trained again."""
+    lacking = sorted({tag for tally in client.tally() for tag in tally.exactly_once(batches)[0]})
+    for index in lacking:
+        batch = draw(args, data, index)
+        push_gradients(client, arch, bags, batch, client.pull({s.name: batch.features[s.name].ids for s in bags}),
+                       index)
+    client.flush()
+    if lacking:
+        print(f"trained {len(lacking)} batches again that a server had lost with a worker: {lacking[:10]}",
+              flush=True)
+    return len(lacking)
+
+
 def evaluate(args: argparse.Namespace, client: PSClient, arch: DenseArch, bags: list[BagSpec], data: Synthetic,
              batches: int) -> None:
     """Once every batch of the epoch is applied on every server, score the held-out set."""
+    repair(args, client, arch, bags, data, batches)
     held = data.draw(seeded("held-out", args.seed), args.held_out)
     ids = {s.name: held.features[s.name].ids for s in bags}
     deadline = time.monotonic() + 600

@@ -334,7 +334,8 @@ class Agent:
 
     def _report_failure(self, round_info: p.RoundInfo, worker: Worker) -> None:
         code = worker.returncode or 0
-        worker.pump.join(timeout=0.2)  # let the last lines reach the tail
+        worker.signal(signal.SIGKILL)  # what it left in its group goes now (the round stops anyway): the pipe
+        worker.pump.join(timeout=2.0)  # closes, and its last lines reach the log file and the tail (bounded)
         self._forward_events(round_info, most=1000)
         report = p.WorkerExit(
             node_id=self.config.node_id, round_id=round_info.round_id, rank=worker.rank,

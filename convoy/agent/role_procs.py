@@ -135,7 +135,7 @@ class RoleProcesses:
                     process.signal(signal.SIGKILL)
                 continue
             process.signal(signal.SIGKILL)  # what it left running in its group
-            process.pump.join(timeout=0.5)  # its last lines reach the tail
+            process.pump.join(timeout=2.0)  # its group is gone, so the pipe closes: its last lines reach the tail
             del self.running[key]
             report = self.exit_report(process, code)
             exited.append((process, self.memory.exited(key, report) if self.memory is not None else report))

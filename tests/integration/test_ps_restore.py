@@ -16,6 +16,7 @@ import psutil
 import pytest
 from helpers import REPO, Launched, ProcessScope, wait_for
 
+from convoy.control.store import read_status
 from convoy.parallel.ps.transport import Connection, ConnectionLost, Message
 
 pytestmark = pytest.mark.slow
@@ -121,6 +122,32 @@ def test_a_ps_whose_port_is_taken_comes_back_on_another_and_the_workers_follow(p
     assert len(files) == 1, files
     current = json.loads(files[0].read_text())
     assert current["addresses"]["ps"][1] == f"127.0.0.1:{again}" and current["version"] >= 2, current
+    procs.wait_no_leftovers()
+
+
+def test_a_ps_whose_node_is_lost_comes_back_on_the_other_node(procs: ProcessScope, run_dir: Path) -> None:
+    """Two nodes: the agent of the node that runs ps 0 is SIGKILLed mid-training, and its processes die with it.
+    The master places them on the other node; ps 0 takes its shard back there (from its in-memory snapshot: both
+    nodes share this machine's /dev/shm), a worker lost with the node starts again on its rank, and every batch
+    still lands exactly once on each server (what the dead worker had pushed only after ps 0's snapshot, the
+    chief trains again at the end: ``repair``)."""
+    job = procs.start(["run", "--nnodes", "1:2", "--rdzv-wait", 1, "--ps", 2, "--workers", 2, "--preload", "",
+                       "--stop-grace", 1, "--run-dir", run_dir, EXAMPLE, *ARGS])
+    port = wait_for(lambda: serving_ports(run_dir, 0), 60, "ps0 to serve")[0]
+    status = wait_for(lambda: status_when_training(port, STEPS), 60, f"ps0 to apply {STEPS} pushes", interval=0.02)
+    agent = psutil.Process(status["pid"]).parent()
+    lost = agent.cmdline()[agent.cmdline().index("--node-id") + 1]
+    agent.kill()
+    result = job.wait(180)
+    assert result.returncode == 0, result.explain()
+    out = result.stdout
+    assert f"convoy: node {lost} left (agent killed by SIGKILL)" in out, out
+    events = [e["message"] for e in read_status(run_dir, recent=500)["events"] if e["kind"] == "role_placed"]
+    again = [m for m in events if m.startswith("ps 0 ") and "(restored)" in m]
+    assert len(again) == 1 and f"on node {lost}" not in again[0], events
+    assert "[ps0]: parameter server 0 restored from its in-memory snapshot" in out, out
+    assert f"[worker0]: exactly once: each of the {2 * STEPS} batches applied once on each of 2 servers" in out, out
+    assert "job succeeded" in out, out
     procs.wait_no_leftovers()
 
 

@@ -278,6 +278,10 @@ class PSClient:
         """This worker's pushes each server holds now."""
         return [int(reply.meta["applied"]) for reply in self._all(lambda s: Message("status", {"worker": self.worker}))]
 
+    def ready(self) -> list[bool]:
+        """Whether each server holds its shard (set up, or restored): a chief started again must not set it up anew."""
+        return [bool(reply.meta["ready"]) for reply in self._all(lambda s: Message("status", {"worker": self.worker}))]
+
     def tally(self) -> list[Tally]:
         """What each server holds of the tagged pushes: the tags applied and the repeats it skipped."""
         return [Tally(reply.tensors["tags"].tolist(), int(reply.meta["duplicates"]), int(reply.meta["version"]))
