@@ -267,7 +267,8 @@ def _agent(args: argparse.Namespace) -> int:
 
     workers = _worker_config(args)
     run_dir = args.run_dir or args.token_file.parent
-    workers.validate(need_entrypoint=not (run_dir / ROLES_FILE).is_file())  # roles may each name their script
+    roles = (run_dir / ROLES_FILE).is_file()
+    workers.validate(need_entrypoint=not roles)  # roles may each name their script
     host, port = parse_address(args.master)
     resolve_address(host, port)
     if args.node_id is not None and not safe_name(args.node_id):
@@ -285,13 +286,14 @@ def _agent(args: argparse.Namespace) -> int:
 
     address = args.host or local_address_towards(host, port)
     group = WorkerGroup(workers, run_dir, host=address)
-    group.fill_standbys()  # start importing torch before anything else
+    if not roles:
+        group.fill_standbys()  # start importing torch before anything else (a job of roles forks its processes)
     from convoy.agent.agent import Agent, AgentConfig
 
     config = AgentConfig(
         master_host=host, master_port=port, token=token,
         node_id=args.node_id or f"{socket.gethostname()}-{os.getpid()}", host=address, run_dir=run_dir, workers=workers,
-        tls_ca=args.tls_ca,
+        tls_ca=args.tls_ca, roles=roles,
     )
     return Agent(config, group).run()
 
