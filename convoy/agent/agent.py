@@ -16,8 +16,8 @@ from convoy.agent.client import MasterClient
 from convoy.agent.local_api import ClientPool, LocalApi
 from convoy.agent.reap import NodeCgroup, reap
 from convoy.agent.role_memory import RoleMemory, join_memory
-from convoy.agent.forked import ForkServer
-from convoy.agent.role_procs import JobContext, RoleProcesses, start_fork_server
+from convoy.agent.forked import ForkServer, fork_server_for
+from convoy.agent.role_procs import JobContext, RoleProcesses
 from convoy.agent.workers import Worker, WorkerGroup
 from convoy.config import WorkerConfig
 from convoy.control import protocol as p
@@ -125,7 +125,7 @@ class _Heartbeat(threading.Thread):
 class Agent:
     """One node of a job. ``run()`` returns the agent's exit code."""
 
-    def __init__(self, config: AgentConfig, group: WorkerGroup | None = None) -> None:
+    def __init__(self, config: AgentConfig, group: WorkerGroup | None = None, forks: ForkServer | None = None) -> None:
         self.config = config
         self.client = MasterClient(config.master_host, config.master_port, config.token, config.master_timeout_s,
                                    config.tls_ca)
@@ -139,7 +139,7 @@ class Agent:
         self._held_port: socket.socket | None = None
         """Bound to the port this node offered as MASTER_PORT, from its join until its workers start."""
         self._role_processes: RoleProcesses | None = None
-        self._forks: ForkServer | None = None
+        self._forks = forks  # the role processes' fork server (``convoy agent`` may have started it)
         self.local_api = LocalApi(ClientPool(lambda: MasterClient(
             config.master_host, config.master_port, config.token, config.master_timeout_s, config.tls_ca)).forward)
         """The node's processes reach the master through it (data shards); they hold no job token."""
@@ -310,10 +310,9 @@ class Agent:
 
     def _start_fork_server(self, job_id: str) -> None:
         """The role processes' fork server, once per agent: its import of torch overlaps the rest of the start."""
-        if self._forks is None:
-            self._forks = start_fork_server(self.config.workers, self.config.host, job_id, self.config.node_id)
-            if self._forks is not None and self.group.cgroup is not None:
-                self.group.cgroup.add(self._forks.pid)  # what it forks is born in the node's cgroup
+        self._forks = fork_server_for(self._forks, self.config.workers, self.config.host, job_id, self.config.node_id)
+        if self._forks is not None and self.group.cgroup is not None:
+            self.group.cgroup.add(self._forks.pid)  # what it forks is born in the node's cgroup
 
     def _forward_events(self, round_info: p.RoundInfo, most: int = 20) -> None:
         """Send the master what the workers recorded (a few per pass: training comes first)."""
@@ -358,7 +357,7 @@ class Agent:
     def _first_joined(self, job_id: str) -> None:
         """Before this node runs anything of the job: end what an earlier agent of the node left
         running (its workers' children, if it was SIGKILLed), then keep the workers in a cgroup."""
-        left = reap(job_id, self.config.node_id)
+        left = reap(job_id, self.config.node_id, frozenset([self._forks.pid] if self._forks is not None else []))
         if left:
             print(f"convoy agent {self.config.node_id}: stopped {left} process(es) an earlier agent of this node "
                   "left running", file=sys.stderr, flush=True)

@@ -18,6 +18,8 @@ import threading
 import time
 from typing import Any, BinaryIO
 
+from convoy.agent.env import STEADY_MALLOC, spawn_env
+from convoy.config import WorkerConfig
 from convoy.errors import WorkerStartError
 from convoy.procs import die_with_parent
 
@@ -27,11 +29,37 @@ SPAWN_TIMEOUT_S = 30.0
 CLOSE_WAIT_S = 5.0
 
 
+def start_fork_server(workers: WorkerConfig, host: str, job_id: str, node_id: str) -> ForkServer | None:
+    """Start the node's fork server, preloading ``WorkerConfig.role_preload`` (None, said on stderr, where it cannot
+    start). It starts with the environment a role process starts with (settings read at import time), tagged
+    with the job and the node, so a scan of ``/proc`` finds what it forked (``reap.py``)."""
+    env = {**STEADY_MALLOC, **spawn_env(1, host=host), "CONVOY_JOB_ID": job_id, "CONVOY_NODE_ID": node_id}
+    try:
+        forks = ForkServer.start(workers.role_preload(), env)
+    except OSError as exc:
+        print(f"convoy agent {node_id}: cannot start the fork server ({exc}); role processes start on their own",
+              file=sys.stderr, flush=True)
+        return None
+    forks.job_id = job_id
+    return forks
+
+
+def fork_server_for(forks: ForkServer | None, workers: WorkerConfig, host: str, job_id: str,
+                    node_id: str) -> ForkServer | None:
+    """This job's fork server: ``forks`` if it was started for the job, else a new one (one started before the
+    join for another job id would tag what it forks wrongly)."""
+    if forks is not None and forks.job_id == job_id:
+        return forks
+    if forks is not None:
+        forks.close()
+    return start_fork_server(workers, host, job_id, node_id)
+
+
 class ForkServer:
     """One fork server of this agent; its calls come from the agent's main loop."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
-        self.proc, self.sock = proc, sock
+    def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket, job_id: str = "") -> None:
+        self.proc, self.sock, self.job_id = proc, sock, job_id
         self._lock = threading.Condition()
         self._ready = False
         self._dead = False

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from convoy.agent.env import spawn_env
+from convoy.agent.env import STEADY_MALLOC, spawn_env
 from convoy.agent.forked import ForkedProcess, ForkServer
 from convoy.agent.memory_limits import CgroupMemoryLimit, MemoryLimit
 from convoy.agent.reap import NodeCgroup
@@ -34,9 +34,6 @@ from convoy.procs import die_with_parent, signal_name
 from convoy.role_env import ADDRESSES_FILE_ENV, addresses_file, role_env
 
 ROLE_PORT_ENV = "CONVOY_ROLE_PORT"
-STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072"}
-"""glibc hands large blocks back to the system at once: a process's memory stays flat after its first iteration
-instead of creeping, so the one measured iteration stands for the rest (a value in the agent's env wins)."""
 Key = tuple[str, int, int]
 FORK_READY_S = 120.0
 """How long the first process waits for the fork server to finish preloading before it starts on its own."""
@@ -248,19 +245,6 @@ class RoleProcesses:
             **context.agent_env,
             ADDRESSES_FILE_ENV: str(addresses_file(context.run_dir, context.node_id)),
         }
-
-
-def start_fork_server(workers: WorkerConfig, host: str, job_id: str, node_id: str) -> ForkServer | None:
-    """Start the node's fork server, preloading ``WorkerConfig.role_preload`` (None, said on stderr, where it cannot
-    start). It starts with the environment a role process starts with (settings read at import time), tagged
-    with the job and the node, so a scan of ``/proc`` finds what it forked (``reap.py``)."""
-    env = {**STEADY_MALLOC, **spawn_env(1, host=host), "CONVOY_JOB_ID": job_id, "CONVOY_NODE_ID": node_id}
-    try:
-        return ForkServer.start(workers.role_preload(), env)
-    except OSError as exc:
-        print(f"convoy agent {node_id}: cannot start the fork server ({exc}); role processes start on their own",
-              file=sys.stderr, flush=True)
-        return None
 
 
 def _can_listen(host: str, port: int) -> bool:

@@ -114,7 +114,7 @@ def test_a_forked_process_is_measured_as_one_that_imported_its_preload_itself(tm
     assert figures is not None, "the measurement reached the report"
     # USS counts only the process's own pages: the preloaded memory is its own, as after its own import
     assert figures.baseline_uss_bytes >= PRELOADED_MIB * MIB, figures
-    assert figures.peak_rss_bytes - figures.baseline_rss_bytes >= 7 * MIB, figures
+    assert figures.peak_rss_bytes - figures.baseline_rss_bytes >= 24 * MIB, figures  # its 32 MiB batch
 
 
 def test_a_forked_child_owns_the_pages_it_shared_with_its_parent() -> None:
