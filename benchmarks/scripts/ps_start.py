@@ -8,6 +8,11 @@ events in the run dir's state file (wall-clock timestamps): ``master_started``, 
 ``role_started``, the chief's first ``shard_assigned`` (its setup done), ``role_predicted`` (the measurement
 reached the master; it quotes the iteration's ``duration_s``, sampled by the agent between the script's
 ``measure_iteration`` marks), and each worker's first ``shard_assigned``: when it began training.
+
+Beside it, the choice the agent made for role processes: N processes that have imported torch, as N warm
+standbys (N fresh ``python`` processes importing it at once, each in its own memory cgroup from birth) or as one
+fork server that imports it once and forks N (each child taking its own copy of the shared pages,
+``convoy/agent/inherited.py``): seconds from the first start until all N ran.
 """
 
 from __future__ import annotations
@@ -23,12 +28,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+from convoy.agent.forked import ForkServer  # noqa: E402
 from convoy.control.store import read_status  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "train_ps.py"
 EXAMPLE_ARGS = ("--steps", "100", "--held-out", "2048")
 """A short epoch (200 batches in 20 shards): the job ends soon after every worker has begun."""
 BUDGET_S = 3.0
+WARM_COUNT = 4
+"""The processes of the example's node: 2 servers, the chief, one more worker."""
 JOB_TIMEOUT_S = 300
 PHASES = ("master up", "agent joined", "PS started", "chief started", "chief setup", "iteration",
           "measured", "workers started", "workers training")
@@ -74,6 +82,33 @@ def phases(events: list[dict], started: float) -> dict[str, float]:
     return {name: value for name, value in result.items() if value is not None}
 
 
+def warm_processes(count: int) -> tuple[float, float]:
+    with tempfile.TemporaryDirectory(prefix="convoy-warm-") as tmp:
+        return _warm_processes(count, Path(tmp))
+
+
+def _warm_processes(count: int, out: Path) -> tuple[float, float]:
+    """(standbys, fork server): seconds until ``count`` processes that have imported torch all ran."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MALLOC_MMAP_THRESHOLD_": "131072"}
+    started = time.perf_counter()
+    standbys = [subprocess.Popen([sys.executable, "-c", "import torch"], env=env) for _ in range(count)]
+    if any(proc.wait() != 0 for proc in standbys):
+        raise RuntimeError("a standby's import of torch failed")
+    standby_s = time.perf_counter() - started
+    script = out / "ran.py"
+    script.write_text("import sys\nassert 'torch' in sys.modules\n")
+    started = time.perf_counter()
+    server = ForkServer.start(("torch",), env)
+    try:
+        forked = [server.spawn(env, [str(script)], str(script), False, [], 120) for _ in range(count)]
+        if any(proc.wait(120) != 0 for proc in forked):
+            raise RuntimeError("a forked process failed")
+        fork_s = time.perf_counter() - started
+    finally:
+        server.close()
+    return standby_s, fork_s
+
+
 def load_average() -> float:
     return os.getloadavg()[0]
 
@@ -117,7 +152,12 @@ def start_section(quick: bool) -> list[str]:
                 results[workers].append(run)
                 shown = ", ".join(f"{name} {value:.2f}" for name, value in run.items() if name != "load")
                 print(f"  repeat {repeat + 1} --workers {workers}: {shown}; load average {load:.1f}", flush=True)
+    warm = [warm_processes(WARM_COUNT) for _ in range(repeats)]
     lines = table("auto", results["auto"]) + [""] + table("2", results["2"])
+    standby_s, fork_s = (statistics.median(pair[i] for pair in warm) for i in (0, 1))
+    lines += ["", f"{WARM_COUNT} processes that imported torch, all run (median of {repeats}): {WARM_COUNT} warm "
+                  f"standbys {standby_s:.2f} s, one fork server {fork_s:.2f} s ({standby_s / fork_s:.2f}x); runs "
+                  + ", ".join(f"{s:.2f} / {f:.2f}" for s, f in warm)]
     lines += ["", f"median of {repeats} repeat(s); overhead = every worker training - the measuring iteration"]
     lines += ["", verdict("start_time", results["auto"]), verdict("start_time_fixed_count", results["2"])]
     return lines
