@@ -109,6 +109,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     agent.add_argument("--run-dir", type=Path, default=None, help="where worker logs go (default: the token's dir)")
     agent.add_argument("--tls-ca", default="", metavar="PEM",
                        help="the master serves TLS: trust its certificate if this CA certificate signed it")
+    agent.add_argument("--job-id", default="", help="the job's id where it is known (a job of roles then starts "
+                       "the fork server of its processes at once, before the first join)")
     _add_worker_options(agent)
     status = commands.add_parser("status", help="show a job's nodes, round, restarts and recent events")
     status.add_argument("--run-dir", type=Path, required=True, help="the job's run directory")
@@ -267,7 +269,8 @@ def _agent(args: argparse.Namespace) -> int:
 
     workers = _worker_config(args)
     run_dir = args.run_dir or args.token_file.parent
-    workers.validate(need_entrypoint=not (run_dir / ROLES_FILE).is_file())  # roles may each name their script
+    roles = (run_dir / ROLES_FILE).is_file()
+    workers.validate(need_entrypoint=not roles)  # roles may each name their script
     host, port = parse_address(args.master)
     resolve_address(host, port)
     if args.node_id is not None and not safe_name(args.node_id):
@@ -284,16 +287,22 @@ def _agent(args: argparse.Namespace) -> int:
     from convoy.agent.workers import WorkerGroup
 
     address = args.host or local_address_towards(host, port)
+    forks = None
+    if roles and args.job_id and args.node_id:  # its import of torch starts before anything else
+        from convoy.agent.forked import start_fork_server
+
+        forks = start_fork_server(workers, address, args.job_id, args.node_id)
     group = WorkerGroup(workers, run_dir, host=address)
-    group.fill_standbys()  # start importing torch before anything else
+    if not roles:
+        group.fill_standbys()  # start importing torch before anything else (a job of roles forks its processes)
     from convoy.agent.agent import Agent, AgentConfig
 
     config = AgentConfig(
         master_host=host, master_port=port, token=token,
         node_id=args.node_id or f"{socket.gethostname()}-{os.getpid()}", host=address, run_dir=run_dir, workers=workers,
-        tls_ca=args.tls_ca,
+        tls_ca=args.tls_ca, roles=roles,
     )
-    return Agent(config, group).run()
+    return Agent(config, group, forks).run()
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -85,6 +85,9 @@ class RendezvousConfig:
         check_seconds("--join-timeout", self.join_timeout_s, allow_zero=False)
 
 
+DEFAULT_PRELOAD = ("torch", "torch._dynamo")
+
+
 @dataclass
 class WorkerConfig:
     entrypoint: str = ""
@@ -97,12 +100,18 @@ class WorkerConfig:
     """Worker processes per node (per agent)."""
     stop_grace_s: float = 5.0
     """After SIGTERM, how long a worker may take to exit before it gets SIGKILL."""
-    preload: tuple[str, ...] = ("torch", "torch._dynamo")
+    preload: tuple[str, ...] = DEFAULT_PRELOAD
     """Modules a standby worker imports before it is given a rank (empty: none).
 
     torch._dynamo is in the default because DistributedDataParallel imports it on construction, and that
     import is one of the slowest parts of a worker's start.
     """
+
+    def role_preload(self) -> tuple[str, ...]:
+        """What the fork server of a job of roles preloads: the list given, but in place of the default list
+        ``torch`` alone. Role processes (servers, the workers of a PS) seldom build DDP, and the import of
+        torch._dynamo (about 2 s of CPU) would stand between the job's start and its first process."""
+        return ("torch",) if self.preload == DEFAULT_PRELOAD else self.preload
 
     def validate(self, need_entrypoint: bool = True) -> None:
         """``need_entrypoint`` False: every role of the job has its own script, so the job's may be empty."""

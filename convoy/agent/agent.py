@@ -16,6 +16,7 @@ from convoy.agent.client import MasterClient
 from convoy.agent.local_api import ClientPool, LocalApi
 from convoy.agent.reap import NodeCgroup, reap
 from convoy.agent.role_memory import RoleMemory, join_memory
+from convoy.agent.forked import ForkServer, fork_server_for
 from convoy.agent.role_procs import JobContext, RoleProcesses
 from convoy.agent.workers import Worker, WorkerGroup
 from convoy.config import WorkerConfig
@@ -47,6 +48,9 @@ class AgentConfig:
     """How long the master may be unreachable before the agent stops its workers and exits."""
     tls_ca: str = ""
     """Speak TLS to the master and trust its certificate if this CA signed it (empty: plain HTTP)."""
+    roles: bool = False
+    """The job runs roles (known at the start where the launcher's roles file is in the run dir): no standby per
+    local rank, but a fork server from the first join on (a job found to have roles later starts it then)."""
 
 
 class _Heartbeat(threading.Thread):
@@ -121,7 +125,7 @@ class _Heartbeat(threading.Thread):
 class Agent:
     """One node of a job. ``run()`` returns the agent's exit code."""
 
-    def __init__(self, config: AgentConfig, group: WorkerGroup | None = None) -> None:
+    def __init__(self, config: AgentConfig, group: WorkerGroup | None = None, forks: ForkServer | None = None) -> None:
         self.config = config
         self.client = MasterClient(config.master_host, config.master_port, config.token, config.master_timeout_s,
                                    config.tls_ca)
@@ -135,6 +139,7 @@ class Agent:
         self._held_port: socket.socket | None = None
         """Bound to the port this node offered as MASTER_PORT, from its join until its workers start."""
         self._role_processes: RoleProcesses | None = None
+        self._forks = forks  # the role processes' fork server (``convoy agent`` may have started it)
         self.local_api = LocalApi(ClientPool(lambda: MasterClient(
             config.master_host, config.master_port, config.token, config.master_timeout_s, config.tls_ca)).forward)
         """The node's processes reach the master through it (data shards); they hold no job token."""
@@ -144,7 +149,8 @@ class Agent:
         previous = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self.local_api.start()
-            self.group.fill_standbys()  # import torch while the round assembles
+            if not self.config.roles:
+                self.group.fill_standbys()  # import torch while the round assembles
             return self._loop()
         except Interrupted as exc:
             self._leave(f"interrupted by {exc}")
@@ -159,6 +165,8 @@ class Agent:
             self._revoke()
             if self._role_processes is not None:
                 self._role_processes.stop_all()
+            if self._forks is not None:
+                self._forks.close()  # no process of the job is forked from it any more
             self.group.close()
             self.local_api.stop()
             if self.heartbeat.lease is not None:
@@ -184,7 +192,8 @@ class Agent:
         The node joins once its standbys are warm, so a round never waits on a cold import
         of another node's workers (a node that joins a running job costs it no idle time).
         """
-        self.group.wait_preloaded(PRELOAD_WAIT_S)
+        if not self.config.roles:
+            self.group.wait_preloaded(PRELOAD_WAIT_S)
         while True:
             join = p.JoinRequest(node_id=self.config.node_id, host=self.config.host, port=self._hold_port(),
                                  nproc=self.config.workers.nproc_per_node, instance=self._instance,
@@ -260,11 +269,12 @@ class Agent:
         it and its processes go on."""
         self._release_port()
         self.group.close()  # no worker per local rank: the standbys are not needed
+        self._start_fork_server(self._job_id)
         context = JobContext(self._job_id, self.config.node_id, self.config.host, self.config.run_dir, self.master_url,
                              self.local_api.env())
         memory = RoleMemory(self.config.node_id)
         processes = self._role_processes = RoleProcesses(self.config.workers, context, self.group.cgroup,
-                                                         memory=memory)
+                                                         memory=memory, forks=self._forks)
         while True:
             if self.heartbeat.error is not None:
                 raise self.heartbeat.error
@@ -289,31 +299,20 @@ class Agent:
             self.heartbeat.changed.clear()
 
     def _carry_out_orders(self, processes: RoleProcesses) -> None:
-        """Stops first (a rank's old process may hold the port its new one gets), then starts, each reported."""
+        """What the master's replies asked, each start reported."""
         while True:
             try:
                 assignments, stops = self.heartbeat.orders.get_nowait()
             except queue.Empty:
                 return
-            for stop in stops:
-                processes.stop(stop)
-            for assignment in assignments:
-                report = p.RoleReport(node_id=self.config.node_id, role=assignment.role, rank=assignment.rank,
-                                      incarnation=assignment.incarnation, state="started")
-                try:
-                    process = processes.start(assignment)
-                except (WorkerStartError, OSError) as exc:
-                    print(f"convoy agent {self.config.node_id}: {exc}", file=sys.stderr, flush=True)
-                    report.state, report.start_failed, report.log_tail = "exited", True, [str(exc)]
-                else:
-                    if process is None:
-                        # a repeat of the assignment (redelivered, or from a restarted master that missed the
-                        # report): say again that it runs; one that exited since is reported by poll
-                        process = processes.running.get((assignment.role, assignment.rank, assignment.incarnation))
-                        if process is None:
-                            continue
-                    report.address = process.address
+            for report in processes.carry_out(assignments, stops):
                 self.client.call("/role_report", report, p.Ack)
+
+    def _start_fork_server(self, job_id: str) -> None:
+        """The role processes' fork server, once per agent: its import of torch overlaps the rest of the start."""
+        self._forks = fork_server_for(self._forks, self.config.workers, self.config.host, job_id, self.config.node_id)
+        if self._forks is not None and self.group.cgroup is not None:
+            self.group.cgroup.add(self._forks.pid)  # what it forks is born in the node's cgroup
 
     def _forward_events(self, round_info: p.RoundInfo, most: int = 20) -> None:
         """Send the master what the workers recorded (a few per pass: training comes first)."""
@@ -359,13 +358,15 @@ class Agent:
     def _first_joined(self, job_id: str) -> None:
         """Before this node runs anything of the job: end what an earlier agent of the node left
         running (its workers' children, if it was SIGKILLed), then keep the workers in a cgroup."""
-        left = reap(job_id, self.config.node_id)
+        left = reap(job_id, self.config.node_id, frozenset([self._forks.pid] if self._forks is not None else []))
         if left:
             print(f"convoy agent {self.config.node_id}: stopped {left} process(es) an earlier agent of this node "
                   "left running", file=sys.stderr, flush=True)
         cgroup = NodeCgroup.create(job_id, self.config.node_id)
         if cgroup is not None:
             self.group.use_cgroup(cgroup)
+        if self.config.roles:
+            self._start_fork_server(job_id)
 
     def _open_lease(self) -> None:
         """Create this node's round lease once the job id is known (before any worker starts)."""

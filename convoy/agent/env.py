@@ -16,6 +16,10 @@ if TYPE_CHECKING:
 
 
 SIOCGIFADDR = 0x8915
+STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+"""What role processes start with: glibc hands large blocks back to the system at once, so a process's memory
+stays flat after its first iteration instead of creeping, and the one measured iteration stands for the rest (a
+value in the agent's env wins)."""
 
 
 def interface_of(address: str) -> str | None:

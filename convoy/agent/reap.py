@@ -148,8 +148,9 @@ def tagged_processes(job_id: str, node_id: str) -> list[int]:
     return found
 
 
-def reap(job_id: str, node_id: str) -> int:
-    """Kill whatever a node's workers of this job left running; returns how many were found."""
+def reap(job_id: str, node_id: str, spare: frozenset[int] = frozenset()) -> int:
+    """Kill whatever a node's workers of this job left running; returns how many were found. ``spare``: processes
+    of the caller's own that carry the tags (a fork server started before the first join)."""
     if not job_id:
         return 0
     found: set[int] = set()
@@ -157,7 +158,8 @@ def reap(job_id: str, node_id: str) -> int:
         found.update(cgroup.pids())
         cgroup.remove()
     deadline = time.monotonic() + REAP_WAIT_S
-    while (left := tagged_processes(job_id, node_id)) and time.monotonic() < deadline:
+    while (left := [pid for pid in tagged_processes(job_id, node_id) if pid not in spare]) and \
+            time.monotonic() < deadline:
         found.update(left)
         for pid in left:
             _kill(pid)

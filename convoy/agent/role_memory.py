@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import secrets
 import sys
 import threading
 import time
@@ -100,18 +101,24 @@ class RoleMemory:
     def sink(self, key: Key) -> _Sink:
         return _Sink(self, key)
 
-    def started(self, assignment: p.RoleAssignment, pid: int) -> None:
-        """Sample the process from now on and put it under its limit (before it has built much)."""
+    def limit_for(self, assignment: p.RoleAssignment) -> MemoryLimit | None:
+        """The limit a process of this assignment gets, made before the process exists (a cgroup it joins
+        before it runs anything); None without one, or where it cannot be made (said on stderr)."""
+        if not assignment.memory_limit_bytes:
+            return None
+        name = f"{assignment.role}{assignment.rank}-{assignment.incarnation}-{secrets.token_hex(4)}"
+        try:
+            return self.limiter.limit(name, assignment.memory_limit_bytes)
+        except ConfigError as exc:
+            print(f"convoy agent {self.node_id}: {exc}", file=sys.stderr, flush=True)
+            return None
+
+    def started(self, assignment: p.RoleAssignment, pid: int, limit: MemoryLimit | None = None) -> None:
+        """Sample the process from now on and keep it under ``limit`` (``limit_for``'s; added to it here too,
+        for a process that could not join it itself)."""
         key = (assignment.role, assignment.rank, assignment.incarnation)
-        limit = None
-        if assignment.memory_limit_bytes:
-            try:
-                limit = self.limiter.limit(f"{assignment.role}{assignment.rank}-{assignment.incarnation}-{pid}",
-                                           assignment.memory_limit_bytes)
-            except ConfigError as exc:
-                print(f"convoy agent {self.node_id}: {exc}", file=sys.stderr, flush=True)
-            else:
-                limit.add(pid)
+        if limit is not None:
+            limit.add(pid)
         interval = MEASURE_INTERVAL_S if assignment.measure else PEAK_INTERVAL_S
         watched = Watched(key, TreeSampler(pid, interval).start(), limit, assignment.measure)
         with self._lock:

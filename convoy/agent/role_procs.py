@@ -1,9 +1,10 @@
 """The role processes of one node: started from the master's assignments, watched, stopped on its word.
 
-Each runs ``python SCRIPT`` (or ``-m MODULE``) directly, in its own process group and set to die with the agent,
-with the job's CONVOY_* variables, its role (``role_env``) and the port it serves on (CONVOY_ROLE_PORT). Its
-output goes through a LogPump to ``RUN_DIR/logs/roles/<role><rank>.log`` and, prefixed ``[<role><rank>]``, to
-the console.
+Each is forked from the node's fork server (``forkserver.py``: ``import torch`` paid once per node, not per
+process), or, without one, runs ``python SCRIPT`` (or ``-m MODULE``) itself; either way in its own session, set
+to die with the agent, in its cgroups from the start, with the job's CONVOY_* variables, its role (``role_env``)
+and the port it serves on (CONVOY_ROLE_PORT). Its output goes through a LogPump to
+``RUN_DIR/logs/roles/<role><rank>.log`` and, prefixed ``[<role><rank>]``, to the console.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from convoy.agent.env import spawn_env
+from convoy.agent.env import STEADY_MALLOC, spawn_env
+from convoy.agent.forked import ForkedProcess, ForkServer
+from convoy.agent.memory_limits import CgroupMemoryLimit, MemoryLimit
 from convoy.agent.reap import NodeCgroup
 from convoy.agent.role_memory import RoleMemory
 from convoy.agent.workers import LogPump
@@ -31,16 +34,15 @@ from convoy.procs import die_with_parent, signal_name
 from convoy.role_env import ADDRESSES_FILE_ENV, addresses_file, role_env
 
 ROLE_PORT_ENV = "CONVOY_ROLE_PORT"
-STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072"}
-"""glibc hands large blocks back to the system at once: a process's memory stays flat after its first iteration
-instead of creeping, so the one measured iteration stands for the rest (a value in the agent's env wins)."""
 Key = tuple[str, int, int]
+FORK_READY_S = 120.0
+"""How long the first process waits for the fork server to finish preloading before it starts on its own."""
 
 
 @dataclass
 class RoleProcess:
     assignment: p.RoleAssignment
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | ForkedProcess
     pump: LogPump
     address: str
     kill_at: float | None = None
@@ -74,8 +76,11 @@ class RoleProcesses:
     """Starts, polls and stops this node's role processes; ``start`` ignores an incarnation it has started."""
 
     def __init__(self, workers: WorkerConfig, context: JobContext, cgroup: NodeCgroup | None = None,
-                 console: BinaryIO | None = None, memory: RoleMemory | None = None) -> None:
+                 console: BinaryIO | None = None, memory: RoleMemory | None = None,
+                 forks: ForkServer | None = None) -> None:
         self.workers, self.context, self.cgroup, self.memory = workers, context, cgroup, memory
+        self.forks = forks
+        """Where the processes are forked from (None: each starts as ``python SCRIPT``)."""
         self.running: dict[Key, RoleProcess] = {}
         self.seen: set[Key] = set()
         self._console = console or sys.stdout.buffer
@@ -96,18 +101,17 @@ class RoleProcesses:
         name = f"{assignment.role}{assignment.rank}"
         log_path = self.context.run_dir / "logs" / "roles" / f"{name}.log"
         env = {**STEADY_MALLOC, **self._env, **self._job_env(assignment, port, log_path)}
+        limit = self.memory.limit_for(assignment) if self.memory is not None else None
         try:
-            proc = subprocess.Popen(
-                [sys.executable, *self._argv(assignment)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                preexec_fn=lambda: die_with_parent(signal.SIGKILL),
-            )
-        except OSError as exc:
-            raise WorkerStartError(f"cannot start {name} ({sys.executable}): {exc}") from exc
-        if self.cgroup is not None:
-            self.cgroup.add(proc.pid)
+            proc = self._spawn(name, assignment, env, limit)
+        except BaseException:
+            if limit is not None:
+                limit.close()
+            raise
+        if limit is not None:
+            limit.add(proc.pid)  # a forked process is in its cgroup already; the watchdog learns of it here
         if self.memory is not None:
-            self.memory.started(assignment, proc.pid)
+            self.memory.started(assignment, proc.pid, limit)
         assert proc.stdout is not None
         sink = self.memory.sink(key) if self.memory is not None else None
         pump = LogPump(proc.stdout, self._console, self._console_lock, sink)  # type: ignore[arg-type]
@@ -116,6 +120,58 @@ class RoleProcesses:
         process = RoleProcess(assignment, proc, pump, f"{self.context.host}:{port}")
         self.running[key] = process
         return process
+
+    def _spawn(self, name: str, assignment: p.RoleAssignment, env: dict[str, str],
+               limit: MemoryLimit | None) -> subprocess.Popen[bytes] | ForkedProcess:
+        """Fork the process from the fork server, which joins it to its cgroups (the node's, its limit's)
+        before it runs anything; a process of its own where there is no server or it fails."""
+        entry, module, args = self._entry(assignment)
+        if self.forks is not None:
+            cgroups = [str(self.cgroup.path)] if self.cgroup is not None else []
+            if isinstance(limit, CgroupMemoryLimit):
+                cgroups.append(str(limit.path))
+            try:
+                return self.forks.spawn(env, [entry, *args], entry, module, cgroups, FORK_READY_S)
+            except WorkerStartError as exc:
+                print(f"convoy agent {self.context.node_id}: {exc}; {name} and the role processes after it start "
+                      "as processes of their own", file=sys.stderr, flush=True)
+                self.forks = None
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, *(["-m", entry] if module else [entry]), *args], stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                preexec_fn=lambda: die_with_parent(signal.SIGKILL),
+            )
+        except OSError as exc:
+            raise WorkerStartError(f"cannot start {name} ({sys.executable}): {exc}") from exc
+        if self.cgroup is not None:
+            self.cgroup.add(proc.pid)
+        return proc
+
+    def carry_out(self, assignments: list[p.RoleAssignment], stops: list[p.RoleStop]) -> list[p.RoleReport]:
+        """Stops first (a rank's old process may hold the port its new one gets), then starts; the reports for
+        the master."""
+        for stop in stops:
+            self.stop(stop)
+        reports = []
+        for assignment in assignments:
+            report = p.RoleReport(node_id=self.context.node_id, role=assignment.role, rank=assignment.rank,
+                                  incarnation=assignment.incarnation, state="started")
+            try:
+                process = self.start(assignment)
+            except (WorkerStartError, OSError) as exc:
+                print(f"convoy agent {self.context.node_id}: {exc}", file=sys.stderr, flush=True)
+                report.state, report.start_failed, report.log_tail = "exited", True, [str(exc)]
+            else:
+                if process is None:
+                    # a repeat of the assignment (redelivered, or from a restarted master that missed the
+                    # report): say again that it runs; one that exited since is reported by poll
+                    process = self.running.get((assignment.role, assignment.rank, assignment.incarnation))
+                    if process is None:
+                        continue
+                report.address = process.address
+            reports.append(report)
+        return reports
 
     def stop(self, stop: p.RoleStop) -> None:
         """SIGTERM now; ``poll`` sends SIGKILL once the stop grace has passed."""
@@ -168,13 +224,11 @@ class RoleProcesses:
             if self.memory is not None:
                 self.memory.forget(process.key)
 
-    def _argv(self, assignment: p.RoleAssignment) -> list[str]:
+    def _entry(self, assignment: p.RoleAssignment) -> tuple[str, bool, list[str]]:
+        """(script or module, whether a module, arguments) of the assignment's process."""
         if assignment.entrypoint:
-            entry, module, args = assignment.entrypoint, assignment.module, assignment.args
-        else:  # the job's script; the role's own arguments follow the job's
-            entry, module = self.workers.entrypoint, self.workers.module
-            args = [*self.workers.args, *assignment.args]
-        return [*(["-m", entry] if module else [entry]), *args]
+            return assignment.entrypoint, assignment.module, list(assignment.args)
+        return self.workers.entrypoint, self.workers.module, [*self.workers.args, *assignment.args]  # the job's
 
     def _job_env(self, assignment: p.RoleAssignment, port: int, log_path: Path) -> dict[str, str]:
         context = self.context

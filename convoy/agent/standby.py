@@ -19,6 +19,8 @@ import traceback
 
 from convoy.procs import exit_without_teardown
 
+_AGENT_DIR = os.path.dirname(os.path.abspath(__file__))
+
 
 def _read_order() -> dict[str, object] | None:
     chunks = []
@@ -33,7 +35,7 @@ def _read_order() -> dict[str, object] | None:
     return json.loads(data) if data else None
 
 
-def _preload(modules: str) -> None:
+def preload(modules: str) -> None:
     for name in filter(None, modules.split(",")):
         try:
             importlib.import_module(name)
@@ -41,7 +43,7 @@ def _preload(modules: str) -> None:
             pass  # the script imports what it needs itself; preloading is only a head start
 
 
-def _keep_process_groups() -> None:
+def keep_process_groups() -> None:
     """Hold a reference to every process group the script creates, so none is freed before exit.
 
     Freeing a gloo process group joins its worker thread while the GIL is held; that thread may
@@ -64,9 +66,9 @@ def _keep_process_groups() -> None:
 
 
 def main() -> int:
-    preload, ready_fd = sys.argv[1], int(sys.argv[2])
-    _preload(preload)
-    _keep_process_groups()
+    modules, ready_fd = sys.argv[1], int(sys.argv[2])
+    preload(modules)
+    keep_process_groups()
     gc.freeze()  # preloaded objects live for good: later collections and the exit skip them
     os.write(ready_fd, b"R")  # tells the agent this standby is warm
     os.close(ready_fd)
@@ -78,10 +80,10 @@ def main() -> int:
     os.close(devnull)
     os.environ.update(order["env"])  # type: ignore[arg-type]
     sys.argv = list(order["argv"])  # type: ignore[call-overload]
-    exit_without_teardown(_run_script(str(order["entrypoint"]), bool(order["module"])))
+    exit_without_teardown(run_script(str(order["entrypoint"]), bool(order["module"])))
 
 
-def _run_script(entrypoint: str, module: bool) -> int:
+def run_script(entrypoint: str, module: bool) -> int:
     """Run the script as ``python script.py`` would; return its exit code."""
     try:
         if module:
@@ -103,8 +105,9 @@ def _run_script(entrypoint: str, module: bool) -> int:
 def _print_script_traceback(exc: BaseException) -> None:
     """Print the traceback from the script's own frames on, as ``python script.py`` would."""
     tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>", runpy.__file__):
-        tb = tb.tb_next
+    while tb is not None and (os.path.dirname(os.path.abspath(tb.tb_frame.f_code.co_filename)) == _AGENT_DIR
+                              or tb.tb_frame.f_code.co_filename in ("<frozen runpy>", runpy.__file__)):
+        tb = tb.tb_next  # the standby's or the fork server's own frames
     traceback.print_exception(type(exc), exc, tb)
     sys.stderr.flush()
 

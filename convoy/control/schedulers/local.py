@@ -44,7 +44,7 @@ class LocalScheduler:
             "agent", "--master", f"127.0.0.1:{self.port}", "--token-file", str(self.token_file),
             "--run-dir", str(self.config.master.run_dir), "--node-id", node_id, "--host", "127.0.0.1",
             "--nproc-per-node", str(workers.nproc_per_node), "--stop-grace", str(workers.stop_grace_s),
-            "--preload", ",".join(workers.preload),
+            "--preload", ",".join(workers.preload), "--job-id", self.config.master.job_id,
         ]
         command += ["-m", workers.entrypoint] if workers.module else [workers.entrypoint]
         self.agents[node_id] = self._spawn(command + workers.args)

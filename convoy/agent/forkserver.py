@@ -1,0 +1,175 @@
+"""The fork server of a job of roles: imports the heavy modules once, then forks each role process from itself.
+
+Why not a warm standby per process, as ordinary workers have: a standby pays ``import torch`` per process (about
+2.7 s of CPU), and a node starts several role processes at once (the servers and the chief), then more once the
+chief is measured; on 2 cores N concurrent imports take N x 1.35 s, where one import and N forks take one import
+(``benchmarks/results/ps_start.txt`` measures both). The agent does not know in advance how many a node will run
+either: a fork server serves any number, restarts included.
+
+Run by the agent as ``python -m convoy.agent.forkserver PRELOAD SOCKET_FD``; it says ``{"ready": true}`` on the
+socket (SOCK_SEQPACKET, one JSON message per packet) once preloaded. An order is
+``{"id", "env", "argv", "entrypoint", "module", "cgroups"}`` with the process's output pipe as its one passed
+file descriptor; the answer ``{"id", "pid"}`` (or ``{"id", "error"}``), and ``{"exited": pid, "code": c}``
+(``Popen.returncode``'s form) once it ends. A child takes a session of its own, dies with the server (which dies
+with the agent), joins its cgroups (its memory limit's among them) before anything else, then takes its own copy
+of the memory it shares with the server (``inherited.py``: its cgroup counts its imports as if it had made
+them), and runs the script as ``python SCRIPT`` would. When the agent closes the socket, the server kills the
+children left and exits.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import traceback
+from typing import Any, NoReturn
+
+from convoy.agent.inherited import own_inherited_pages
+from convoy.agent.standby import keep_process_groups, preload, run_script
+from convoy.procs import die_with_parent, exit_without_teardown
+
+MAX_MESSAGE = 1 << 20
+
+
+def send(sock: socket.socket, message: dict[str, Any]) -> None:
+    sock.send(json.dumps(message).encode())
+
+
+def main() -> int:
+    modules, sock = sys.argv[1], socket.socket(fileno=int(sys.argv[2]))
+    preload(modules)
+    keep_process_groups()
+    gc.freeze()  # the preloaded objects are never collected: the children's collections do not touch them
+    wake_read, wake_write = os.pipe()
+    for fd in (wake_read, wake_write):
+        os.set_blocking(fd, False)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    signal.set_wakeup_fd(wake_write)
+    send(sock, {"ready": True, "pid": os.getpid()})
+    children: set[int] = set()
+    try:
+        while True:
+            readable = select.select([sock, wake_read], [], [])[0]
+            if wake_read in readable:
+                while _drain(wake_read):
+                    pass
+            _reap(sock, children)
+            if sock in readable:
+                data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 1)
+                if not data:
+                    return 0  # the agent is done (or gone)
+                _fork(sock, json.loads(data), fds, children, (wake_read, wake_write))
+    finally:
+        for pid in children:
+            _kill_group(pid)
+        for pid in children:
+            _wait(pid)
+
+
+def _fork(sock: socket.socket, order: dict[str, Any], fds: list[int], children: set[int],
+          own_fds: tuple[int, int]) -> None:
+    server = os.getpid()
+    try:
+        output = fds[0]
+        pid = os.fork()
+    except (IndexError, OSError) as exc:
+        for fd in fds:
+            os.close(fd)
+        send(sock, {"id": order.get("id"), "error": f"cannot fork the process: {exc}"})
+        return
+    if pid == 0:
+        _become(order, output, server, [sock.fileno(), *own_fds])
+    os.close(output)
+    children.add(pid)
+    send(sock, {"id": order["id"], "pid": pid})
+
+
+def _become(order: dict[str, Any], output: int, server: int, server_fds: list[int]) -> NoReturn:
+    """The child: becomes the role process; never returns into the server's loop."""
+    try:
+        os.setsid()
+        die_with_parent(signal.SIGKILL)
+        if os.getppid() != server:
+            os._exit(1)  # the server died before the child could follow it
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in server_fds:
+            os.close(fd)
+        os.dup2(output, 1)
+        os.dup2(output, 2)
+        os.close(output)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.close(devnull)
+        for path in order.get("cgroups", []):
+            _join(path)
+        try:
+            own_inherited_pages()
+        except OSError as exc:
+            print(f"convoy: this process's memory shared with the fork server stays charged to it: {exc}",
+                  file=sys.stderr, flush=True)
+        os.environ.clear()
+        os.environ.update(order["env"])
+        sys.argv = list(order["argv"])
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:
+            numpy.random.seed()  # a fresh process seeds numpy's global generator afresh (``random`` reseeds itself)
+        code = run_script(str(order["entrypoint"]), bool(order["module"]))
+    except BaseException:  # noqa: BLE001 (a child must end here, whatever happened)
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    exit_without_teardown(code)
+
+
+def _join(path: str) -> None:
+    try:
+        with open(os.path.join(path, "cgroup.procs"), "w") as procs:
+            procs.write(f"{os.getpid()}\n")
+    except OSError as exc:
+        print(f"convoy: cannot join the cgroup {path}: {exc.strerror or exc}", file=sys.stderr, flush=True)
+
+
+def _reap(sock: socket.socket, children: set[int]) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        children.discard(pid)
+        try:
+            send(sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+        except OSError:
+            pass  # the agent is gone; the loop ends at the socket's end
+
+
+def _drain(fd: int) -> bool:
+    try:
+        return bool(os.read(fd, 4096))
+    except BlockingIOError:
+        return False
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _wait(pid: int) -> None:
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())
