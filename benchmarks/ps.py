@@ -1,7 +1,7 @@
 """Parameter-server training (issue 24): async PS against synchronous data parallelism, and worker memory
 predicted from one measured iteration.
 
-    python benchmarks/ps.py [--only async,predict,faults] [--repeats 3] [--quick]
+    python benchmarks/ps.py [--only async,predict,faults,start] [--repeats 3] [--quick]
 
 async: examples/train_dlrm.py's click model and synthetic data, one epoch of the same batches and the same
 held-out set for three systems, with one worker slowed 2x (after each step it sleeps as long as the step
@@ -16,6 +16,8 @@ predict: see benchmarks/scripts/ps_predict.py.
 
 faults: see benchmarks/scripts/ps_faults.py (a worker killed mid-shard, a parameter server killed, each counted
 for exactly-once training and AUC against fault-free runs).
+
+start: see benchmarks/scripts/ps_start.py (from the job's start to every worker training, phase by phase).
 """
 
 from __future__ import annotations
@@ -155,8 +157,8 @@ def async_section(args: argparse.Namespace) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="async,predict,faults",
-                        help="comma-separated sections: async, predict, faults")
+    parser.add_argument("--only", default="async,predict,faults,start",
+                        help="comma-separated sections: async, predict, faults, start")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="a short epoch, one repeat")
     parser.add_argument("--workers", type=int, default=2)
@@ -172,8 +174,8 @@ def main() -> int:
     sections = set(args.only.split(","))
     if args.quick:
         args.batches, args.repeats = 80, 1
-    if not sections <= {"async", "predict", "faults"}:
-        parser.error(f"--only takes async, predict and/or faults (got {args.only!r})")
+    if not sections <= {"async", "predict", "faults", "start"}:
+        parser.error(f"--only takes async, predict, faults and/or start (got {args.only!r})")
     lines: list[str] = []
     if "async" in sections:
         lines += async_section(args)
@@ -185,6 +187,10 @@ def main() -> int:
         from ps_faults import faults_section
 
         lines += ([""] if lines else []) + faults_section(args.quick)
+    if "start" in sections:
+        from ps_start import start_section
+
+        lines += ([""] if lines else []) + start_section(args.quick)
     print("\n".join(lines), flush=True)
     return 0
 
