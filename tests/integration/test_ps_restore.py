@@ -50,6 +50,14 @@ def status_when_training(port: int, pushes: int) -> dict | None:
     return metas[0] if metas[0]["version"] >= pushes and unkept else None
 
 
+def agent_of(pid: int) -> psutil.Process:
+    """The agent that runs role process ``pid`` (its parent is the node's fork server, or the agent itself)."""
+    agent = psutil.Process(pid).parent()
+    while "--node-id" not in agent.cmdline():
+        agent = agent.parent()
+    return agent
+
+
 def kill_mid_training(procs: ProcessScope, run_dir: Path, rank: int,
                       take_port: bool = False) -> tuple[Launched, int, dict, socket.socket | None]:
     """SIGKILL PS ``rank`` once it has applied half of all pushes; ``take_port``: with its agent stopped meanwhile,
@@ -59,7 +67,7 @@ def kill_mid_training(procs: ProcessScope, run_dir: Path, rank: int,
     port = wait_for(lambda: serving_ports(run_dir, rank), 60, f"ps{rank} to serve")[0]
     status = wait_for(lambda: status_when_training(port, STEPS), 60, f"ps{rank} to apply {STEPS} pushes",
                       interval=0.02)
-    agent = psutil.Process(status["pid"]).parent()
+    agent = agent_of(status["pid"])
     if take_port:
         agent.suspend()
     try:
@@ -135,7 +143,7 @@ def test_a_ps_whose_node_is_lost_comes_back_on_the_other_node(procs: ProcessScop
                        "--stop-grace", 1, "--run-dir", run_dir, EXAMPLE, *ARGS])
     port = wait_for(lambda: serving_ports(run_dir, 0), 60, "ps0 to serve")[0]
     status = wait_for(lambda: status_when_training(port, STEPS), 60, f"ps0 to apply {STEPS} pushes", interval=0.02)
-    agent = psutil.Process(status["pid"]).parent()
+    agent = agent_of(status["pid"])
     lost = agent.cmdline()[agent.cmdline().index("--node-id") + 1]
     agent.kill()
     result = job.wait(180)

@@ -186,7 +186,11 @@ class PSClient:
             tensors = {f"dense/{n}": t for n, t in mine.items()} | {f"rows/{n}": t for n, t in rows.items()}
             messages.append(Message("setup", {"index": index, "placement": self.placement.to_dict(),
                                               "optimizer": optimizer.to_dict()}, tensors))
+        self.flush()  # what this worker pushed to the shards being replaced is done with
         self._all(messages)
+        for server in range(self.placement.num_servers):  # a new shard holds no one's pushes: count from 0
+            self.unkept[server].trim(self.pushed_to[server])
+            self.pushed_to[server] = 0
 
     def pull(self, ids: Mapping[str, torch.Tensor]) -> Pulled:
         """The dense tensors and the rows of ``ids`` (per table, any shape, repeats allowed)."""
