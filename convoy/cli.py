@@ -111,6 +111,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                        help="the master serves TLS: trust its certificate if this CA certificate signed it")
     agent.add_argument("--job-id", default="", help="the job's id where it is known (a job of roles then starts "
                        "the fork server of its processes at once, before the first join)")
+    agent.add_argument("--fork-server", default="", help=argparse.SUPPRESS)  # FD:PID, from the local launcher
     _add_worker_options(agent)
     status = commands.add_parser("status", help="show a job's nodes, round, restarts and recent events")
     status.add_argument("--run-dir", type=Path, required=True, help="the job's run directory")
@@ -289,9 +290,10 @@ def _agent(args: argparse.Namespace) -> int:
     address = args.host or local_address_towards(host, port)
     forks = None
     if roles and args.job_id and args.node_id:  # its import of torch starts before anything else
-        from convoy.agent.forked import start_fork_server
+        from convoy.agent.forked import ForkServer, start_fork_server
 
-        forks = start_fork_server(workers, address, args.job_id, args.node_id)
+        forks = ForkServer.adopt(args.fork_server, args.job_id) if args.fork_server else \
+            start_fork_server(workers, address, args.job_id, args.node_id)
     group = WorkerGroup(workers, run_dir, host=address)
     if not roles:
         group.fill_standbys()  # start importing torch before anything else (a job of roles forks its processes)

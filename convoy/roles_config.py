@@ -80,7 +80,8 @@ class RoleSpec:
     memory_auto: bool = False
     """The master sizes each process's memory from one measured iteration."""
     cpus: float | None = None
-    """CPUs each process may use; None: no limit."""
+    """CPUs each process may use; None: no limit. Also its threads: ``OMP_NUM_THREADS`` is the whole part (at
+    least 1); a role that declares none gets 1 thread, as torchrun gives each of several workers a node."""
     failure_policy: str = ""
     """One of FAILURE_POLICIES; empty: the role's default (DEFAULT_FAILURE_POLICY, else restart the job)."""
 

@@ -52,6 +52,25 @@ def gone(pid: int) -> bool:
         return True
 
 
+def node_of(pid: int) -> str:
+    """The node a role process runs on: its agent tags it (and its fork server, whose environment is what
+    ``/proc`` shows of a forked process's) with CONVOY_NODE_ID."""
+    return psutil.Process(pid).environ()["CONVOY_NODE_ID"]
+
+
+def agent_of(pid: int) -> psutil.Process:
+    """The agent of role process ``pid``: found by its job and node, not by parentage (a local job's role
+    processes are forked by a fork server the launcher started for the agent)."""
+    env = psutil.Process(pid).environ()
+    for proc in psutil.process_iter(["cmdline"]):
+        command = proc.info["cmdline"] or []
+        if "agent" in command and "--node-id" in command and "--job-id" in command \
+                and command[command.index("--node-id") + 1] == env["CONVOY_NODE_ID"] \
+                and command[command.index("--job-id") + 1] == env["CONVOY_JOB_ID"]:
+            return proc
+    raise AssertionError(f"no agent of node {env['CONVOY_NODE_ID']} of job {env['CONVOY_JOB_ID']}")
+
+
 def read_pid(path: Path) -> int:
     return int(path.read_text().strip())
 

@@ -20,7 +20,7 @@ from typing import Any, BinaryIO
 
 from convoy.agent.env import STEADY_MALLOC, spawn_env
 from convoy.config import WorkerConfig
-from convoy.errors import WorkerStartError
+from convoy.errors import ConfigError, WorkerStartError
 from convoy.procs import die_with_parent
 
 MAX_MESSAGE = 1 << 20
@@ -29,13 +29,17 @@ SPAWN_TIMEOUT_S = 30.0
 CLOSE_WAIT_S = 5.0
 
 
+def server_env(host: str, job_id: str, node_id: str) -> dict[str, str]:
+    """A node's fork server starts with the environment a role process starts with (settings read at import
+    time), tagged with the job and the node, so a scan of ``/proc`` finds what it forked (``reap.py``)."""
+    return {**STEADY_MALLOC, **spawn_env(1, host=host), "CONVOY_JOB_ID": job_id, "CONVOY_NODE_ID": node_id}
+
+
 def start_fork_server(workers: WorkerConfig, host: str, job_id: str, node_id: str) -> ForkServer | None:
     """Start the node's fork server, preloading ``WorkerConfig.role_preload`` (None, said on stderr, where it cannot
-    start). It starts with the environment a role process starts with (settings read at import time), tagged
-    with the job and the node, so a scan of ``/proc`` finds what it forked (``reap.py``)."""
-    env = {**STEADY_MALLOC, **spawn_env(1, host=host), "CONVOY_JOB_ID": job_id, "CONVOY_NODE_ID": node_id}
+    start)."""
     try:
-        forks = ForkServer.start(workers.role_preload(), env)
+        forks = ForkServer.start(workers.role_preload(), server_env(host, job_id, node_id))
     except OSError as exc:
         print(f"convoy agent {node_id}: cannot start the fork server ({exc}); role processes start on their own",
               file=sys.stderr, flush=True)
@@ -55,11 +59,31 @@ def fork_server_for(forks: ForkServer | None, workers: WorkerConfig, host: str, 
     return start_fork_server(workers, host, job_id, node_id)
 
 
-class ForkServer:
-    """One fork server of this agent; its calls come from the agent's main loop."""
+def launch_server(preload: tuple[str, ...], env: dict[str, str]) -> tuple[subprocess.Popen[bytes], socket.socket]:
+    """Start a fork server process (it preloads at once); the socket is the end its agent talks to it on. It dies
+    with this process (SIGKILL), and ends with what it forked once the socket's last holder closes it."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "convoy.agent.forkserver", ",".join(preload), str(theirs.fileno())],
+            stdin=subprocess.DEVNULL, env=env, start_new_session=True, pass_fds=(theirs.fileno(),),
+            preexec_fn=lambda: die_with_parent(signal.SIGKILL))
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    return proc, ours
 
-    def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket, job_id: str = "") -> None:
+
+class ForkServer:
+    """One fork server of this agent; its calls come from the agent's main loop. The agent started it, or took
+    it over from the local launcher (``adopt``), which started it before the agent itself had started."""
+
+    def __init__(self, proc: subprocess.Popen[bytes] | None, sock: socket.socket, job_id: str = "",
+                 pid: int = 0) -> None:
         self.proc, self.sock, self.job_id = proc, sock, job_id
+        self._pid = proc.pid if proc is not None else pid
         self._lock = threading.Condition()
         self._ready = False
         self._dead = False
@@ -72,22 +96,24 @@ class ForkServer:
     @classmethod
     def start(cls, preload: tuple[str, ...], env: dict[str, str]) -> ForkServer:
         """Start the server (it preloads at once); OSError where it cannot start."""
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        return cls(*launch_server(preload, env))
+
+    @classmethod
+    def adopt(cls, handle: str, job_id: str) -> ForkServer:
+        """The server the launcher started for this agent, from ``--fork-server FD:PID`` (the socket's end, the
+        server's pid); a ConfigError naming the flag where the handle is not one."""
+        fd, _, pid = handle.partition(":")
+        if not (fd.isdigit() and pid.isdigit()):
+            raise ConfigError(f"--fork-server {handle!r}: give FD:PID (the launcher passes it)")
         try:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "convoy.agent.forkserver", ",".join(preload), str(theirs.fileno())],
-                stdin=subprocess.DEVNULL, env=env, start_new_session=True, pass_fds=(theirs.fileno(),),
-                preexec_fn=lambda: die_with_parent(signal.SIGKILL))
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
-        return cls(proc, ours)
+            sock = socket.socket(fileno=int(fd))
+        except OSError as exc:
+            raise ConfigError(f"--fork-server {handle!r}: file descriptor {fd} is not a socket ({exc})") from exc
+        return cls(None, sock, job_id, int(pid))
 
     @property
     def pid(self) -> int:
-        return self.proc.pid
+        return self._pid
 
     @property
     def alive(self) -> bool:
@@ -101,8 +127,9 @@ class ForkServer:
             return self._ready and not self._dead
 
     def spawn(self, env: dict[str, str], argv: list[str], entrypoint: str, module: bool, cgroups: list[str],
-              ready_timeout: float) -> ForkedProcess:
-        """Fork one process; WorkerStartError where the server is not there or cannot fork."""
+              ready_timeout: float, own_pages: bool = True) -> ForkedProcess:
+        """Fork one process; WorkerStartError where the server is not there or cannot fork. ``own_pages``: it
+        takes its own copy of the memory it shares with the server (a limit or a measurement counts it)."""
         if not self.wait_ready(ready_timeout):
             raise WorkerStartError("the fork server is not running" if not self.alive else
                                    f"the fork server did not finish preloading in {ready_timeout:.0f} s")
@@ -110,7 +137,7 @@ class ForkServer:
         with self._lock:
             order_id, self._next_id = self._next_id, self._next_id + 1
         order = {"id": order_id, "env": env, "argv": argv, "entrypoint": entrypoint, "module": module,
-                 "cgroups": cgroups}
+                 "cgroups": cgroups, "own_pages": own_pages}
         try:
             socket.send_fds(self.sock, [json.dumps(order).encode()], [write_end])
         except OSError as exc:
@@ -150,11 +177,21 @@ class ForkServer:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        try:
-            self.proc.wait(timeout=CLOSE_WAIT_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=CLOSE_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        else:  # the launcher's child: it reaps it; here only the wait (a zombie is gone)
+            deadline = time.monotonic() + CLOSE_WAIT_S
+            while _exists(self._pid) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if _exists(self._pid):
+                try:
+                    os.kill(self._pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         self._reader.join(timeout=1.0)
         self.sock.close()
 

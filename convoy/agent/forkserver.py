@@ -6,15 +6,19 @@ chief is measured; on 2 cores N concurrent imports take N x 1.35 s, where one im
 (``benchmarks/results/ps_start.txt`` measures both). The agent does not know in advance how many a node will run
 either: a fork server serves any number, restarts included.
 
-Run by the agent as ``python -m convoy.agent.forkserver PRELOAD SOCKET_FD``; it says ``{"ready": true}`` on the
-socket (SOCK_SEQPACKET, one JSON message per packet) once preloaded. An order is
-``{"id", "env", "argv", "entrypoint", "module", "cgroups"}`` with the process's output pipe as its one passed
-file descriptor; the answer ``{"id", "pid"}`` (or ``{"id", "error"}``), and ``{"exited": pid, "code": c}``
-(``Popen.returncode``'s form) once it ends. A child takes a session of its own, dies with the server (which dies
-with the agent), joins its cgroups (its memory limit's among them) before anything else, then takes its own copy
-of the memory it shares with the server (``inherited.py``: its cgroup counts its imports as if it had made
-them), and runs the script as ``python SCRIPT`` would. When the agent closes the socket, the server kills the
-children left and exits.
+Run by the agent (or, for a local job, by the launcher, before the agent itself has started: the agent takes
+its end of the socket over) as ``python -m convoy.agent.forkserver PRELOAD SOCKET_FD``; it says
+``{"ready": true}`` on the socket (SOCK_SEQPACKET, one JSON message per packet) once preloaded. An order is
+``{"id", "env", "argv", "entrypoint", "module", "cgroups", "own_pages"}`` with the process's output pipe as its
+one passed file descriptor; the answer ``{"id", "pid"}`` (or ``{"id", "error"}``), and
+``{"exited": pid, "code": c}`` (``Popen.returncode``'s form) once it ends. A child takes a session of its own,
+dies with the server (which dies with its parent, or ends once the agent's end of the socket closes), joins its
+cgroups (its memory limit's among them) before anything else, then, where a limit or a measurement counts its
+memory (``own_pages``), takes its own copy of the memory it shares with the server (``inherited.py``: its
+cgroup and its USS count its imports as if it had made them; about 0.1 s of CPU, which a process with neither
+leaves out: its RSS counts the shared pages all the same), takes its thread count from ``OMP_NUM_THREADS``, and
+runs the script as ``python SCRIPT`` would. When the agent closes the socket, the server kills the children
+left and exits.
 """
 
 from __future__ import annotations
@@ -109,7 +113,8 @@ def _become(order: dict[str, Any], output: int, server: int, server_fds: list[in
         for path in order.get("cgroups", []):
             _join(path)
         try:
-            own_inherited_pages()
+            if order.get("own_pages", True):
+                own_inherited_pages()
         except OSError as exc:
             print(f"convoy: this process's memory shared with the fork server stays charged to it: {exc}",
                   file=sys.stderr, flush=True)
@@ -119,12 +124,21 @@ def _become(order: dict[str, Any], output: int, server: int, server_fds: list[in
         numpy = sys.modules.get("numpy")
         if numpy is not None:
             numpy.random.seed()  # a fresh process seeds numpy's global generator afresh (``random`` reseeds itself)
+        _take_threads(os.environ.get("OMP_NUM_THREADS", ""))
         code = run_script(str(order["entrypoint"]), bool(order["module"]))
     except BaseException:  # noqa: BLE001 (a child must end here, whatever happened)
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
     exit_without_teardown(code)
+
+
+def _take_threads(value: str) -> None:
+    """Torch's thread count as a fresh process would take it from ``OMP_NUM_THREADS``: the OpenMP runtime read
+    the server's environment when torch was imported, so a child's own value is set by hand."""
+    torch = sys.modules.get("torch")
+    if torch is not None and value.strip().isdigit() and int(value) > 0:
+        torch.set_num_threads(int(value))
 
 
 def _join(path: str) -> None:

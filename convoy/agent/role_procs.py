@@ -3,7 +3,9 @@
 Each is forked from the node's fork server (``forkserver.py``: ``import torch`` paid once per node, not per
 process), or, without one, runs ``python SCRIPT`` (or ``-m MODULE``) itself; either way in its own session, set
 to die with the agent, in its cgroups from the start, with the job's CONVOY_* variables, its role (``role_env``)
-and the port it serves on (CONVOY_ROLE_PORT). Its output goes through a LogPump to
+and the port it serves on (CONVOY_ROLE_PORT), and the threads of its role's ``cpus`` (OMP_NUM_THREADS; 1 where the
+role declares none and the job's environment sets none, as torchrun gives each of several workers a node: the
+processes of a node share its cores). Its output goes through a LogPump to
 ``RUN_DIR/logs/roles/<role><rank>.log`` and, prefixed ``[<role><rank>]``, to the console.
 """
 
@@ -101,6 +103,8 @@ class RoleProcesses:
         name = f"{assignment.role}{assignment.rank}"
         log_path = self.context.run_dir / "logs" / "roles" / f"{name}.log"
         env = {**STEADY_MALLOC, **self._env, **self._job_env(assignment, port, log_path)}
+        if assignment.threads or "OMP_NUM_THREADS" not in env:  # several processes share a node's cores
+            env["OMP_NUM_THREADS"] = str(assignment.threads or 1)
         limit = self.memory.limit_for(assignment) if self.memory is not None else None
         try:
             proc = self._spawn(name, assignment, env, limit)
@@ -131,7 +135,8 @@ class RoleProcesses:
             if isinstance(limit, CgroupMemoryLimit):
                 cgroups.append(str(limit.path))
             try:
-                return self.forks.spawn(env, [entry, *args], entry, module, cgroups, FORK_READY_S)
+                return self.forks.spawn(env, [entry, *args], entry, module, cgroups, FORK_READY_S,
+                                        own_pages=limit is not None or assignment.measure)
             except WorkerStartError as exc:
                 print(f"convoy agent {self.context.node_id}: {exc}; {name} and the role processes after it start "
                       "as processes of their own", file=sys.stderr, flush=True)

@@ -61,9 +61,11 @@ def run_local_job(config: JobConfig, relaunch: bool = False, console: Callable[[
             console(f"convoy: job {config.master.job_id}: {config.num_agents} nodes x "
                     f"{config.workers.nproc_per_node} workers, max restarts {config.master.max_restarts}, "
                     f"run dir {run_dir}")
+        nodes = [f"local{index}" for index in range(config.num_agents)]
+        fork_servers = scheduler.start_fork_servers(nodes)  # roles: their import of torch first
         scheduler.start_master(resume=False)
-        for index in range(config.num_agents):
-            scheduler.start_node(f"local{index}")
+        for node_id in nodes:
+            scheduler.start_node(node_id, fork_servers.get(node_id))
         from convoy.agent.client import MasterClient  # pydantic: imported once the children are on their way
 
         client = MasterClient("127.0.0.1", port, token, give_up_after_s=2.0)

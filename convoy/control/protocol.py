@@ -99,6 +99,8 @@ class RoleAssignment(BaseModel):
                                     "tree (a cgroup, else an RSS watchdog); 0: none")
     measure: bool = Field(default=False, description="sample this process from its start: it measures the "
                           "iteration its role is sized from")
+    threads: int = Field(default=0, ge=0, le=4096, description="OMP_NUM_THREADS of the process (its role's cpus); "
+                         "0: one, unless the job's environment sets it")
 
 
 class RoleStop(BaseModel):

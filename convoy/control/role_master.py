@@ -333,6 +333,7 @@ class RoleMaster:
             module=spec.module, args=list(spec.args), reason=start.reason,
             memory_limit_bytes=self.sizing.limit_for(start.role, start.rank),
             measure=self.sizing.measures(start.role, start.rank),
+            threads=max(1, int(spec.cpus)) if spec.cpus else 0,
         )
         self.placed[key] = Placed(node_id, port)
         self.sizing.placed(key, node_id)

@@ -23,6 +23,7 @@ from convoy.agent.role_memory import RoleMemory
 from convoy.agent.role_procs import JobContext, RoleProcesses
 from convoy.config import WorkerConfig
 from convoy.control import protocol as p
+from convoy.errors import ConfigError
 
 pytestmark = pytest.mark.slow
 
@@ -117,6 +118,32 @@ def test_a_forked_process_is_measured_as_one_that_imported_its_preload_itself(tm
     assert figures.peak_rss_bytes - figures.baseline_rss_bytes >= 24 * MIB, figures  # its 32 MiB batch
 
 
+@pytest.mark.parametrize("job_omp", [None, "3"], ids=["default", "job-sets-it"])
+def test_a_forked_role_process_runs_the_threads_its_role_declares(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  job_omp: str | None) -> None:
+    """torch's OpenMP runtime took the server's thread count at import; each child takes its own: its role's
+    cpus, else the job's OMP_NUM_THREADS, else 1 (as torchrun for several workers a node)."""
+    if job_omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", job_omp)
+    forks = ForkServer.start(("torch",), dict(os.environ))
+    try:
+        context = JobContext("j-threads", "n0", "127.0.0.1", tmp_path, "127.0.0.1:1")
+        processes = RoleProcesses(WorkerConfig(entrypoint=PROBE, stop_grace_s=1), context, forks=forks)
+        processes.start(assignment(0, "threads"))
+        declared = assignment(1, "threads")
+        declared.threads = 2
+        processes.start(declared)
+        reports = run_until_reported(processes, 2)
+    finally:
+        forks.close()
+    logs = {rank: (tmp_path / "logs" / "roles" / f"worker{rank}.log").read_text() for rank in (0, 1)}
+    assert all(reports[rank].exitcode == 0 for rank in (0, 1)), logs
+    assert f"threads {job_omp or 1} omp {job_omp or 1}" in logs[0], logs[0]
+    assert "threads 2 omp 2" in logs[1], logs[1]
+
+
 def test_a_forked_child_owns_the_pages_it_shared_with_its_parent() -> None:
     held = bytearray(b"\x01") * (32 << 20)
     read_end, write_end = os.pipe()
@@ -140,11 +167,20 @@ def test_a_job_of_roles_forks_every_process_and_its_restarts(procs: ProcessScope
                         "--run-dir", str(run_dir), role_script, "--fail-once", "1"])
     assert result.returncode == 0, result.explain()
     assert "convoy: worker 1 failed (exited with code 1); restarting only it" in result.stdout, result.explain()
-    parents = [json.loads(line)["parent"] for line in (run_dir / "role_records.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (run_dir / "role_records.jsonl").read_text().splitlines()]
+    parents = [record["parent"] for record in records]
     assert len(parents) == 4, parents  # ps 0, workers 0 and 1, and worker 1 again
     assert all("convoy.agent.forkserver" in parent for parent in parents), parents
+    launchers = {record["grandparent"] for record in records}  # started before the master and the agent
+    assert len(launchers) == 1 and " run " in launchers.pop() and "agent" not in records[0]["grandparent"], records
     assert procs.wait_no_leftovers() == []
 
 
 if sys.platform != "linux":
     pytest.skip("the fork server needs Linux", allow_module_level=True)
+
+
+@pytest.mark.parametrize("handle", ["7", "x:1", "99999:1"])
+def test_a_bad_fork_server_handle_is_refused_naming_the_flag(handle: str) -> None:
+    with pytest.raises(ConfigError, match="--fork-server"):
+        ForkServer.adopt(handle, "j")

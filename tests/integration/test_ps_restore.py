@@ -12,9 +12,8 @@ import signal
 import socket
 from pathlib import Path
 
-import psutil
 import pytest
-from helpers import REPO, Launched, ProcessScope, wait_for
+from helpers import REPO, Launched, ProcessScope, agent_of, wait_for
 
 from convoy.control.store import read_status
 from convoy.parallel.ps.transport import Connection, ConnectionLost, Message
@@ -48,14 +47,6 @@ def status_when_training(port: int, pushes: int) -> dict | None:
         connection.close()
     unkept = any(meta["applied"] > meta["kept"] for meta in metas)
     return metas[0] if metas[0]["version"] >= pushes and unkept else None
-
-
-def agent_of(pid: int) -> psutil.Process:
-    """The agent that runs role process ``pid`` (its parent is the node's fork server, or the agent itself)."""
-    agent = psutil.Process(pid).parent()
-    while "--node-id" not in agent.cmdline():
-        agent = agent.parent()
-    return agent
 
 
 def kill_mid_training(procs: ProcessScope, run_dir: Path, rank: int,

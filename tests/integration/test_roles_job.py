@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import ProcessScope, Result, fixture, wait_for
+from helpers import ProcessScope, Result, fixture, node_of, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -93,8 +93,10 @@ def test_the_processes_of_a_lost_node_start_again_on_the_other(procs: ProcessSco
     agents = [proc for proc in psutil.process_iter(["cmdline"])
               if "agent" in (proc.info["cmdline"] or []) and str(run_dir) in " ".join(proc.info["cmdline"] or [])]
     assert len(agents) == 2, agents
-    agent = next(a for a in agents if ps_pid not in {child.pid for child in a.children(recursive=True)})
-    lost = [r for r in role_records(run_dir) if r["pid"] in {child.pid for child in agent.children(recursive=True)}]
+    nodes = {(command := agent.cmdline())[command.index("--node-id") + 1]: agent for agent in agents}
+    lost_node = next(node for node in nodes if node != node_of(ps_pid))
+    agent = nodes[lost_node]
+    lost = [r for r in role_records(run_dir) if node_of(r["pid"]) == lost_node]
     assert [r["role"] for r in lost] == ["worker"], "the node without the PS runs one worker (spread)"
     agent.kill()
     wait_for(lambda: len(role_records(run_dir)) == 3 + len(lost), 20, "the lost node's processes to start again")

@@ -3,8 +3,11 @@ that are present, anonymous and still shared (pagemap's flags); the fork server'
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 from convoy.agent.inherited import shared_runs, writable_private_ranges
-from convoy.config import WorkerConfig
+from convoy.config import ROLE_PRELOAD, WorkerConfig
 
 MAPS = """\
 55d0c0000000-55d0c0021000 rw-p 00000000 00:00 0                          [heap]
@@ -35,7 +38,17 @@ def test_runs_are_present_anonymous_pages_not_yet_exclusive() -> None:
     assert list(shared_runs(bytes([0, PRESENT | EXCLUSIVE, PRESENT | FILE | EXCLUSIVE]))) == []
 
 
-def test_the_fork_server_preloads_torch_alone_for_the_default_list_and_any_list_given() -> None:
-    assert WorkerConfig().role_preload() == ("torch",)
+def test_the_fork_server_preloads_torch_and_convoys_role_modules_for_the_default_list_and_any_list_given() -> None:
+    assert WorkerConfig().role_preload() == ROLE_PRELOAD and ROLE_PRELOAD[0] == "torch"
     assert WorkerConfig(preload=("torch", "numpy")).role_preload() == ("torch", "numpy")
     assert WorkerConfig(preload=()).role_preload() == ()
+
+
+def test_the_role_preload_starts_no_thread_and_no_dynamo() -> None:
+    """The server forks after it: a thread would not survive into the children, and torch._dynamo is what the
+    default list of standbys adds and roles leave out."""
+    code = ("import sys, threading; from convoy.agent.standby import preload; from convoy.config import ROLE_PRELOAD; "
+            "preload(','.join(ROLE_PRELOAD)); missing = [m for m in ROLE_PRELOAD if m not in sys.modules]; "
+            "print(threading.active_count(), 'torch._dynamo' in sys.modules, missing)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["1", "False", "[]"], out.stdout + out.stderr

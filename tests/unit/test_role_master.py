@@ -73,6 +73,13 @@ def test_workers_wait_for_the_ps_address_then_spread_over_the_least_loaded_nodes
     assert all(a.addresses == {"ps": ["127.0.0.1:5000"]} and a.world_size == 3 for a in sum(workers.values(), []))
 
 
+def test_a_process_gets_its_roles_whole_cpus_as_threads_and_none_declared_leaves_it_to_the_agent() -> None:
+    master = ps_job("2", cpus=2.5)
+    placed = running_job(master)
+    assert placed[("ps", 0)][1].threads == 0, "no cpus declared: the agent gives it one thread"
+    assert {placed[("worker", rank)][1].threads for rank in (0, 1)} == {2}
+
+
 def test_an_unanswered_assignment_is_sent_again_and_a_started_one_is_not() -> None:
     master = ps_job()
     master.advance()

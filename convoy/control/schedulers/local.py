@@ -1,13 +1,19 @@
-"""The local scheduler: the master and each node's agent are child processes on this host."""
+"""The local scheduler: the master and each node's agent are child processes on this host.
+
+In a job of roles, each agent's fork server (``convoy/agent/forked.py``) is started here, before the master and
+the agent: its import of torch is the longest step before the first role process, and the agent, itself still
+starting, takes it over (``--fork-server FD:PID``)."""
 
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from convoy.agent.forked import launch_server, server_env
 from convoy.config import JobConfig
 from convoy.procs import die_with_parent
 
@@ -21,8 +27,27 @@ class LocalScheduler:
         self.config, self.token_file, self.port = config, token_file, port
         self.master: subprocess.Popen[bytes] | None = None
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
+        self.fork_servers: list[subprocess.Popen[bytes]] = []
+        """Each agent's, started here; reaped here once its agent is done with it (they exit on their own)."""
+        self._fork_pids: dict[str, int] = {}
         self._reported: dict[int, subprocess.Popen[bytes]] = {}
         """pid -> the exited agent reported for it; holding the object keeps its identity unique."""
+
+    def start_fork_servers(self, node_ids: list[str]) -> dict[str, socket.socket]:
+        """A fork server for each node of a job of roles, before anything else starts (none where it cannot start:
+        the agent then starts its own); node -> the socket's end its agent takes over."""
+        if not self.config.roles:
+            return {}
+        ends = {}
+        for node_id in node_ids:
+            env = server_env("127.0.0.1", self.config.master.job_id, node_id)
+            try:
+                proc, ends[node_id] = launch_server(self.config.workers.role_preload(), env)
+            except OSError:
+                continue
+            self.fork_servers.append(proc)
+            self._fork_pids[node_id] = proc.pid
+        return ends
 
     def start_master(self, resume: bool) -> None:
         master = self.config.master
@@ -38,7 +63,8 @@ class LocalScheduler:
                     "--max-regroups", str(master.max_regroups), "--regroup-window", str(master.regroup_window_s)]
         self.master = self._spawn(["master", *args, "--token-file", str(self.token_file), "--under-run"])
 
-    def start_node(self, node_id: str) -> None:
+    def start_node(self, node_id: str, fork_server: socket.socket | None = None) -> None:
+        """Start the node's agent; ``fork_server``: its fork server's end (closed here once the agent holds it)."""
         workers = self.config.workers
         command = [
             "agent", "--master", f"127.0.0.1:{self.port}", "--token-file", str(self.token_file),
@@ -46,11 +72,20 @@ class LocalScheduler:
             "--nproc-per-node", str(workers.nproc_per_node), "--stop-grace", str(workers.stop_grace_s),
             "--preload", ",".join(workers.preload), "--job-id", self.config.master.job_id,
         ]
+        passed: tuple[int, ...] = ()
+        if fork_server is not None:
+            passed = (fork_server.fileno(),)
+            command += ["--fork-server", f"{fork_server.fileno()}:{self._fork_pids[node_id]}"]
         command += ["-m", workers.entrypoint] if workers.module else [workers.entrypoint]
-        self.agents[node_id] = self._spawn(command + workers.args)
+        try:
+            self.agents[node_id] = self._spawn(command + workers.args, passed)
+        finally:
+            if fork_server is not None:
+                fork_server.close()  # the agent's now: the server ends once the agent closes it, or dies
+        self.fork_servers = [proc for proc in self.fork_servers if proc.poll() is None]
 
-    def _spawn(self, args: list[str]) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(CONVOY + args, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+    def _spawn(self, args: list[str], fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(CONVOY + args, pass_fds=fds, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
 
     def master_exit(self) -> int | None:
         return None if self.master is None else self.master.poll()
@@ -72,7 +107,11 @@ class LocalScheduler:
         deadline = time.monotonic() + timeout
         while (self.running() or self.master_exit() is None) and time.monotonic() < deadline:
             time.sleep(0.02)
-        return not self.running() and self.master_exit() is not None
+        done = not self.running() and self.master_exit() is not None
+        if done:  # each fork server ends as its agent's end of the socket closes
+            while any(proc.poll() is None for proc in self.fork_servers) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        return done and all(proc.poll() is not None for proc in self.fork_servers)
 
     def stop(self, grace_s: float) -> None:
         """SIGTERM every child (agents stop their workers), SIGKILL any still there after the grace period."""
@@ -81,8 +120,8 @@ class LocalScheduler:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         if not self.wait(grace_s):
-            for proc in children:
+            for proc in [*children, *self.fork_servers]:  # a fork server kills what it forked as it dies
                 if proc.poll() is None:
                     proc.kill()
-        for proc in children:
+        for proc in [*children, *self.fork_servers]:
             proc.wait()
