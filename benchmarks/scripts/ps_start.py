@@ -28,6 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+from convoy.agent.env import STEADY_MALLOC  # noqa: E402
 from convoy.agent.forked import ForkServer  # noqa: E402
 from convoy.control.store import read_status  # noqa: E402
 
@@ -109,6 +110,16 @@ def _warm_processes(count: int, out: Path) -> tuple[float, float]:
     return standby_s, fork_s
 
 
+def torch_import_s() -> float:
+    """Seconds ``import torch`` takes in a fresh process now (timed inside it, with the fork server's malloc
+    settings; its exit is left out): the floor under the phases from "PS started" on, which moves with the
+    machine's speed (1.3 to 2.1 s on this one)."""
+    code = "import time; started = time.perf_counter(); import torch; print(time.perf_counter() - started)"
+    env = {**os.environ, **STEADY_MALLOC}
+    return float(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                check=True).stdout)
+
+
 def load_average() -> float:
     return os.getloadavg()[0]
 
@@ -143,8 +154,10 @@ def verdict(name: str, runs: list[dict[str, float]]) -> str:
 def start_section(quick: bool) -> list[str]:
     repeats = 1 if quick else 5
     results: dict[str, list[dict[str, float]]] = {"auto": [], "2": []}
+    floors = []
     with tempfile.TemporaryDirectory(prefix="convoy-start-") as tmp:
         for repeat in range(repeats):
+            floors.append(torch_import_s())
             for workers in results:  # the two take turns, so a busy spell of the machine hits both
                 load = load_average()
                 run = run_job(workers, Path(tmp))
@@ -158,6 +171,8 @@ def start_section(quick: bool) -> list[str]:
     lines += ["", f"{WARM_COUNT} processes that imported torch, all run (median of {repeats}): {WARM_COUNT} warm "
                   f"standbys {standby_s:.2f} s, one fork server {fork_s:.2f} s ({standby_s / fork_s:.2f}x); runs "
                   + ", ".join(f"{s:.2f} / {f:.2f}" for s, f in warm)]
+    lines += ["", f"import torch alone, once a repeat: median {statistics.median(floors):.2f} s (runs "
+                  + ", ".join(f"{s:.2f}" for s in floors) + "): the job's start waits for one such import"]
     lines += ["", f"median of {repeats} repeat(s); overhead = every worker training - the measuring iteration"]
     lines += ["", verdict("start_time", results["auto"]), verdict("start_time_fixed_count", results["2"])]
     return lines
