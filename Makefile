@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+BENCHES := launch checkpoint faults allreduce pipeline local_sgd embedding lookahead gbdt confidential sequence ps \
+	ps_transport api_load
+SHELL := /bin/bash
 
 .PHONY: setup demo test bench clean
 
@@ -22,17 +25,10 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q tests
 
-bench: setup
-	$(PY) benchmarks/launch.py
-	$(PY) benchmarks/checkpoint.py
-	$(PY) benchmarks/faults.py
-	$(PY) benchmarks/allreduce.py
-	$(PY) benchmarks/pipeline.py
-	$(PY) benchmarks/local_sgd.py
-	$(PY) benchmarks/embedding.py
-	$(PY) benchmarks/lookahead.py
-	$(PY) benchmarks/gbdt.py
-	$(PY) benchmarks/confidential.py
+bench: setup  # each benchmark's full output goes to benchmarks/results/NAME.txt, headed by the command, date and commit
+	set -o pipefail; for name in $(BENCHES); do \
+		{ echo "$$ python benchmarks/$$name.py   ($$(date -u '+%Y-%m-%d %H:%M UTC'), commit $$(git rev-parse --short HEAD))"; \
+		  echo; $(PY) benchmarks/$$name.py 2>&1; } | tee benchmarks/results/$$name.txt || exit 1; done
 
 clean:
 	rm -rf $(VENV) convoy-runs .pytest_cache
