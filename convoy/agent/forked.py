@@ -59,15 +59,18 @@ def fork_server_for(forks: ForkServer | None, workers: WorkerConfig, host: str, 
     return start_fork_server(workers, host, job_id, node_id)
 
 
-def launch_server(preload: tuple[str, ...], env: dict[str, str]) -> tuple[subprocess.Popen[bytes], socket.socket]:
-    """Start a fork server process (it preloads at once); the socket is the end its agent talks to it on. It dies
-    with this process (SIGKILL), and ends with what it forked once the socket's last holder closes it."""
+def launch_server(preload: tuple[str, ...], env: dict[str, str],
+                  die_with_us: bool = True) -> tuple[subprocess.Popen[bytes], socket.socket]:
+    """Start a fork server process (it preloads at once); the socket is the end its agent talks to it on. It ends
+    with what it forked once the socket's last holder closes it, and, with ``die_with_us``, dies with this process
+    (SIGKILL). The launcher starts its agents' servers without: an agent stopping its processes gracefully as the
+    launcher dies needs its server alive until the agent itself is done."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         proc = subprocess.Popen(
             [sys.executable, "-m", "convoy.agent.forkserver", ",".join(preload), str(theirs.fileno())],
             stdin=subprocess.DEVNULL, env=env, start_new_session=True, pass_fds=(theirs.fileno(),),
-            preexec_fn=lambda: die_with_parent(signal.SIGKILL))
+            preexec_fn=(lambda: die_with_parent(signal.SIGKILL)) if die_with_us else None)
     except BaseException:
         ours.close()
         raise

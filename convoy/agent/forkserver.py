@@ -12,13 +12,13 @@ its end of the socket over) as ``python -m convoy.agent.forkserver PRELOAD SOCKE
 ``{"id", "env", "argv", "entrypoint", "module", "cgroups", "own_pages"}`` with the process's output pipe as its
 one passed file descriptor; the answer ``{"id", "pid"}`` (or ``{"id", "error"}``), and
 ``{"exited": pid, "code": c}`` (``Popen.returncode``'s form) once it ends. A child takes a session of its own,
-dies with the server (which dies with its parent, or ends once the agent's end of the socket closes), joins its
-cgroups (its memory limit's among them) before anything else, then, where a limit or a measurement counts its
-memory (``own_pages``), takes its own copy of the memory it shares with the server (``inherited.py``: its
-cgroup and its USS count its imports as if it had made them; about 0.1 s of CPU, which a process with neither
-leaves out: its RSS counts the shared pages all the same), takes its thread count from ``OMP_NUM_THREADS``, and
-runs the script as ``python SCRIPT`` would. When the agent closes the socket, the server kills the children
-left and exits.
+dies with the server (which ends once the agent's end of the socket closes, and dies with an agent that
+started it), joins its cgroups (its memory limit's among them) before anything else, then, where a limit or a
+measurement counts its memory (``own_pages``), takes its own copy of the memory it shares with the server
+(``inherited.py``: its cgroup and its USS count its imports as if it had made them; about 0.1 s of CPU, which a
+process with neither leaves out: its RSS counts the shared pages all the same), takes its thread count from
+``OMP_NUM_THREADS``, and runs the script as ``python SCRIPT`` would. When the agent closes the socket, the
+server kills the children left and exits.
 """
 
 from __future__ import annotations

@@ -140,3 +140,14 @@ def test_a_job_file_whose_roles_each_name_their_script_runs_without_a_job_script
     result = procs.run(["run", "--run-dir", run_dir, job_file])
     assert_succeeded(result, "ps x1, worker x2")
     assert "worker1 fails on purpose" in result.stdout, "the role's own args reached its script"
+
+
+def test_a_sigkilled_launcher_leaves_its_agents_to_stop_the_role_processes_gracefully(
+        procs: ProcessScope, run_dir: Path, tmp_path: Path) -> None:
+    """The launcher starts each agent's fork server but does not take it down with it: the agents, told by their
+    parent-death signal, stop their processes with SIGTERM first, and the servers end as the agents do."""
+    job = procs.start(run_args(run_dir, "--hold-until", tmp_path / "never"))
+    wait_for(lambda: len(role_records(run_dir)) == 3, 20, "the PS and both workers to start")
+    job.proc.kill()
+    assert procs.wait_no_leftovers(timeout=20) == []
+    assert "ps0 stopping" in (run_dir / "logs" / "roles" / "ps0.log").read_text(), "the PS got SIGTERM, not SIGKILL"

@@ -42,7 +42,7 @@ class LocalScheduler:
         for node_id in node_ids:
             env = server_env("127.0.0.1", self.config.master.job_id, node_id)
             try:
-                proc, ends[node_id] = launch_server(self.config.workers.role_preload(), env)
+                proc, ends[node_id] = launch_server(self.config.workers.role_preload(), env, die_with_us=False)
             except OSError:
                 continue
             self.fork_servers.append(proc)
