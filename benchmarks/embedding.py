@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -68,6 +69,7 @@ def run(mode: str, rows: int, world: int, args: argparse.Namespace, out: Path) -
     run_ranks(commands, f"embedding {mode} {rows} rows", timeout=3600)
     result = json.loads(out.read_text())
     result["step_s"] = statistics.median(result["times"][2:] or result["times"])
+    result["load"] = os.getloadavg()[0]  # the machine is shared: how busy it was over the last minute
     return result
 
 
@@ -93,7 +95,9 @@ def peer_world(mode: str, table: int) -> tuple[int, float]:
 
 
 def loss_gap(run: dict, single: dict | None) -> float | None:
-    if single is None:
+    """Largest per-step loss difference from one process on all 4 ranks' batches; none for a run
+    on fewer ranks (it trains on fewer batches, so its losses are not the same sums)."""
+    if single is None or run["world"] != WORLD:
         return None
     return max(abs(a - b) for a, b in zip(run["losses"], single["losses"], strict=True))
 
@@ -127,7 +131,7 @@ def main() -> int:
     print(f"\n{WORLD} ranks, one table of rows x {DIM} (fp32), bags of 20 ids, 512 samples per rank, plain SGD "
           f"(lr 0.05) everywhere; step = median of steps 3-{args.steps}")
     print(f"{'rows':>11}  {'run':<20}{'ranks':>6}{'table MB/rank':>15}{'+grad MB':>10}{'rows ratio':>12}"
-          f"{'peak RSS GB':>13}{'step ms':>10}{'x convoy':>10}{'max |loss - single|':>21}")
+          f"{'peak RSS GB':>13}{'step ms':>10}{'x convoy':>10}{'max |loss - single|':>21}{'load':>6}")
     memory_ratios, speedups, loss_gaps = [], {}, []
     for rows, sharded, peers, single, _ in results:
         best = min(PEERS, key=lambda m: peers[m]["step_s"])
@@ -140,16 +144,19 @@ def main() -> int:
         for name, result in [("convoy, row-sharded", sharded)] + [(PEERS[m], peers[m]) for m in PEERS]:
             ratio = result["rows_bytes"] / peers["replicated"]["rows_bytes"]
             gap = loss_gap(result, single)
+            gap_text = f"{gap:.1e}" if gap is not None else "not run" if single is None else "n/a"
             print(f"{rows:>11}  {name:<20}{result['world']:>6}{result['rows_bytes'] / 1e6:>15.1f}"
                   f"{(result['rows_bytes'] + result['grad_bytes']) / 1e6:>10.1f}{ratio:>12.3f}"
                   f"{result['peak_rss'] / GB:>13.2f}{result['step_s'] * 1e3:>10.1f}"
-                  f"{result['step_s'] / sharded['step_s']:>9.1f}x{'not run' if gap is None else f'{gap:.1e}':>21}")
+                  f"{result['step_s'] / sharded['step_s']:>9.1f}x{gap_text:>21}{result['load']:>6.1f}")
     for rows, _, peers, _, needs in results:
         for mode in PEERS:
             if peers[mode]["world"] != WORLD:
                 print(f"  {rows} rows: {PEERS[mode]} needs about {needs[mode] / GB:.1f} GB for {WORLD} ranks, "
                       f"{available_bytes() / GB:.1f} GB available: it ran on {peers[mode]['world']} ranks (a lower "
                       "bound on its step time)")
+    print("  load: the 1-minute load average when the run ended (2 cores, shared with other work); "
+          "max |loss - single| is n/a for a run on fewer ranks (fewer batches per step)")
     print(f"  loss per step (sharded, 4 ranks): {[round(x, 5) for x in results[0][1]['losses']]}")
     for rows in speedups:
         best = speedups[rows]["best"]
