@@ -4,23 +4,39 @@
 
 A click model of one large table (rows x 64, bags of 20 skewed ids per sample, 512 samples per
 rank) and a small dense MLP (benchmarks/scripts/embedding_worker.py). convoy: the table sharded
-by rows over the ranks, sparse SGD, the MLP under DDP. Peer: the table and the MLP together
-under DDP (the table's dense gradient allreduced every step), SGD. Both start from the same
-rows; per-rank table memory (rows, and rows plus gradient), peak RSS, and the median step time
-(first 2 steps left out). The loss of every step is compared with one process training the
-same model on all ranks' batches put together.
+by rows over the ranks, sparse SGD, the MLP under DDP. Two peers, both the table and the MLP
+together under DDP (gloo) with every rank holding all the rows:
+
+* dense gradients (the peer the README quoted first): ``nn.EmbeddingBag`` as it comes, so the
+  table's gradient is a dense rows x 64 tensor allreduced every step, then ``torch.optim.SGD``;
+* sparse gradients, the peer as its users would run it: ``nn.EmbeddingBag(sparse=True)``, whose
+  gradient holds only the looked-up rows; DDP allreduces it as a sparse tensor and
+  ``torch.optim.SGD`` (which takes sparse gradients) updates only those rows. Plain SGD at
+  convoy's learning rate, because convoy's side is plain SGD too (``SparseSGD`` for the table,
+  ``torch.optim.SGD`` for the MLP): both sides take the same steps and the same losses, so the
+  step time is the only difference. (``SparseAdam`` for the table would be an optimizer convoy's
+  run does not use.)
+
+All runs start from the same rows. Measured per run: per-rank table memory (rows, and rows plus
+the table's gradient: dense, or the largest sparse one seen), peak RSS, and the median step time
+(first 2 steps left out); the loss of every step is compared with one process training the same
+model on all ranks' batches put together. The step-time target and the headline ratio are
+against the better (faster) peer at each size; the dense peer's ratio is printed beside it.
+TorchRec, the other peer, is run only if ``import torchrec`` works; otherwise one line says why
+not (this benchmark installs nothing).
 
 A replicated 10M x 64 table needs its rows, its gradient and a gradient being accumulated,
-about 7.7 GB per rank: 4 ranks do not fit this 24 GB machine. Where the peer does not fit with
-4 ranks it runs with 2 (``--peer-world``): each rank then sends less per allreduce (ring:
-``2 (k-1)/k`` of the table), so its step time is a lower bound for 4 ranks and the speedup an
-under-estimate.
+about 7.7 GB per rank with dense gradients: 4 ranks do not fit this 24 GB machine. Where a peer
+does not fit with 4 ranks it runs with 2 (the ``ranks`` column): each rank then sends less per
+allreduce (ring: ``2 (k-1)/k`` of the table), so its step time is a lower bound for 4 ranks and
+the speedup an under-estimate. The sparse peer needs about the rows alone per rank (2.6 GB at 10M).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -53,7 +69,37 @@ def run(mode: str, rows: int, world: int, args: argparse.Namespace, out: Path) -
     run_ranks(commands, f"embedding {mode} {rows} rows", timeout=3600)
     result = json.loads(out.read_text())
     result["step_s"] = statistics.median(result["times"][2:] or result["times"])
+    result["load"] = os.getloadavg()[0]  # the machine is shared: how busy it was over the last minute
     return result
+
+
+PEERS = {"replicated": "DDP, dense grads", "replicated-sparse": "DDP, sparse grads"}
+
+
+def torchrec_line() -> str:
+    """Whether TorchRec can be the third peer here, and if not why not."""
+    try:
+        import torchrec  # noqa: F401
+    except Exception as error:  # ImportError, or a build that fails on import
+        return (f"TorchRec: not run: `import torchrec` fails here ({type(error).__name__}: {error}); it is not "
+                "installed in this environment and this benchmark installs nothing, so the peers are DDP only")
+    return ("TorchRec: importable, but no TorchRec run is written into this benchmark yet; "
+            "the peers are DDP only")
+
+
+def peer_world(mode: str, table: int) -> tuple[int, float]:
+    """4 ranks where the peer's replicated tables fit in the memory available now, else 2."""
+    copies = 3 if mode == "replicated" else 1.2  # dense: rows, gradient, gradient being reduced
+    need = copies * table * WORLD * 1.1
+    return (WORLD if need < available_bytes() else 2), need
+
+
+def loss_gap(run: dict, single: dict | None) -> float | None:
+    """Largest per-step loss difference from one process on all 4 ranks' batches; none for a run
+    on fewer ranks (it trains on fewer batches, so its losses are not the same sums)."""
+    if single is None or run["world"] != WORLD:
+        return None
+    return max(abs(a - b) for a, b in zip(run["losses"], single["losses"], strict=True))
 
 
 def main() -> int:
@@ -66,53 +112,68 @@ def main() -> int:
     args.steps = args.steps or (6 if args.quick else 12)
     if args.steps < 3 or any(r < WORLD for r in sizes):
         parser.error(f"need --steps >= 3 and at least {WORLD} rows")
-    rows_out = []
+    print(torchrec_line(), flush=True)
+    results = []
     with tempfile.TemporaryDirectory(prefix="convoy-bench-embedding-") as tmp:
         for rows in sizes:
             table = rows * DIM * 4
             sharded = run("sharded", rows, WORLD, args, Path(tmp) / f"sharded-{rows}.json")
-            need = 3 * table * WORLD * 1.1
-            peer_world = WORLD if need < available_bytes() else 2
-            replicated = run("replicated", rows, peer_world, args, Path(tmp) / f"replicated-{rows}.json")
+            peers, needs = {}, {}
+            for mode in PEERS:
+                world, needs[mode] = peer_world(mode, table)
+                peers[mode] = run(mode, rows, world, args, Path(tmp) / f"{mode}-{rows}.json")
             single = run("single", rows, 1, args, Path(tmp) / f"single-{rows}.json") \
                 if 3 * table * 1.2 < available_bytes() else None
-            rows_out.append((rows, sharded, replicated, single, need))
-            print(f"  ran {rows} rows (peer on {peer_world} ranks)", flush=True)
+            results.append((rows, sharded, peers, single, needs))
+            print(f"  ran {rows} rows (" + "; ".join(f"{PEERS[m]} on {peers[m]['world']} ranks" for m in PEERS)
+                  + ")", flush=True)
 
-    print(f"\n{WORLD} ranks, one table of rows x {DIM} (fp32), bags of 20 ids, 512 samples per rank, SGD")
-    print(f"{'rows':>11}{'table MB/rank':>15}{'+grad MB':>10}{'peer MB/rank':>14}{'+grad MB':>10}{'rows ratio':>12}"
-          f"{'peak RSS GB':>13}{'peer RSS GB':>13}{'step ms':>9}{'peer step ms':>14}{'peer ranks':>12}"
-          f"{'speedup':>9}{'max |loss - single|':>21}")
+    print(f"\n{WORLD} ranks, one table of rows x {DIM} (fp32), bags of 20 ids, 512 samples per rank, plain SGD "
+          f"(lr 0.05) everywhere; step = median of steps 3-{args.steps}")
+    print(f"{'rows':>11}  {'run':<20}{'ranks':>6}{'table MB/rank':>15}{'+grad MB':>10}{'rows ratio':>12}"
+          f"{'peak RSS GB':>13}{'step ms':>10}{'x convoy':>10}{'max |loss - single|':>21}{'load':>6}")
     memory_ratios, speedups, loss_gaps = [], {}, []
-    for rows, sharded, replicated, single, _ in rows_out:
-        ratio = sharded["rows_bytes"] / replicated["rows_bytes"]
-        memory_ratios.append(ratio)
-        speedup = replicated["step_s"] / sharded["step_s"]
-        speedups[rows] = (speedup, replicated["world"])
-        gap = max(abs(a - b) for a, b in zip(sharded["losses"], single["losses"], strict=True)) if single else None
+    for rows, sharded, peers, single, _ in results:
+        best = min(PEERS, key=lambda m: peers[m]["step_s"])
+        speedups[rows] = {m: (peers[m]["step_s"] / sharded["step_s"], peers[m]["world"]) for m in PEERS}
+        speedups[rows]["best"] = best
+        gap = loss_gap(sharded, single)
         if gap is not None:
             loss_gaps.append(gap)
-        mine, peer = sharded["rows_bytes"], replicated["rows_bytes"]
-        print(f"{rows:>11}{mine / 1e6:>15.1f}{(mine + sharded['grad_bytes']) / 1e6:>10.1f}"
-              f"{peer / 1e6:>14.1f}{(peer + replicated['grad_bytes']) / 1e6:>10.1f}"
-              f"{ratio:>12.3f}{sharded['peak_rss'] / GB:>13.2f}{replicated['peak_rss'] / GB:>13.2f}"
-              f"{sharded['step_s'] * 1e3:>9.1f}{replicated['step_s'] * 1e3:>14.1f}{replicated['world']:>12}"
-              f"{speedup:>8.1f}x{'not run' if gap is None else f'{gap:.1e}':>21}")
-    for rows, _, replicated, _, need in rows_out:
-        if replicated["world"] != WORLD:
-            print(f"  {rows} rows: the replicated peer needs about {need / GB:.1f} GB for {WORLD} ranks, "
-                  f"{available_bytes() / GB:.1f} GB available: it ran on {replicated['world']} ranks (a lower bound "
-                  "on its step time)")
-    print(f"  loss per step (sharded, 4 ranks): {[round(x, 5) for x in rows_out[0][1]['losses']]}")
+        memory_ratios.append(max(sharded["rows_bytes"] / peers[m]["rows_bytes"] for m in PEERS))
+        for name, result in [("convoy, row-sharded", sharded)] + [(PEERS[m], peers[m]) for m in PEERS]:
+            ratio = result["rows_bytes"] / peers["replicated"]["rows_bytes"]
+            gap = loss_gap(result, single)
+            gap_text = f"{gap:.1e}" if gap is not None else "not run" if single is None else "n/a"
+            print(f"{rows:>11}  {name:<20}{result['world']:>6}{result['rows_bytes'] / 1e6:>15.1f}"
+                  f"{(result['rows_bytes'] + result['grad_bytes']) / 1e6:>10.1f}{ratio:>12.3f}"
+                  f"{result['peak_rss'] / GB:>13.2f}{result['step_s'] * 1e3:>10.1f}"
+                  f"{result['step_s'] / sharded['step_s']:>9.1f}x{gap_text:>21}{result['load']:>6.1f}")
+    for rows, _, peers, _, needs in results:
+        for mode in PEERS:
+            if peers[mode]["world"] != WORLD:
+                print(f"  {rows} rows: {PEERS[mode]} needs about {needs[mode] / GB:.1f} GB for {WORLD} ranks, "
+                      f"{available_bytes() / GB:.1f} GB available: it ran on {peers[mode]['world']} ranks (a lower "
+                      "bound on its step time)")
+    print("  load: the 1-minute load average when the run ended (2 cores, shared with other work); "
+          "max |loss - single| is n/a for a run on fewer ranks (fewer batches per step)")
+    print(f"  loss per step (sharded, 4 ranks): {[round(x, 5) for x in results[0][1]['losses']]}")
+    for rows in speedups:
+        best = speedups[rows]["best"]
+        print(f"  {rows} rows: better peer {PEERS[best]}; convoy " + ", ".join(
+            f"{speedups[rows][m][0]:.1f}x faster than {PEERS[m]}" for m in PEERS))
 
     print()
     worst = max(memory_ratios)
     print(f"target table_memory: per-rank rows / replicated rows, worst {worst:.3f} (goal ~{MEMORY_GOAL}) "
           f"{'met' if worst <= MEMORY_GOAL * 1.02 else 'missed'}")
     if SPEED_AT in speedups:
-        speedup, peer_world = speedups[SPEED_AT]
-        note = "" if peer_world == WORLD else f", peer on {peer_world} ranks (a lower bound)"
-        print(f"target step_time_10M: replicated / sharded {speedup:.1f}x{note} (goal >= {SPEED_GOAL}x) "
+        best = speedups[SPEED_AT]["best"]
+        speedup, world = speedups[SPEED_AT][best]
+        note = "" if world == WORLD else f", on {world} ranks (a lower bound)"
+        dense, dense_world = speedups[SPEED_AT]["replicated"]
+        print(f"target step_time_10M: better peer ({PEERS[best]}{note}) / sharded {speedup:.1f}x "
+              f"(goal >= {SPEED_GOAL}x; {PEERS['replicated']} on {dense_world} ranks {dense:.1f}x) "
               f"{'met' if speedup >= SPEED_GOAL else 'missed'}")
     else:
         print(f"target step_time_10M: not measured (no 10M-row run) (goal >= {SPEED_GOAL}x) missed")

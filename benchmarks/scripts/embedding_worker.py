@@ -1,13 +1,21 @@
 """One rank of the embedding benchmark: a click model of one large table and a dense MLP.
 
-    python embedding_worker.py --mode sharded|replicated|single --rows N [--dim 64] [--steps 12] --out F
+    python embedding_worker.py --mode sharded|replicated|replicated-sparse|single --rows N
+        [--dim 64] [--steps 12] --out F
 
 Each rank draws its own batches (seeded by rank and step): bags of ``--hot`` ids per sample from
 a skewed (power-law) distribution. ``sharded``: convoy's row-sharded table with sparse SGD, the
 dense MLP under DDP. ``replicated``: ``nn.EmbeddingBag`` and the MLP together under DDP (the
-table's dense gradient allreduced), SGD. ``single``: one process on all ranks' batches put
-together (``--world`` of them), the reference for the loss. Every mode starts from the same
-rows (``init_rows``). Rank 0 writes per-step losses, step times and memory as JSON.
+table's dense gradient allreduced), SGD. ``replicated-sparse``: the same with
+``nn.EmbeddingBag(sparse=True)``: backward gives the table a sparse gradient (the looked-up rows
+only), DDP allreduces it as a sparse tensor (gloo gathers every rank's indices and values) and
+``torch.optim.SGD``, which takes sparse gradients, updates only those rows; plain SGD at the same
+rate as convoy's ``SparseSGD`` and dense SGD, so all three take the same steps. ``single``: one
+process on all ranks' batches put together (``--world`` of them), the reference for the loss.
+Every mode starts from the same rows (``init_rows``). Rank 0 writes per-step losses, step times
+and memory as JSON; the table's gradient bytes are the dense gradient's size, or for
+``replicated-sparse`` the largest sparse gradient (indices and values, after DDP's allreduce)
+seen in any step.
 """
 
 from __future__ import annotations
@@ -53,10 +61,19 @@ def fill_rows(weight: torch.Tensor, spec: TableSpec) -> None:
             weight[start:end] = init_rows(spec, 0, start, end)
 
 
+def sparse_bytes(grad: torch.Tensor | None) -> int:
+    """What a sparse gradient holds: its row indices (int64) and its values."""
+    if grad is None:
+        return 0
+    indices, values = grad._indices(), grad._values()
+    return indices.numel() * indices.element_size() + values.numel() * values.element_size()
+
+
 class Replicated(nn.Module):
-    def __init__(self, spec: TableSpec) -> None:
+    def __init__(self, spec: TableSpec, sparse: bool = False) -> None:
         super().__init__()
-        self.table = nn.EmbeddingBag(spec.num_rows, spec.dim, mode="sum", _weight=torch.empty(spec.num_rows, spec.dim))
+        self.table = nn.EmbeddingBag(spec.num_rows, spec.dim, mode="sum", sparse=sparse,
+                                     _weight=torch.empty(spec.num_rows, spec.dim))
         fill_rows(self.table.weight, spec)
         self.head = mlp(spec.dim)
 
@@ -66,7 +83,7 @@ class Replicated(nn.Module):
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["sharded", "replicated", "single"], required=True)
+    parser.add_argument("--mode", choices=["sharded", "replicated", "replicated-sparse", "single"], required=True)
     parser.add_argument("--rows", type=int, required=True)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--steps", type=int, default=12)
@@ -93,8 +110,13 @@ def main() -> int:
     elif args.mode == "replicated":
         model = DistributedDataParallel(Replicated(spec), gradient_as_bucket_view=True)
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    elif args.mode == "replicated-sparse":
+        model = DistributedDataParallel(Replicated(spec, sparse=True))
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     if args.mode != "sharded":
         rows_bytes = grad_bytes = args.rows * args.dim * 4  # the rows and their dense gradient
+    if args.mode == "replicated-sparse":
+        grad_bytes = 0  # the largest sparse gradient, measured below
     losses, times = [], []
     for step in range(args.steps):
         if args.mode == "single":
@@ -114,12 +136,19 @@ def main() -> int:
             loss.backward()
             sparse.step()
             dense.step()
+        elif args.mode == "replicated-sparse":
+            optimizer.zero_grad()
+            loss = loss_fn(model(bags), labels)
+            loss.backward()
+            optimizer.step()
         else:
             optimizer.zero_grad(set_to_none=False)
             loss = loss_fn(model(bags), labels)
             loss.backward()
             optimizer.step()
         times.append(time.perf_counter() - began)
+        if args.mode == "replicated-sparse":
+            grad_bytes = max(grad_bytes, sparse_bytes(model.module.table.weight.grad))
         total = loss.detach().clone()
         if world > 1:
             dist.all_reduce(total)
