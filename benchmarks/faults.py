@@ -22,7 +22,8 @@ and the time to recover: fault -> the first step finished by the restarted worke
 master kill (workers train through it) fault -> the restarted master answers again; 0 for
 corrupt requests that leave the job untouched. For the faults of issue 22, recovered means the
 outcome the fault must have, and recover the time to it. Then one ``target ...`` line per target,
-``no_leftovers`` over every run. Exits 0 whether targets are met or missed; non-zero only if the benchmark itself breaks.
+``no_leftovers`` over every run. Exits 0 whether targets are met or missed; non-zero only if the benchmark
+itself breaks.
 """
 
 from __future__ import annotations
