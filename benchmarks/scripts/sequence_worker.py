@@ -142,7 +142,7 @@ def check(q, k, v, grad, out, args, rank, world) -> dict:  # noqa: ANN001
     part = slice(rank * local, (rank + 1) * local)
     pairs = {"out": (out, want), "dq": (q.grad, full[0].grad), "dk": (k.grad, full[1].grad),
              "dv": (v.grad, full[2].grad)}
-    return {name: float((a.detach().double() - b[:, :, part]).abs().max()) for name, (a, b) in pairs.items()}
+    return {name: float((a.detach().double() - b[:, :, part].detach()).abs().max()) for name, (a, b) in pairs.items()}
 
 
 if __name__ == "__main__":
