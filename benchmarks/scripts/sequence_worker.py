@@ -1,7 +1,9 @@
-"""One rank of the sequence-parallel attention benchmark (or the single-device peer with --single).
+"""One rank of the sequence-parallel attention benchmark (or a single-device peer with --single).
 
     python sequence_worker.py --scheme S --length L --kv-heads K [--causal] --reps N --out FILE
-    (RANK, WORLD_SIZE, MASTER_ADDR/PORT in env; with --single: one process, no env)
+    (RANK, WORLD_SIZE, MASTER_ADDR/PORT in env; with --single: one process, no env, and S is
+    sdpa, torch's scaled_dot_product_attention on the whole sequence (its fused flash kernels,
+    grouped K/V heads taken as they are), or naive, plain autograd attention holding the L x L scores)
 
 A fresh process per configuration, so its peak memory is its own: after a tiny warm-up call
 (libraries, communication buffers), the resident size before the first full forward and
@@ -27,6 +29,7 @@ from pathlib import Path
 import psutil
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import convoy
 from convoy.parallel.sequence import attention
@@ -53,7 +56,7 @@ def main() -> int:
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--micro", default="auto", help="query micro-sequences per rank, or auto (auto_micro)")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--single", action="store_true", help="single-device attention, one process")
+    parser.add_argument("--single", action="store_true", help="single-device attention (sdpa or naive), one process")
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -72,7 +75,7 @@ def main() -> int:
 
     def run(scheme: str, *tensors: torch.Tensor) -> torch.Tensor:
         if args.single:
-            return attention.reference(*tensors, causal=args.causal)
+            return single(scheme, *tensors, causal=args.causal)
         micro = None if args.micro == "auto" else min(int(args.micro), tensors[0].shape[2])  # warm-up: 8 positions
         return sequence_attention(*tensors, scheme, causal=args.causal, micro=micro, check=False)
 
@@ -119,6 +122,16 @@ def main() -> int:
     convoy.exit_without_teardown()
 
 
+def single(scheme: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """The whole sequence on one device: ``sdpa`` or ``naive`` (``attention.reference``)."""
+    if scheme == "naive":
+        return attention.reference(q, k, v, causal=causal)
+    if scheme != "sdpa":
+        raise SystemExit(f"--single runs sdpa or naive, not {scheme}")
+    # query head h reads K/V head h // (heads / kv heads), as the reference's grouping does
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
+
+
 def check(q, k, v, grad, out, args, rank, world) -> dict:  # noqa: ANN001
     """Max abs error of this rank's output and gradients against float64 single-device attention."""
     local = args.length // world
@@ -129,7 +142,7 @@ def check(q, k, v, grad, out, args, rank, world) -> dict:  # noqa: ANN001
     part = slice(rank * local, (rank + 1) * local)
     pairs = {"out": (out, want), "dq": (q.grad, full[0].grad), "dk": (k.grad, full[1].grad),
              "dv": (v.grad, full[2].grad)}
-    return {name: float((a.double() - b[:, :, part]).abs().max()) for name, (a, b) in pairs.items()}
+    return {name: float((a.detach().double() - b[:, :, part].detach()).abs().max()) for name, (a, b) in pairs.items()}
 
 
 if __name__ == "__main__":
