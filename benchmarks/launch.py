@@ -2,9 +2,23 @@
 
 Measures (1) the time from the command to the first step finished by all ranks, (2) the time
 from SIGKILL of a worker to the next step finished by all ranks of the restarted workers, and
-(3) the RSS of convoy's launcher (which embeds the master), agent and standalone master, next to
-torchrun's agent. Prints a table, then one ``target ...`` line per target. ``--quick`` is the
-smoke-test size. Exits 0 whether targets are met or missed; non-zero only if the benchmark breaks.
+(3) memory while training: the whole process tree of the node (the launcher and every descendant:
+convoy's launcher with its master, agent, workers and standbys; torchrun's agent and workers) as
+summed USS, and PSS, max over the samples taken before each kill, beside the old per-process RSS
+of convoy's launcher, agent and standalone master and of torchrun's agent. A standby is a worker
+process convoy starts ahead of need that has imported torch; the tree counts its memory, and the
+output relates it to what it buys: a restart that skips the import (timed here in a fresh process).
+
+torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1. With its default (the agent hosts one
+TCPStore for every rendezvous round), a restarted worker group often fails: the workers' gloo
+addresses are kept under the same keys in each round, so a new worker can read the address of the
+worker it replaces, and gloo's connect is refused (the group fails again and is restarted: seconds
+and a restart lost) or hangs past the timeout. That, not a teardown hang or the benchmark's options
+(it passes --max-restarts; the failure is seen within 0.1 s), is why the last README's torchrun
+recovered 5 of 10 kills. The default is still measured for a few kills (``--shared-store-kills``).
+
+Prints a table, then one ``target ...`` line per target. ``--quick`` is the smoke-test size. Exits 0
+whether targets are met or missed; non-zero only if the benchmark breaks.
 """
 
 from __future__ import annotations
@@ -20,10 +34,13 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from importlib.metadata import version
 from pathlib import Path
 from typing import Callable, TypeVar
 
 import psutil
+
+from convoy.config import DEFAULT_PRELOAD
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from steplog import Step, StepLog  # noqa: E402
@@ -41,6 +58,16 @@ def _tool(name: str, module: str) -> list[str]:
 
 
 LAUNCHERS = {"convoy": _tool("convoy", "convoy"), "torchrun": _tool("torchrun", "torch.distributed.run")}
+TORCHRUN_OWN_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+"""torchrun's opt-out of the agent-owned TCPStore: each round's rank 0 worker then hosts a new store on a new
+port, so a restarted group cannot read the addresses its predecessors left in the old one."""
+KINDS: dict[str, tuple[str, dict[str, str]]] = {
+    "convoy": ("convoy", {}),
+    "torchrun": ("torchrun", TORCHRUN_OWN_STORE),
+    "torchrun-shared": ("torchrun", {}),
+}
+"""Benchmark kind -> (launcher, extra environment). ``torchrun`` is torchrun at its best (the opt-out set);
+``torchrun-shared`` is torchrun's default store, run for the kills only, to show why it recovers less often."""
 
 
 class Job:
@@ -49,14 +76,16 @@ class Job:
     def __init__(self, kind: str, tmp: Path, max_restarts: int) -> None:
         tmp.mkdir(parents=True)
         self.kind, self.out, self.log_path = kind, tmp / "steps", tmp / "console.log"
-        options = ["--standalone"] if kind == "torchrun" else ["run", "--nnodes", "1", "--run-dir", str(tmp / "run")]
-        argv = [*LAUNCHERS[kind], *options, "--nproc-per-node", str(NPROC), "--max-restarts", str(max_restarts),
-                str(SCRIPT), "--out", str(self.out)]
+        self.launcher, extra_env = KINDS[kind]
+        options = (["--standalone"] if self.launcher == "torchrun"
+                   else ["run", "--nnodes", "1", "--run-dir", str(tmp / "run")])
+        argv = [*LAUNCHERS[self.launcher], *options, "--nproc-per-node", str(NPROC),
+                "--max-restarts", str(max_restarts), str(SCRIPT), "--out", str(self.out)]
         self.steps = StepLog(self.out)
         with open(self.log_path, "wb") as log:
             self.started = time.time()
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+                                         start_new_session=True, env={**os.environ, **extra_env})
         self.root = psutil.Process(self.proc.pid)
         self.known: dict[int, psutil.Process] = {self.proc.pid: self.root}
 
@@ -133,7 +162,7 @@ def ready_to_kill(job: Job, settle_s: float) -> bool:
         first = next(s for s in job.steps.steps if s.rank == rank and s.pid == latest.pid)
         if latest.t - first.t < settle_s:
             return False
-    if job.kind != "convoy":
+    if job.launcher != "convoy":
         return True
     workers = {s.pid for s in current.values()}
     for agent in job.agents():
@@ -154,13 +183,69 @@ def rss_mb(proc: psutil.Process) -> float | None:
 
 
 def launcher_rss(job: Job) -> dict[str, float]:
-    if job.kind == "torchrun":
+    if job.launcher == "torchrun":
         found = {"torchrun (agent)": rss_mb(job.root)}
     else:
         agents = job.agents()
         found = {"convoy run (launcher + master)": rss_mb(job.root),
                  "convoy agent": rss_mb(agents[0]) if agents else None}
     return {name: value for name, value in found.items() if value is not None}
+
+
+@dataclass
+class TreeMemory:
+    """One sample of a job's whole process tree: the launcher and every descendant."""
+
+    uss: float = 0.0
+    """Sum of USS (pages no other process maps), MB."""
+    pss: float = 0.0
+    """Sum of PSS (each shared page split among the processes that map it), MB."""
+    parts: dict[str, list[float]] = field(default_factory=dict)
+    """Part of the tree -> the USS of each of its processes, MB."""
+
+
+def _tree_part(job: Job, proc: psutil.Process, workers: set[int], agents: set[int]) -> str:
+    if proc.pid == job.root.pid:
+        return "torchrun (agent)" if job.launcher == "torchrun" else "launcher + master"
+    if proc.pid in agents:
+        return "agent"
+    if proc.pid in workers:
+        return "workers"
+    if proc.ppid() in agents:
+        return "standbys"  # a child of convoy's agent that trains no rank is waiting for one
+    return "other"
+
+
+def tree_memory(job: Job) -> TreeMemory | None:
+    """USS and PSS summed over the job's tree (the launcher and all its descendants, on this one node)."""
+    try:
+        procs = [job.root, *job.root.children(recursive=True)]
+    except psutil.Error:
+        return None
+    workers = {s.pid for s in job.steps.current().values()}
+    agents = {a.pid for a in job.agents()} if job.launcher == "convoy" else set()
+    sample = TreeMemory()
+    for proc in procs:
+        try:
+            info = proc.memory_full_info()
+            part = _tree_part(job, proc, workers, agents)
+        except psutil.Error:
+            continue  # it ended between the listing and the read
+        sample.uss += info.uss / MB
+        sample.pss += info.pss / MB
+        sample.parts.setdefault(part, []).append(info.uss / MB)
+    return sample
+
+
+def import_seconds(modules: tuple[str, ...], repeats: int) -> float | None:
+    """Median seconds a fresh interpreter takes to import ``modules``: what a convoy standby has done already."""
+    code = f"import time; t = time.perf_counter(); import {', '.join(modules)}; print(time.perf_counter() - t)"
+    times = []
+    for _ in range(repeats):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        if done.returncode == 0:
+            times.append(float(done.stdout.split()[-1]))
+    return median(times)
 
 
 def standalone_master_rss(tmp: Path) -> float | None:
@@ -207,6 +292,8 @@ class Recovery:
     times: list[float | None] = field(default_factory=list)
     rss: dict[str, float] = field(default_factory=dict)
     """Largest RSS seen per process, MB, sampled while training before each kill."""
+    tree: TreeMemory | None = None
+    """The sample (taken with ``rss``) of the whole process tree with the largest USS."""
     fresh_jobs: int = 0
     startups: list[float] = field(default_factory=list)
     """Startup time (as in startup_run) of each job started for the kills."""
@@ -250,6 +337,9 @@ def recovery_runs(kind: str, base: Path, kills: int, timeout_s: float, settle_s:
             if wait_for(current, lambda job=current: ready_to_kill(job, settle_s) or None, 120.0):
                 for name, value in launcher_rss(current).items():
                     result.rss[name] = max(value, result.rss.get(name, 0.0))
+                sample = tree_memory(current)
+                if sample is not None and (result.tree is None or sample.uss > result.tree.uss):
+                    result.tree = sample
                 if index >= kills:
                     break
                 took = kill_and_time(current, timeout_s)
@@ -293,6 +383,8 @@ def main() -> int:
     parser.add_argument("--kills", type=int, default=None, help="SIGKILLs per launcher (default 10; quick 1)")
     parser.add_argument("--torchrun-kills", type=int, default=None,
                         help="SIGKILLs for torchrun (default --kills; quick 0: its job gives startup and memory)")
+    parser.add_argument("--shared-store-kills", type=int, default=None,
+                        help="SIGKILLs for torchrun with its default shared store (default 4; quick 0)")
     parser.add_argument("--kill-timeout", type=float, default=None,
                         help="seconds a recovery may take (default 30; quick 20)")
     parser.add_argument("--settle", type=float, default=1.0, help="seconds of training between kills")
@@ -300,7 +392,9 @@ def main() -> int:
     runs = args.runs if args.runs is not None else (0 if args.quick else 5)
     kills = args.kills if args.kills is not None else (1 if args.quick else 10)
     kills_of = {"convoy": kills, "torchrun": args.torchrun_kills if args.torchrun_kills is not None
-                else (0 if args.quick else kills)}
+                else (0 if args.quick else kills),
+                "torchrun-shared": args.shared_store_kills if args.shared_store_kills is not None
+                else (0 if args.quick else 4)}
     kill_timeout = args.kill_timeout if args.kill_timeout is not None else (20.0 if args.quick else 30.0)
     tmp = Path(tempfile.mkdtemp(prefix="convoy-bench-launch-"))
     began = time.monotonic()
@@ -313,13 +407,17 @@ def main() -> int:
             for kind in order:
                 startup[kind].append(startup_run(kind, tmp / f"start-{kind}-{run}", 120.0))
             print(f"  run {run + 1}: " + ", ".join(f"{k} {fmt(startup[k][-1])} s" for k in order), flush=True)
-        print(f"recovery: {kills_of['convoy']} SIGKILL(s) for convoy, {kills_of['torchrun']} for torchrun", flush=True)
+        print(f"recovery: {kills_of['convoy']} SIGKILL(s) for convoy, {kills_of['torchrun']} for torchrun "
+              f"({', '.join(f'{k}={v}' for k, v in TORCHRUN_OWN_STORE.items())}), "
+              f"{kills_of['torchrun-shared']} for torchrun with its default shared store", flush=True)
         recovery = {kind: recovery_runs(kind, tmp / f"recover-{kind}", n, kill_timeout, args.settle)
-                    for kind, n in kills_of.items()}
+                    for kind, n in kills_of.items() if n or kind != "torchrun-shared"}
         if runs == 0:  # --quick: the recovery jobs' own startups stand in for dedicated runs
             runs = 1
-            startup = {kind: [r.startups[0] if r.startups else None] for kind, r in recovery.items()}
+            startup = {kind: [recovery[kind].startups[0] if recovery[kind].startups else None]
+                       for kind in ("convoy", "torchrun")}
         master_rss = standalone_master_rss(tmp / "master")
+        preload_s = import_seconds(DEFAULT_PRELOAD, 1 if args.quick else 3)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     elapsed = time.monotonic() - began
@@ -329,6 +427,8 @@ def main() -> int:
     print(f"\nlaunch benchmark: {NPROC}-worker gloo DDP ({SCRIPT.name}), medians; {elapsed:.0f} s in all")
     print("startup: command -> step 0 finished by every rank; recovery: SIGKILL of the highest rank -> a step")
     print(f"finished by every rank of the restarted workers (timeout {kill_timeout:.0f} s = not recovered)")
+    print(f"torchrun runs with {', '.join(f'{k}={v}' for k, v in TORCHRUN_OWN_STORE.items())} (its best; see "
+          "'torchrun, shared store' below)")
     print(f"{'metric':<34}{'convoy':>10}{'torchrun':>10}{'ratio':>8}")
     ok_runs = {k: sum(v is not None for v in vals) for k, vals in startup.items()}
     print(f"{'startup to first step (s)':<34}{fmt(start_med['convoy']):>10}{fmt(start_med['torchrun']):>10}"
@@ -340,15 +440,52 @@ def main() -> int:
     print(f"{'  recovered / kills':<34}{rec_ok['convoy']:>10}{rec_ok['torchrun']:>10}")
     print(f"{'  jobs started for the kills':<34}{recovery['convoy'].fresh_jobs:>10}"
           f"{recovery['torchrun'].fresh_jobs:>10}")
-    print(f"{'RSS (MB, max while training)':<34}")
+    trees = {k: recovery[k].tree for k in ("convoy", "torchrun")}
+    uss = {k: t.uss if t else None for k, t in trees.items()}
+    print(f"{'tree USS (MB, max while training)':<34}{fmt(uss['convoy'], 0):>10}{fmt(uss['torchrun'], 0):>10}"
+          f"{fmt(ratio(uss['convoy'], uss['torchrun'])):>8}")
+    parts = sorted({part for t in trees.values() if t for part in t.parts},
+                   key=lambda p: ["launcher + master", "torchrun (agent)", "agent", "workers", "standbys"].index(p)
+                   if p != "other" else 9)
+    for part in parts:
+        cells = []
+        for tree in trees.values():
+            found = tree.parts.get(part) if tree else None
+            cells.append(f"{len(found)} x {sum(found) / len(found):.0f}" if found else "-")
+        print(f"  {part + ' (n x MB)':<32}{cells[0]:>10}{cells[1]:>10}")
+    pss = {k: t.pss if t else None for k, t in trees.items()}
+    print(f"{'tree PSS (MB, same sample)':<34}{fmt(pss['convoy'], 0):>10}{fmt(pss['torchrun'], 0):>10}"
+          f"{fmt(ratio(pss['convoy'], pss['torchrun'])):>8}")
+    print(f"{'RSS per process (MB, max while training)':<34}")
     rss = {**recovery["convoy"].rss, **recovery["torchrun"].rss}
     if master_rss is not None:
         rss["convoy master (standalone)"] = master_rss
     for name, value in rss.items():
         print(f"  {name:<32}{value:>10.0f}")
-    for kind in ("convoy", "torchrun"):
-        print(f"{kind} startup runs (s): " + " ".join(fmt(v) for v in startup[kind]))
+    for kind in recovery:
+        if kind in startup:
+            print(f"{kind} startup runs (s): " + " ".join(fmt(v) for v in startup[kind]))
         print(f"{kind} recoveries (s): " + (" ".join(fmt(v) for v in recovery[kind].times) or "(no kills)"))
+
+    print("\nUSS counts the pages only that process maps, summed over the launcher and every descendant (RSS would")
+    print("count torch's shared libraries once per process); PSS splits each shared page among its mappers.")
+    standbys = trees["convoy"].parts.get("standbys", []) if trees["convoy"] else []
+    if standbys:
+        print(f"convoy's {len(standbys)} standbys hold {sum(standbys):.0f} MB USS of that tree: each is a started "
+              f"interpreter that has imported {', '.join(DEFAULT_PRELOAD)} (a fresh process takes {fmt(preload_s)} s "
+              "to import them here),")
+        print("so a restart gives the dead group's ranks to processes that skip that import; torchrun starts new")
+        print(f"interpreters, and its recovery ({fmt(rec_med['torchrun'])} s) includes the import that convoy's "
+              f"({fmt(rec_med['convoy'])} s) does not.")
+    shared = recovery.get("torchrun-shared")
+    if shared is not None:
+        print(f"torchrun, shared store (its default): {rec_ok['torchrun-shared']} recovered, median "
+              f"{fmt(rec_med['torchrun-shared'])} s, {shared.fresh_jobs} job(s) started. Cause: torch "
+              f"{version('torch')}'s agent")
+        print("keeps one TCPStore for every round, and the workers' gloo addresses sit under the same keys in each")
+        print("round, so a restarted worker can read its dead predecessor's address: gloo's connect is refused (the")
+        print("group fails and is restarted again, costing a restart and seconds) or hangs past the timeout. The")
+        print("benchmark's torchrun above sets the opt-out, so every round gets a new store.")
     print()
 
     start_ratio = ratio(start_med["convoy"], start_med["torchrun"])
