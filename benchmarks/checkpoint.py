@@ -32,166 +32,36 @@ async_save set-ups in turn, each come every ``persist_every`` steps. What "block
 The targets compare convoy with the peer that blocks the loop least (for persistent saves: the
 least of those that write files); the torch.save ratios are printed for reference.
 CPU-time rows tell work from waiting for a core: on a busy 2-core machine the wall times swing.
+The training loop and the in-process peers are benchmarks/scripts/ckpt_loop.py, the kill and the restores
+ckpt_restore.py (both run in ckpt_worker.py's processes' stead only here; this file measures and reports).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Iterator
-from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 import convoy
 from convoy.runtime.persist import step_dir
 from convoy.shm import remove_segments
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-WORKER = SCRIPTS / "ckpt_worker.py"
 sys.path.insert(0, str(SCRIPTS))
-from ckpt_worker import build, forward_backward  # noqa: E402
-
-JOB_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-           "MASTER_ADDR", "MASTER_PORT", "CONVOY_JOB_ID", "CONVOY_NODE_ID", "CONVOY_RUN_DIR", "CONVOY_ROUND")
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """How big and how long: the model, the timed blocks, the saves and the restores."""
-
-    name: str
-    layers: int
-    width: int = 1024
-    batch: int = 32
-    reps: int = 5  # blocks without and with snapshots, each followed by one peer save
-    block: int = 6  # steps per block; the first of each is not timed
-    persist_every: int = 8
-    persist_saves: int = 4  # the first is a warm-up, reported on its own
-    restores: int = 5  # fresh restore processes, and as many torch.load processes
-
-
-FULL = Sizes("full", layers=24)
-QUICK = Sizes("quick", layers=6, reps=3, block=4, persist_every=4, persist_saves=3, restores=2)
-
-
-class Step(NamedTuple):
-    total: float  # the whole step, checkpointer included
-    in_ckpt: float  # inside ckpt.step()
-    in_ckpt_cpu: float  # CPU time of this thread inside ckpt.step() (the rest: waiting, e.g. for a core)
-    wait: float  # inside optimizer.step(), in the pre-step hooks (waiting for copies)
-    ckpt_start: float  # perf_counter() when ckpt.step() was called
-
-
-class Saver(Protocol):
-    """What a training step calls after optimizer.step(): a Checkpointer, or one of the peers below."""
-
-    def step(self, step: int) -> Any: ...
-
-
-class Trainer:
-    """The model and its optimizer; what optimizer.step() waits for in pre-step hooks is timed:
-    the Checkpointers' hooks, and ``staging`` (futures a peer's save must finish before the state changes)."""
-
-    def __init__(self, sizes: Sizes) -> None:
-        self.sizes = sizes
-        self.model, self.optimizer = build(sizes.layers, sizes.width)
-        self.generator = torch.Generator().manual_seed(1)
-        self.staging: list[Future[Any]] = []
-        self._mark = 0.0
-        self._wait = 0.0
-        self.optimizer.register_step_pre_hook(self._before)  # runs before every other hook ...
-        self.optimizer.register_step_pre_hook(self._await_staging)
-        self.optimizer.register_step_pre_hook(self._after)  # (until a Checkpointer's hook comes after it)
-
-    def attach(self, job_id: str | None, **options: Any) -> convoy.Checkpointer:
-        """A Checkpointer on this model (``job_id``: with in-memory snapshots in that job's segment)."""
-        if job_id:
-            os.environ["CONVOY_JOB_ID"] = job_id
-        try:
-            ckpt = convoy.Checkpointer(self.model, self.optimizer, **options)
-        finally:
-            os.environ.pop("CONVOY_JOB_ID", None)
-        self.optimizer.register_step_pre_hook(self._after)  # ... and this one after all of them
-        return ckpt
-
-    def _before(self, *args: Any) -> None:
-        self._mark = time.perf_counter()
-
-    def _after(self, *args: Any) -> None:
-        self._wait = time.perf_counter() - self._mark
-
-    def _await_staging(self, *args: Any) -> None:
-        while self.staging:
-            self.staging.pop().result()
-
-    def step(self, ckpt: Saver | None, step: int) -> Step:
-        started = time.perf_counter()
-        forward_backward(self.model, self.optimizer, self.sizes.batch, self.generator)
-        self.optimizer.step()
-        stepped, cpu = time.perf_counter(), time.thread_time()
-        if ckpt is not None:
-            ckpt.step(step)
-        done = time.perf_counter()
-        return Step(done - started, done - stepped, time.thread_time() - cpu, self._wait, stepped)
-
-    def state(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}
-
-
-def peer_save(trainer: Trainer, path: Path, fsync: bool) -> float:
-    """Seconds for a plain synchronous torch.save of the same state (optionally fsynced)."""
-    started = time.perf_counter()
-    with open(path, "wb") as handle:
-        torch.save(trainer.state(), handle)
-        if fsync:
-            handle.flush()
-            os.fsync(handle.fileno())
-    return time.perf_counter() - started
-
-
-def tensors_of(state: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in a nest of dicts, lists and tuples, in a fixed order."""
-    if isinstance(state, torch.Tensor):
-        yield state
-    elif isinstance(state, dict):
-        for value in state.values():
-            yield from tensors_of(value)
-    elif isinstance(state, (list, tuple)):
-        for value in state:
-            yield from tensors_of(value)
-
-
-class SharedCopy:
-    """The plain in-memory peer: each save copies the state's tensors into buffers that were made once
-    with ``share_memory_()`` (another process could map them, as a snapshot in shared memory)."""
-
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-        self.buffers = [tensor.detach().clone().share_memory_() for tensor in tensors_of(trainer.state())]
-
-    def step(self, step: int) -> None:
-        with torch.no_grad():
-            for buffer, tensor in zip(self.buffers, tensors_of(self.trainer.state()), strict=True):
-                buffer.copy_(tensor)
-
+from ckpt_loop import ASYNC_SAVE, FULL, QUICK, SharedCopy, Sizes, Trainer, measure_async_save, peer_save  # noqa: E402
+from ckpt_restore import JOB_ENV, measure_restore  # noqa: E402
 
 def measure_snapshots(trainer: Trainer, job_id: str, root: Path, peer_file: Path,
                       samples: dict[str, list[float]]) -> None:
@@ -270,154 +140,6 @@ def measure_persistent(trainer: Trainer, root: Path, samples: dict[str, list[flo
         watcher.join()
     seconds = [found[0] if found else float("nan") for found in sealed]  # nan: never sealed
     samples["persist_first_sealed"], samples["persist_sealed"] = seconds[:1], seconds[1:]
-
-
-# async_save's set-ups: (label, the stager kept across saves; None: async_save makes one per call)
-ASYNC_SAVE: dict[str, tuple[str, Any]] = {
-    "as_new": ("dcp.async_save, as it comes", None),
-    "as_cached": ("dcp.async_save, DefaultStager kept (reused buffers)",
-                  lambda: DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                       use_async_staging=False, use_non_blocking_copy=False))),
-    "as_thread": ("dcp.async_save, kept DefaultStager, async staging",
-                  lambda: DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                       use_async_staging=True, use_non_blocking_copy=False))),
-}
-
-
-class AsyncSavePeer:
-    """The persistent peer: ``dcp.async_save`` of the state every ``every`` steps into ``directory/step-N``
-    (the default FileSystemWriter; the default process group, here convoy.init's 1-rank gloo group).
-    With async staging the next ``optimizer.step()`` waits for ``staging_completion`` (Trainer.staging)."""
-
-    def __init__(self, trainer: Trainer, directory: Path, every: int, stager: DefaultStager | None) -> None:
-        self.trainer, self.directory, self.every, self.stager = trainer, directory, every, stager
-        self.upload: Future[Any] | None = None
-        self.done: list[float] = []  # per save: seconds from the call until its future was done
-        self._finished = threading.Event()
-
-    def step(self, step: int) -> None:
-        if (step + 1) % self.every:
-            return
-        self._finished.clear()
-        started = time.perf_counter()
-        result = dcp.async_save(self.trainer.state(), checkpoint_id=str(self.directory / f"step-{step}"),
-                                async_stager=self.stager)
-        if isinstance(result, AsyncSaveResponse):  # staging runs on: the state must not change before it ends
-            self.trainer.staging.append(result.staging_completion)
-            result = result.upload_completion
-        self.upload = result
-        result.add_done_callback(lambda _: (self.done.append(time.perf_counter() - started), self._finished.set()))
-
-    def wait(self) -> None:
-        """Until the save in flight is written (its future done, its completion time recorded)."""
-        if self.upload is not None:
-            self.upload.result(timeout=300)
-            self._finished.wait(timeout=300)
-
-
-def measure_async_save(trainer: Trainer, root: Path, samples: dict[str, list[float]]) -> None:
-    """Each async_save set-up in turn, timed as convoy's persistent saves: the call and the next
-    optimizer.step()'s wait at each save, the ``persist_every`` steps from it, and until its future is done."""
-    sizes, every = trainer.sizes, trainer.sizes.persist_every
-    for key, (_, make_stager) in ASYNC_SAVE.items():
-        stager = make_stager() if make_stager else None
-        peer, timed = AsyncSavePeer(trainer, root / key, every, stager), []
-        for step in range(every * (sizes.persist_saves + 1) - 1):
-            if (step + 1) % every == 0 and peer.upload is not None:  # untimed, as for convoy's saves
-                idle = time.perf_counter()
-                peer.wait()
-                samples[key + "_idle"].append(time.perf_counter() - idle)
-            timed.append(trainer.step(peer, step))
-        peer.wait()
-        if stager is not None:
-            stager.close()
-        for save in range(every - 1, len(timed), every):
-            prefix = key + ("_first_" if save == every - 1 else "_")  # the first save is a warm-up
-            samples[prefix + "blocking"].append(timed[save].in_ckpt + timed[save + 1].wait)
-            samples[prefix + "in_call"].append(timed[save].in_ckpt)
-            samples[prefix + "in_call_cpu"].append(timed[save].in_ckpt_cpu)
-            samples[prefix + "wait"].append(timed[save + 1].wait)
-            samples[prefix + "period"].append(sum(t.total for t in timed[save : save + every]))
-        samples[key + "_first_done"], samples[key + "_done"] = peer.done[:1], peer.done[1:]
-        shutil.rmtree(root / key, ignore_errors=True)
-
-
-def child_env(job_id: str | None) -> dict[str, str]:
-    """This environment without the job variables (a child starts its own one-process group)."""
-    env = {key: value for key, value in os.environ.items() if key not in JOB_ENV}
-    if job_id:
-        env["CONVOY_JOB_ID"] = job_id
-    return env
-
-
-def start_worker(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, str(WORKER), *args], env=env, text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-
-def await_line(proc: subprocess.Popen[str], prefix: str) -> str:
-    """The first line of the worker's output that starts with ``prefix``; fails if it exits first."""
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith(prefix):
-            return line
-    proc.wait()
-    raise RuntimeError(f"ckpt_worker.py exited ({proc.returncode}) before '{prefix}':\n{proc.stderr.read()[-3000:]}")
-
-
-def finish_worker(proc: subprocess.Popen[str]) -> dict[str, Any]:
-    """Let a ready worker measure; return the JSON it prints."""
-    output, errors = proc.communicate("go\n", timeout=300)
-    if proc.returncode != 0:
-        raise RuntimeError(f"ckpt_worker.py failed ({proc.returncode}):\n{errors[-3000:]}")
-    return json.loads(output.strip().splitlines()[-1])
-
-
-def measure_restore(sizes: Sizes, job_id: str, root: Path, peer_file: Path, samples: dict[str, list[float]]) -> str:
-    """SIGKILL a worker that trains with snapshots, then time restores and torch.loads in fresh processes
-    (started together with it, each measuring alone when its turn comes)."""
-    model_args = ["--layers", str(sizes.layers), "--width", str(sizes.width), "--batch", str(sizes.batch)]
-    ckpt_dir = ["--dir", str(root / "restore-checkpoints")]
-    train = start_worker(["train", *model_args, *ckpt_dir], child_env(job_id))
-    pairs = [(start_worker(["restore", *model_args, *ckpt_dir], child_env(job_id)),
-              start_worker(["load", *model_args, "--file", str(peer_file)], child_env(None)))
-             for _ in range(sizes.restores)]
-    everyone = [train, *(proc for pair in pairs for proc in pair)]
-    watchdog = threading.Timer(1200, lambda: [proc.kill() for proc in everyone])
-    watchdog.start()
-    try:
-        last = -1
-        while last < 3:  # both slots written at least once, so the kill hits the steady state
-            last = int(await_line(train, "done ").split()[1])
-        os.kill(train.pid, signal.SIGKILL)
-        train.wait()
-        for proc in everyone[1:]:
-            await_line(proc, "ready")
-        resumed = []
-        for restorer, loader in pairs:
-            restored = finish_worker(restorer)
-            if not restored["from"].startswith("in-memory") or restored["optimizer_tensors"] == 0:
-                raise RuntimeError(f"restore did not come from the snapshot: {restored}")
-            samples["restore"].append(restored["restore_s"] + restored["first_wait_s"])
-            samples["restore_call"].append(restored["restore_s"])
-            samples["restore_cpu"].append(restored["restore_cpu_s"])
-            samples["restore_wait"].append(restored["first_wait_s"])
-            samples["restore_construct"].append(restored["construct_s"])
-            resumed.append(restored["start"])
-            loaded = finish_worker(loader)
-            samples["torch_load"].append(loaded["load_s"])
-            samples["torch_load_apply"].append(loaded["load_s"] + loaded["apply_s"])
-    finally:
-        watchdog.cancel()
-        for proc in everyone:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            for stream in (proc.stdin, proc.stdout, proc.stderr):
-                if stream is not None:
-                    stream.close()
-    return (f"the worker was SIGKILLed after it reported step {last} finished; the restores resumed at step "
-            f"{', '.join(map(str, sorted(set(resumed))))} (newest complete snapshot + 1)")
 
 
 def med(values: list[float]) -> float:

@@ -17,6 +17,9 @@ and a restart lost) or hangs past the timeout. That, not a teardown hang or the 
 (it passes --max-restarts; the failure is seen within 0.1 s), is why the last README's torchrun
 recovered 5 of 10 kills. The default is still measured for a few kills (``--shared-store-kills``).
 
+The jobs (launching, steps, when to kill) are benchmarks/scripts/launch_jobs.py, the memory readings
+launch_memory.py; this file runs the startups and the kills and reports.
+
 Prints a table, then one ``target ...`` line per target. ``--quick`` is the smoke-test size. Exits 0
 whether targets are met or missed; non-zero only if the benchmark breaks.
 """
@@ -28,246 +31,20 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
-from typing import Callable, TypeVar
 
-import psutil
 
 from convoy.config import DEFAULT_PRELOAD
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
-from steplog import Step, StepLog  # noqa: E402
-
-SCRIPT = Path(__file__).resolve().parent / "scripts" / "ddp_steps.py"
-NPROC = 2
-POLL_S = 0.05
-MB = 1024 * 1024
-T = TypeVar("T")
-
-
-def _tool(name: str, module: str) -> list[str]:
-    path = Path(sys.executable).parent / name
-    return [str(path)] if path.exists() else [sys.executable, "-m", module]
-
-
-LAUNCHERS = {"convoy": _tool("convoy", "convoy"), "torchrun": _tool("torchrun", "torch.distributed.run")}
-TORCHRUN_OWN_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-"""torchrun's opt-out of the agent-owned TCPStore: each round's rank 0 worker then hosts a new store on a new
-port, so a restarted group cannot read the addresses its predecessors left in the old one."""
-KINDS: dict[str, tuple[str, dict[str, str]]] = {
-    "convoy": ("convoy", {}),
-    "torchrun": ("torchrun", TORCHRUN_OWN_STORE),
-    "torchrun-shared": ("torchrun", {}),
-}
-"""Benchmark kind -> (launcher, extra environment). ``torchrun`` is torchrun at its best (the opt-out set);
-``torchrun-shared`` is torchrun's default store, run for the kills only, to show why it recovers less often."""
-
-
-class Job:
-    """One launcher command in its own session; ``stop()`` ends it and every process it started."""
-
-    def __init__(self, kind: str, tmp: Path, max_restarts: int) -> None:
-        tmp.mkdir(parents=True)
-        self.kind, self.out, self.log_path = kind, tmp / "steps", tmp / "console.log"
-        self.launcher, extra_env = KINDS[kind]
-        options = (["--standalone"] if self.launcher == "torchrun"
-                   else ["run", "--nnodes", "1", "--run-dir", str(tmp / "run")])
-        argv = [*LAUNCHERS[self.launcher], *options, "--nproc-per-node", str(NPROC),
-                "--max-restarts", str(max_restarts), str(SCRIPT), "--out", str(self.out)]
-        self.steps = StepLog(self.out)
-        with open(self.log_path, "wb") as log:
-            self.started = time.time()
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True, env={**os.environ, **extra_env})
-        self.root = psutil.Process(self.proc.pid)
-        self.known: dict[int, psutil.Process] = {self.proc.pid: self.root}
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def track(self) -> None:
-        """Remember every descendant, so that stop() finds those whose parent died first."""
-        try:
-            for child in self.root.children(recursive=True):
-                self.known.setdefault(child.pid, child)
-        except psutil.Error:
-            pass
-
-    def agents(self) -> list[psutil.Process]:
-        try:
-            return [c for c in self.root.children() if "agent" in c.cmdline()]
-        except psutil.Error:
-            return []
-
-    def stop(self, grace_s: float = 15.0) -> None:
-        self.track()
-        if self.alive():
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-        for proc in self.known.values():
-            try:
-                proc.kill()  # psutil checks the pid still names the same process
-            except psutil.Error:
-                pass
-        psutil.wait_procs(list(self.known.values()), timeout=5)
-        self.proc.wait()
-
-    def last_error(self) -> str:
-        """The console's last line that names an error (else its last line), shortened."""
-        lines = [line.strip() for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()]
-        errors = [line for line in lines if "Error" in line or "error" in line]
-        return (errors or lines or ["(no output)"])[-1][:240]
-
-
-def wait_for(job: Job, probe: Callable[[], T | None], timeout_s: float) -> T | None:
-    """Poll ``probe`` until it returns a value, the job exits, or the timeout passes."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        job.steps.poll()
-        job.track()
-        value = probe()
-        if value is not None:
-            return value
-        if not job.alive():
-            job.steps.poll()
-            return probe()
-        time.sleep(POLL_S)
-    return None
-
-
-def _blocked_on_pipe(proc: psutil.Process) -> bool:
-    """A standby that has finished preloading sits in read(2) on its stdin pipe, waiting for its rank."""
-    try:
-        return "pipe_read" in Path(f"/proc/{proc.pid}/wchan").read_text()
-    except OSError:
-        return False
-
-
-def ready_to_kill(job: Job, settle_s: float) -> bool:
-    """Every rank has trained ``settle_s`` in this round and (convoy) the agent's standbys are warm."""
-    current = job.steps.current()
-    if len(current) < NPROC:
-        return False
-    for rank, latest in current.items():
-        first = next(s for s in job.steps.steps if s.rank == rank and s.pid == latest.pid)
-        if latest.t - first.t < settle_s:
-            return False
-    if job.launcher != "convoy":
-        return True
-    workers = {s.pid for s in current.values()}
-    for agent in job.agents():
-        try:
-            standbys = [c for c in agent.children() if c.pid not in workers]
-        except psutil.Error:
-            return False
-        if len(standbys) < NPROC or not all(_blocked_on_pipe(c) for c in standbys):
-            return False
-    return True
-
-
-def rss_mb(proc: psutil.Process) -> float | None:
-    try:
-        return proc.memory_info().rss / MB
-    except psutil.Error:
-        return None
-
-
-def launcher_rss(job: Job) -> dict[str, float]:
-    if job.launcher == "torchrun":
-        found = {"torchrun (agent)": rss_mb(job.root)}
-    else:
-        agents = job.agents()
-        found = {"convoy run (launcher + master)": rss_mb(job.root),
-                 "convoy agent": rss_mb(agents[0]) if agents else None}
-    return {name: value for name, value in found.items() if value is not None}
-
-
-@dataclass
-class TreeMemory:
-    """One sample of a job's whole process tree: the launcher and every descendant."""
-
-    uss: float = 0.0
-    """Sum of USS (pages no other process maps), MB."""
-    pss: float = 0.0
-    """Sum of PSS (each shared page split among the processes that map it), MB."""
-    parts: dict[str, list[float]] = field(default_factory=dict)
-    """Part of the tree -> the USS of each of its processes, MB."""
-
-
-def _tree_part(job: Job, proc: psutil.Process, workers: set[int], agents: set[int]) -> str:
-    if proc.pid == job.root.pid:
-        return "torchrun (agent)" if job.launcher == "torchrun" else "launcher + master"
-    if proc.pid in agents:
-        return "agent"
-    if proc.pid in workers:
-        return "workers"
-    if proc.ppid() in agents:
-        return "standbys"  # a child of convoy's agent that trains no rank is waiting for one
-    return "other"
-
-
-def tree_memory(job: Job) -> TreeMemory | None:
-    """USS and PSS summed over the job's tree (the launcher and all its descendants, on this one node)."""
-    try:
-        procs = [job.root, *job.root.children(recursive=True)]
-    except psutil.Error:
-        return None
-    workers = {s.pid for s in job.steps.current().values()}
-    agents = {a.pid for a in job.agents()} if job.launcher == "convoy" else set()
-    sample = TreeMemory()
-    for proc in procs:
-        try:
-            info = proc.memory_full_info()
-            part = _tree_part(job, proc, workers, agents)
-        except psutil.Error:
-            continue  # it ended between the listing and the read
-        sample.uss += info.uss / MB
-        sample.pss += info.pss / MB
-        sample.parts.setdefault(part, []).append(info.uss / MB)
-    return sample
-
-
-def import_seconds(modules: tuple[str, ...], repeats: int) -> float | None:
-    """Median seconds a fresh interpreter takes to import ``modules``: what a convoy standby has done already."""
-    code = f"import time; t = time.perf_counter(); import {', '.join(modules)}; print(time.perf_counter() - t)"
-    times = []
-    for _ in range(repeats):
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-        if done.returncode == 0:
-            times.append(float(done.stdout.split()[-1]))
-    return median(times)
-
-
-def standalone_master_rss(tmp: Path) -> float | None:
-    """RSS of ``convoy master`` once it has printed its token file line."""
-    tmp.mkdir(parents=True)
-    argv = [*LAUNCHERS["convoy"], "master", "--nnodes", "1", "--run-dir", str(tmp), "--port", "0"]
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    watchdog = threading.Timer(30.0, proc.kill)
-    watchdog.start()
-    try:
-        assert proc.stdout is not None
-        for line in iter(proc.stdout.readline, b""):
-            if b"token file" in line:
-                time.sleep(0.5)
-                return rss_mb(psutil.Process(proc.pid))
-        return None
-    finally:
-        watchdog.cancel()
-        proc.kill()
-        proc.wait()
-
+from launch_jobs import NPROC, SCRIPT, TORCHRUN_OWN_STORE, Job, ready_to_kill, wait_for  # noqa: E402
+from launch_memory import TreeMemory, import_seconds, launcher_rss, standalone_master_rss, tree_memory  # noqa: E402
+from steplog import Step  # noqa: E402
 
 def first_step(job: Job, timeout_s: float) -> float | None:
     """Seconds from just before Popen to step 0 finished by all ranks (the slower rank counts)."""
