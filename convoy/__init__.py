@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["Checkpointer", "Context", "RoleInfo", "exit_without_teardown", "init", "measure_iteration",
-           "memory_baseline", "role", "shards"]
+__all__ = ["Checkpointer", "Context", "RoleInfo", "accelerate", "exit_without_teardown", "hot", "init",
+           "measure_iteration", "memory_baseline", "report", "restart", "role", "shards", "train_config", "train_step"]
 
 _LAZY = {
     "init": "convoy.runtime.init",
@@ -23,6 +23,12 @@ _LAZY = {
     "measure_iteration": "convoy.measure",
     "memory_baseline": "convoy.measure",
     "shards": "convoy.data_shards",
+    "report": "convoy.train_report",
+    "train_config": "convoy.live_config",
+    "hot": "convoy.live_config",
+    "restart": "convoy.live_config",
+    "accelerate": "convoy.strategy.apply",
+    "train_step": "convoy.strategy.apply",
 }
 
 

@@ -10,11 +10,8 @@ from convoy.errors import ConfigError, ConvoyError
 
 def scale_roles(args: argparse.Namespace) -> int:
     """Ask the running job's master (its address in the run dir's state, its token beside it) to scale roles."""
-    from convoy.agent.client import MasterClient
-    from convoy.config import MasterConfig
+    from convoy.cli_config import job_client
     from convoy.control import protocol as p
-    from convoy.control.store import read_status
-    from convoy.control.token import TOKEN_FILE, read_token
 
     requests = []
     for spec in args.counts:
@@ -22,14 +19,7 @@ def scale_roles(args: argparse.Namespace) -> int:
         if not sep or not role.strip() or not count.strip().isdigit():
             raise ConfigError(f"{spec!r} is not ROLE=COUNT with a whole number, e.g. worker=4")
         requests.append(p.ScaleRequest(role=role.strip(), count=int(count)))
-    job = read_status(args.run_dir, recent=0)["job"]
-    if job is None or job["status"] != "running":
-        state = "has no job state yet" if job is None else f"holds a job that has {job['status']}"
-        raise ConfigError(f"run dir {str(args.run_dir)!r} {state}: only a running job can be scaled")
-    host, _, port = job["master_url"].rpartition(":")
-    tls_ca = args.tls_ca if args.tls_ca is not None else MasterConfig.from_json(job["config"]).tls_cert
-    client = MasterClient(host, int(port), read_token(args.run_dir / TOKEN_FILE), give_up_after_s=5.0,
-                          tls_ca=tls_ca)
+    client, job = job_client(args.run_dir, args.tls_ca)
     for request in requests:
         try:
             client.call("/scale", request, p.Ack)

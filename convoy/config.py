@@ -6,6 +6,8 @@ import importlib.util
 import json
 import math
 import os
+import shutil
+import re
 import secrets
 import socket
 import stat
@@ -44,12 +46,12 @@ def parse_nnodes(spec: str) -> tuple[int, int]:
     return low, high
 
 
-def parse_address(spec: str) -> tuple[str, int]:
+def parse_address(spec: str, flag: str = "--master") -> tuple[str, int]:
     """Parse ``HOST:PORT`` (the master's address as an agent gives it); a URL or a name with other characters
     is refused here, not retried as if the master were down."""
     host, sep, port = spec.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or not safe_host(host):
-        raise ConfigError(f"--master {spec!r} is not HOST:PORT (no scheme, no path), e.g. 10.0.0.5:29400")
+        raise ConfigError(f"{flag} {spec!r} is not HOST:PORT (no scheme, no path), e.g. 10.0.0.5:29400")
     return host.strip("[]"), int(port)
 
 
@@ -92,6 +94,14 @@ take about 0.2 s to build, and the parameter-server client and server), imported
 role process as it starts (none reads its environment at import time)."""
 
 
+def _per_rank(value: str, local_rank: int) -> str:
+    """A torchrun stream setting (``3``, or ``0:3,1:0``) for one local rank."""
+    if ":" not in value:
+        return value
+    given = dict(item.split(":", 1) for item in value.split(",") if ":" in item)
+    return given.get(str(local_rank), "0")
+
+
 @dataclass
 class WorkerConfig:
     entrypoint: str = ""
@@ -104,12 +114,32 @@ class WorkerConfig:
     """Worker processes per node (per agent)."""
     stop_grace_s: float = 5.0
     """After SIGTERM, how long a worker may take to exit before it gets SIGKILL."""
+    role_name: str = "default"
+    """ROLE_NAME of the workers (torchrun's ``--role``)."""
+    log_dir: str = ""
+    """Where the workers' logs go (``DIR/roundN/rankR.log``; default: the run dir's ``logs``)."""
+    redirects: str = "0"
+    """torchrun's ``-r``: 3 keeps a local rank's output off the console (log file only); ``0:3,1:0`` per rank."""
+    tee: str = "0"
+    """torchrun's ``-t``: 3 shows a local rank's output on the console as well as in its file (over ``-r``)."""
+    local_ranks_filter: str = ""
+    """The local ranks whose output the console shows (``0,1``; empty: all)."""
+    no_python: bool = False
+    """Run the entrypoint as an executable, not as a Python script (torchrun's ``--no-python``)."""
+    master_port: int = 0
+    """MASTER_PORT of the first round, if free then (0: a free one; every later round takes a fresh one)."""
     preload: tuple[str, ...] = DEFAULT_PRELOAD
     """Modules a standby worker imports before it is given a rank (empty: none).
 
     torch._dynamo is in the default because DistributedDataParallel imports it on construction, and that
     import is one of the slowest parts of a worker's start.
     """
+
+    def shows_console(self, local_rank: int) -> bool:
+        """Whether a local rank's output goes to the console (``-r``, ``-t`` and ``--local-ranks-filter``)."""
+        if self.local_ranks_filter and str(local_rank) not in self.local_ranks_filter.split(","):
+            return False
+        return _per_rank(self.tee, local_rank) == "3" or _per_rank(self.redirects, local_rank) != "3"
 
     def role_preload(self) -> tuple[str, ...]:
         """What the fork server of a job of roles preloads: the list given, but in place of the default list
@@ -123,6 +153,22 @@ class WorkerConfig:
             raise ConfigError(f"--nproc-per-node {self.nproc_per_node}: need 1 to {MAX_NPROC_PER_NODE} workers per "
                               "node")
         check_seconds("--stop-grace", self.stop_grace_s)
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.role_name):
+            raise ConfigError(f"--role {self.role_name!r}: a worker role's name is 1 to 64 letters, digits, _ - .")
+        for flag, value in (("--redirects", self.redirects), ("--tee", self.tee)):
+            if not re.fullmatch(r"[03]|\d+:[03](,\d+:[03])*", value):
+                raise ConfigError(f"{flag} {value}: give 0 or 3, or per local rank as 0:3,1:0 (convoy captures stdout "
+                                  "and stderr together)")
+        if self.local_ranks_filter and not re.fullmatch(r"\d+(,\d+)*", self.local_ranks_filter):
+            raise ConfigError(f"--local-ranks-filter {self.local_ranks_filter}: give local ranks, e.g. 0 or 0,2")
+        if not 0 <= self.master_port < 65536:
+            raise ConfigError(f"--master-port {self.master_port}: give a port 1..65535 (0: a free one)")
+        if self.no_python:
+            if self.module:
+                raise ConfigError("--no-python and -m together: -m runs a Python module; give one of them")
+            if not (shutil.which(self.entrypoint) or os.access(self.entrypoint, os.X_OK)):
+                raise ConfigError(f"--no-python {self.entrypoint!r}: not an executable found on PATH or here")
+            return
         if self.entrypoint or need_entrypoint:
             check_entrypoint(self.entrypoint, self.module)
 
@@ -177,6 +223,11 @@ class MasterConfig:
     """PEM certificate (chain) the API serves TLS with; empty: plain HTTP."""
     tls_key: str = ""
     """The certificate's private key (PEM)."""
+    train_overrides: dict[str, str] = field(default_factory=dict)
+    """The training config's values the job sets over the script's defaults (``--set KEY=VALUE``, ``[train]``);
+    checked against the script's fields when it declares them."""
+    auto_apply: tuple[str, ...] = ()
+    """Status rules whose proposals the master applies by itself (``--auto-apply nan,divergence``)."""
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "run_dir": str(self.run_dir)})
@@ -185,7 +236,8 @@ class MasterConfig:
     def from_json(cls, text: str) -> MasterConfig:
         data = json.loads(text)
         rendezvous = RendezvousConfig(**data.pop("rendezvous"))
-        return cls(**{**data, "run_dir": Path(data["run_dir"]), "rendezvous": rendezvous})
+        return cls(**{**data, "run_dir": Path(data["run_dir"]), "rendezvous": rendezvous,
+                      "auto_apply": tuple(data.get("auto_apply", ()))})
 
     def validate(self, resume: bool = False) -> None:
         self.rendezvous.validate()
@@ -201,6 +253,11 @@ class MasterConfig:
         check_seconds("--heartbeat-timeout", self.heartbeat_timeout_s, allow_zero=False)
         if self.heartbeat_s <= 0 or self.heartbeat_timeout_s <= self.heartbeat_s:
             raise ConfigError("need 0 < heartbeat interval < heartbeat timeout")
+        from convoy.control.train_rules import RULES
+
+        unknown = sorted(set(self.auto_apply) - set(RULES))
+        if unknown:
+            raise ConfigError(f"--auto-apply {','.join(unknown)}: not a status rule (the rules: {', '.join(RULES)})")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("give --tls-cert and --tls-key together (or neither, for plain HTTP)")
         for flag, path in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key)):

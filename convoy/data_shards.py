@@ -27,7 +27,7 @@ from convoy.control.shard_master import ShardMaster
 from convoy.control.shards import Dataset
 from convoy.control.shards import Shard as QueueShard
 from convoy.errors import ConfigError, ConvoyError, MasterUnreachableError
-from convoy.role_env import role
+from convoy.role_env import DEFAULT_ROLE, role
 
 AGENT_URL_ENV, AGENT_TOKEN_ENV = "CONVOY_AGENT_URL", "CONVOY_AGENT_TOKEN"
 """Set by the agent (``convoy.agent.local_api``); read here."""
@@ -58,17 +58,19 @@ class LocalBackend:
 class AgentBackend:
     """Under convoy: HTTP to the node's agent, which forwards to the master."""
 
-    def __init__(self, url: str, token: str) -> None:
+    def __init__(self, url: str, token: str, unreachable_s: float = UNREACHABLE_S,
+                 call_timeout_s: float = CALL_TIMEOUT_S) -> None:
         parsed = urllib.parse.urlsplit(url)
         if parsed.scheme != "http" or not parsed.hostname or not parsed.port:
             raise ConfigError(f"{AGENT_URL_ENV}={url!r} is not http://HOST:PORT; start the script with convoy")
         self.host, self.port, self.token = parsed.hostname, parsed.port, token
+        self.unreachable_s, self.call_timeout_s = unreachable_s, call_timeout_s
         self._conn: http.client.HTTPConnection | None = None
 
     def call(self, path: str, request: BaseModel, reply: type[Reply]) -> Reply | str:
         body = request.model_dump_json().encode()
         headers = {"Content-Type": "application/json", "Authorization": f"Bearer {self.token}"}
-        deadline, backoff = time.monotonic() + UNREACHABLE_S, WAIT_FIRST_S
+        deadline, backoff = time.monotonic() + self.unreachable_s, WAIT_FIRST_S
         while True:
             try:
                 status, data = self._post(f"/v1{path}", body, headers)
@@ -88,7 +90,7 @@ class AgentBackend:
 
     def _post(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
         if self._conn is None:
-            self._conn = http.client.HTTPConnection(self.host, self.port, timeout=CALL_TIMEOUT_S)
+            self._conn = http.client.HTTPConnection(self.host, self.port, timeout=self.call_timeout_s)
         self._conn.request("POST", path, body=body, headers=headers)
         response = self._conn.getresponse()
         return response.status, response.read()
@@ -171,7 +173,9 @@ class ShardStream:
         if not incarnation.isdigit():
             raise ConfigError(f"CONVOY_ROLE_INCARNATION/CONVOY_ROUND {incarnation!r} is not a whole number")
         self.name, self.dataset = name, dataset
-        self._who = {"name": name, "role": info.name, "rank": info.rank, "incarnation": int(incarnation)}
+        plain = "CONVOY_ROLE_INCARNATION" not in env  # a plain worker is of the default role, whatever its ROLE_NAME
+        self._who = {"name": name, "role": DEFAULT_ROLE if plain else info.name, "rank": info.rank,
+                     "incarnation": int(incarnation)}
         url = env.get(AGENT_URL_ENV)
         self.backend: Backend = AgentBackend(url, env.get(AGENT_TOKEN_ENV, "")) if url else LocalBackend()
         declare = sp.ShardDeclare(**self._who, dataset=sp.DatasetSpec.of(dataset), num_shards=num_shards,

@@ -82,6 +82,7 @@ JOB_FILE_OPTIONS: dict[str, tuple[str, Callable[[object], object]]] = {
     "relaunch": ("relaunch", _typed(bool)), "stop_grace": ("stop_grace", _seconds(False)),
     "preload": ("preload", lambda value: ",".join(_strings(value))),
     "ps": ("ps", parse_count), "workers": ("workers", parse_count), "role": ("role", _strings),
+    "auto_apply": ("auto_apply", lambda value: ",".join(_strings(value))),
 }
 """Each top-level key: the argparse dest of the ``convoy run`` flag it stands for, and the check of its value."""
 _KEY_PART = r"""(?:[A-Za-z0-9_-]+|"(?:[^"\\]|\\.)*"|'[^']*')"""
@@ -149,11 +150,15 @@ def load_job_file(path: Path) -> JobFile:
     for key, value in data.items():
         if key == "roles":
             continue
+        if key == "train":
+            options["set"] = _train_table(value, place)
+            continue
         if key not in JOB_FILE_OPTIONS:
-            close = difflib.get_close_matches(key, [*JOB_FILE_OPTIONS, "roles"], n=1)
+            close = difflib.get_close_matches(key, [*JOB_FILE_OPTIONS, "roles", "train"], n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise ConfigError(f"{place(key)}unknown key {key!r}: {hint}a job file takes the `convoy run` options "
-                              f"with '_' for '-' ({', '.join(JOB_FILE_OPTIONS)}) and [roles.NAME] tables")
+                              f"with '_' for '-' ({', '.join(JOB_FILE_OPTIONS)}), [roles.NAME] tables and a [train] "
+                              "table")
         dest, convert = JOB_FILE_OPTIONS[key]
         try:
             options[dest] = convert(value)
@@ -171,6 +176,23 @@ def load_job_file(path: Path) -> JobFile:
             raise ConfigError(f"{place('entrypoint')}entrypoint: {exc}") from None
     roles = _file_roles(data.get("roles", {}), options, base, place)  # takes the ps, workers and role keys out
     return JobFile(path, options, roles)
+
+
+def _train_table(table: Any, place: _Places) -> list[str]:
+    """The ``[train]`` table: the training config's values, as ``--set KEY=VALUE`` items."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"{place('train')}train: give the training config's values as a table, [train]")
+    items = []
+    for key, value in table.items():
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, (int, float, str)):
+            text = str(value)
+        else:
+            raise ConfigError(f"{place('train', key)}train.{key}: a value of the training config is a number, a "
+                              f"bool or a string (got {type(value).__name__})")
+        items.append(f"{key}={text}")
+    return items
 
 
 def _file_roles(tables: Any, options: dict[str, object], base: Path, place: _Places) -> tuple[RoleSpec, ...]:

@@ -17,12 +17,12 @@ def free_port(host: str = "", port: int = 0) -> int:
         return int(sock.getsockname()[1])
 
 
-def hold_port(host: str = "") -> socket.socket:
-    """A socket bound (not listening) to a port that is free now: no other bind gets that port until
-    it is closed, just before the workers start (the round's MASTER_PORT candidate)."""
+def hold_port(host: str = "", port: int = 0) -> socket.socket:
+    """A socket bound (not listening) to a port that is free now (``port``, or any): no other bind gets that
+    port until it is closed, just before the workers start (the round's MASTER_PORT candidate)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        sock.bind((host, 0))
+        sock.bind((host, port))
     except OSError:
         sock.close()
         raise

@@ -53,7 +53,9 @@ def main() -> None:
     parser.add_argument("--sizes-mb", default="1,4,16,64")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--uncoded-only", action="store_true", help="leave out the coded variants (what auto can pick)")
     args = parser.parse_args()
+    algorithms = tuple(a for a in ALGORITHMS if not (args.uncoded_only and a.endswith("_coded")))
     ctx = convoy.init()
     topology = Topology.uniform(ctx.world_size, ctx.local_world_size)
     comm = HierarchicalAllreduce(topology)
@@ -66,7 +68,7 @@ def main() -> None:
         expected = values.clone()
         dist.all_reduce(expected)
         buffer = values.clone()
-        chosen = {algorithm: run(comm, coded, buffer, algorithm) for algorithm in ALGORITHMS}  # warm
+        chosen = {algorithm: run(comm, coded, buffer, algorithm) for algorithm in algorithms}  # warm
         trial_calls, trial_s = 1, 0.0  # auto's trial at this size, if it holds one: a one-time cost, reported
         while not comm.settled(buffer.numel() * 4):
             buffer.copy_(values)  # as before every timed rep
@@ -75,14 +77,14 @@ def main() -> None:
             run(comm, coded, buffer, "auto")
             trial_s += time.perf_counter() - began
             trial_calls += 1
-        times: dict[str, list[float]] = {algorithm: [] for algorithm in ALGORITHMS}
-        sent = dict.fromkeys(ALGORITHMS, 0)
+        times: dict[str, list[float]] = {algorithm: [] for algorithm in algorithms}
+        sent = dict.fromkeys(algorithms, 0)
         # small messages (runs spread by up to 40% with 8 ranks on 2 cores) and anything on loopback (10-20%) are
         # noisier; their reps are cheap
         reps = args.reps * (18 if size_mb <= 4 else 6 if not os.environ.get("CONVOY_BENCH_LINK") else 1)
         for rep in range(reps):  # interleaved, so a slow moment of the machine hits every algorithm alike, in an
             # order drawn anew each rep (the same on every rank), so no algorithm always runs right after another
-            for algorithm in random.Random(rep).sample(ALGORITHMS, len(ALGORITHMS)):
+            for algorithm in random.Random(rep).sample(algorithms, len(algorithms)):
                 buffer.copy_(values)
                 dist.barrier()
                 before = sent_bytes() if counts_bytes else 0
@@ -94,7 +96,7 @@ def main() -> None:
                 if rep == 0:  # each algorithm's sum, once per size (a 64 MB check costs more than a loopback call)
                     assert torch.allclose(buffer, expected, rtol=1e-4, atol=1e-8), f"{algorithm} gave a wrong sum"
         chosen["auto"] = comm.choose(buffer.numel() * 4)  # what auto settled on (after its trial, if it held one)
-        for algorithm in ALGORITHMS:
+        for algorithm in algorithms:
             slowest = torch.tensor(times[algorithm], dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             total_sent = torch.tensor([sent[algorithm]], dtype=torch.int64)

@@ -6,120 +6,28 @@ import queue
 import secrets
 import signal
 import socket
-import sys
-import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
+from convoy import log
 from convoy.agent.client import MasterClient
 from convoy.agent.local_api import ClientPool, LocalApi
 from convoy.agent.reap import NodeCgroup, reap
 from convoy.agent.role_memory import RoleMemory, join_memory
 from convoy.agent.forked import ForkServer, fork_server_for
+from convoy.agent.agent_config import AgentConfig
+from convoy.agent.heartbeat import Heartbeat
 from convoy.agent.role_procs import JobContext, RoleProcesses
 from convoy.agent.workers import Worker, WorkerGroup
-from convoy.config import WorkerConfig
 from convoy.control import protocol as p
 from convoy.errors import ConvoyError, MasterUnreachableError, WorkerStartError
 from convoy.lease import LeaseWriter, lease_path
 from convoy.procs import Interrupted, raise_interrupted, signal_name
 from convoy.ports import hold_port, port_taken
-from convoy.role_env import addresses_file, write_addresses
 from convoy.shm import remove_segments
 
 POLL_S = 0.02
 PRELOAD_WAIT_S = 120.0
 EXIT_OK, EXIT_FAILED, EXIT_ERROR = 0, 1, 2
-
-
-@dataclass
-class AgentConfig:
-    master_host: str
-    master_port: int
-    token: str
-    node_id: str
-    host: str
-    """The address other nodes reach this one at (MASTER_ADDR when it gets node rank 0)."""
-    run_dir: Path
-    workers: WorkerConfig
-    heartbeat_s: float = 1.0
-    master_timeout_s: float = 30.0
-    """How long the master may be unreachable before the agent stops its workers and exits."""
-    tls_ca: str = ""
-    """Speak TLS to the master and trust its certificate if this CA signed it (empty: plain HTTP)."""
-    roles: bool = False
-    """The job runs roles (known at the start where the launcher's roles file is in the run dir): no standby per
-    local rank, but a fork server from the first join on (a job found to have roles later starts it then)."""
-
-
-class _Heartbeat(threading.Thread):
-    """Long-polls the master; ``changed`` is set whenever the round or job status moves."""
-
-    def __init__(self, config: AgentConfig) -> None:
-        super().__init__(name="convoy-heartbeat", daemon=True)
-        self.config = config
-        self.client = MasterClient(config.master_host, config.master_port, config.token, config.master_timeout_s,
-                                   config.tls_ca)
-        self.latest: p.HeartbeatResponse | None = None
-        self.error: ConvoyError | None = None
-        self.changed = threading.Event()
-        self.stopping = threading.Event()
-        self.lease: LeaseWriter | None = None
-        self.running: p.RoundInfo | None = None
-        """The round this node's workers run in; each heartbeat of it renews their lease."""
-        self.orders: queue.SimpleQueue[tuple[list[p.RoleAssignment], list[p.RoleStop]]] = queue.SimpleQueue()
-        """What the master's replies asked of a job of roles, for the main loop to carry out."""
-        self.addresses_version = 0
-        """The role addresses' version written to this node's addresses file (role_env.ADDRESSES_FILE_ENV)."""
-
-    def run(self) -> None:
-        while not self.stopping.is_set():
-            known_round = self.latest.round_id if self.latest else 0
-            request = p.HeartbeatRequest(node_id=self.config.node_id, round_id=known_round,
-                                         wait_s=self.config.heartbeat_s, addresses_version=self.addresses_version)
-            sent_at = time.monotonic()
-            try:
-                reply = self.client.call("/heartbeat", request, p.HeartbeatResponse, wait_s=request.wait_s)
-            except ConvoyError as exc:
-                self.error = exc
-                self.changed.set()
-                return
-            self._renew(reply, sent_at)
-            self._publish_addresses(reply)
-            if reply.assignments or reply.stops:
-                self.orders.put((reply.assignments, reply.stops))
-                self.changed.set()
-            known = (self.latest.round_id, self.latest.job_status) if self.latest else None
-            if known != (reply.round_id, reply.job_status):
-                self.latest = reply
-                self.changed.set()
-            if reply.job_status != "running":
-                return
-
-    def _publish_addresses(self, reply: p.HeartbeatResponse) -> None:
-        """Give this node's role processes the master's newer addresses (a moved process is found there)."""
-        if reply.addresses_version <= self.addresses_version:
-            return
-        path = addresses_file(self.config.run_dir, self.config.node_id)
-        try:
-            write_addresses(path, reply.addresses_version, reply.addresses)
-        except OSError as exc:  # the processes keep the addresses they have; the next reply tries again
-            print(f"convoy agent {self.config.node_id}: cannot write the role addresses to {path}: {exc}",
-                  file=sys.stderr, flush=True)
-            return
-        self.addresses_version = reply.addresses_version
-
-    def _renew(self, reply: p.HeartbeatResponse, sent_at: float) -> None:
-        """The master heard this node at ``sent_at``: its workers may write state that much longer,
-        unless the round they run in is over."""
-        running, lease = self.running, self.lease
-        if lease is None or running is None:
-            return
-        if reply.job_status == "running" and reply.round_id == running.round_id:
-            lease.grant(running.round_id, sent_at, running.lease_s)
-        else:
-            lease.revoke()
 
 
 class Agent:
@@ -130,13 +38,14 @@ class Agent:
         self.client = MasterClient(config.master_host, config.master_port, config.token, config.master_timeout_s,
                                    config.tls_ca)
         self.group = group or WorkerGroup(config.workers, config.run_dir, host=config.host)
-        self.heartbeat = _Heartbeat(config)
+        self.heartbeat = Heartbeat(config)
         self.master_url = f"{config.master_host}:{config.master_port}"
         self._final_status = ""
         self._job_id = ""
         self._instance = secrets.token_hex(8)
         self._asked_at = 0.0
         self._held_port: socket.socket | None = None
+        self._wanted_port = config.workers.master_port
         """Bound to the port this node offered as MASTER_PORT, from its join until its workers start."""
         self._role_processes: RoleProcesses | None = None
         self._forks = forks  # the role processes' fork server (``convoy agent`` may have started it)
@@ -156,7 +65,7 @@ class Agent:
             self._leave(f"interrupted by {exc}")
             return exc.exit_code
         except MasterUnreachableError as exc:
-            print(f"convoy agent {self.config.node_id}: {exc}; stopping workers", file=sys.stderr)
+            log.warning(f"convoy agent {self.config.node_id}: {exc}; stopping workers")
             return EXIT_FAILED
         finally:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -197,11 +106,12 @@ class Agent:
         while True:
             join = p.JoinRequest(node_id=self.config.node_id, host=self.config.host, port=self._hold_port(),
                                  nproc=self.config.workers.nproc_per_node, instance=self._instance,
-                                 **join_memory())
+                                 node_rank=self.config.node_rank, **join_memory())
             joined = self.client.call("/join", join, p.JoinResponse)
             if not self._job_id:
                 self._first_joined(joined.job_id)
             round_id, self._job_id = joined.round_id, joined.job_id
+            log.debug(f"convoy agent {self.config.node_id}: joined job {self._job_id}; waiting for round {round_id}")
             self._open_lease()
             if not self.heartbeat.is_alive() and not self.heartbeat.stopping.is_set():
                 self.heartbeat.start()
@@ -224,11 +134,14 @@ class Agent:
         if self.heartbeat.lease is not None and round_info.lease_s > 0:
             self.heartbeat.lease.grant(round_info.round_id, self._asked_at, round_info.lease_s)
             self.heartbeat.running = round_info
+        log.debug(f"convoy agent {self.config.node_id}: round {round_info.round_id}: starting {member.nproc} "
+                  f"worker(s), ranks {member.rank_offset}..{member.rank_offset + member.nproc - 1} of "
+                  f"{round_info.world_size}")
         try:
             self._release_port()  # rank 0 binds it from now on
             self.group.start(round_info, member, self.master_url)
         except WorkerStartError as exc:
-            print(f"convoy agent {self.config.node_id}: {exc}", file=sys.stderr, flush=True)
+            log.warning(f"convoy agent {self.config.node_id}: {exc}")
             report = p.WorkerExit(node_id=self.config.node_id, round_id=round_info.round_id, rank=member.rank_offset,
                                   local_rank=0, start_failed=True, log_tail=[str(exc)])
             self.client.call("/worker_exit", report, p.Ack)
@@ -243,13 +156,16 @@ class Agent:
                 self.group.stop()
                 return True
             if latest is not None and latest.round_id > round_info.round_id:
+                log.debug(f"convoy agent {self.config.node_id}: round {round_info.round_id} ended (round "
+                          f"{latest.round_id} is next): stopping its workers")
                 self._revoke()  # before the stop: from now on no worker of this round writes state
                 self.group.stop()
                 return False
             done, failed = self.group.poll()
             if failed and not reported_failure:
                 reported_failure = True
-                self._report_failure(round_info, min(failed, key=lambda w: w.rank))
+                first = min(failed, key=lambda w: ((w.returncode or 0) >= 0, w.rank))  # a killed one before its peers
+                self._report_failure(round_info, first)
             elif len(done) == len(self.group.workers) and not reported_done:
                 reported_done = True
                 for worker in done:
@@ -259,7 +175,8 @@ class Agent:
                                  p.Ack)
             self._forward_events(round_info)
             if not start_failed:
-                self.group.refill_when_idle()
+                self.group.refill_when_idle(now=self.heartbeat.restart_coming.is_set())
+                self.heartbeat.restart_coming.clear()
             self.heartbeat.changed.wait(POLL_S)
             self.heartbeat.changed.clear()
 
@@ -328,11 +245,13 @@ class Agent:
             except MasterUnreachableError:
                 raise
             except ConvoyError as exc:  # refused (e.g. over the node's budget): the line is in the log anyway
-                print(f"convoy agent {self.config.node_id}: event {kind} not recorded: {exc}", file=sys.stderr,
-                      flush=True)
+                log.warning(f"convoy agent {self.config.node_id}: event {kind} not recorded: {exc}")
 
     def _report_failure(self, round_info: p.RoundInfo, worker: Worker) -> None:
         code = worker.returncode or 0
+        killed = signal_name(code)
+        self.group.failures.claim(worker.rank, f"rank {worker.rank} " + (f"was killed by {killed}" if killed else
+                                                                         f"exited with code {code}"))
         worker.signal(signal.SIGKILL)  # what it left in its group goes now (the round stops anyway): the pipe
         worker.pump.join(timeout=2.0)  # closes, and its last lines reach the log file and the tail (bounded)
         self._forward_events(round_info, most=1000)
@@ -347,7 +266,11 @@ class Agent:
     def _hold_port(self) -> int:
         """Hold a fresh port for this join (the one held for an earlier join is let go)."""
         self._release_port()
-        self._held_port = hold_port()
+        wanted, self._wanted_port = self._wanted_port, 0  # --master-port: the first round's, if it is free
+        try:
+            self._held_port = hold_port(port=wanted)
+        except OSError:
+            self._held_port = hold_port()
         return int(self._held_port.getsockname()[1])
 
     def _release_port(self) -> None:
@@ -360,8 +283,8 @@ class Agent:
         running (its workers' children, if it was SIGKILLed), then keep the workers in a cgroup."""
         left = reap(job_id, self.config.node_id, frozenset([self._forks.pid] if self._forks is not None else []))
         if left:
-            print(f"convoy agent {self.config.node_id}: stopped {left} process(es) an earlier agent of this node "
-                  "left running", file=sys.stderr, flush=True)
+            log.warning(f"convoy agent {self.config.node_id}: stopped {left} process(es) an earlier agent of this node "
+                        "left running")
         cgroup = NodeCgroup.create(job_id, self.config.node_id)
         if cgroup is not None:
             self.group.use_cgroup(cgroup)
@@ -376,8 +299,8 @@ class Agent:
         try:
             self.heartbeat.lease = LeaseWriter(path)
         except OSError as exc:
-            print(f"convoy agent {self.config.node_id}: cannot create the round lease {path} ({exc.strerror}); "
-                  "workers of an ended round are then fenced only by being stopped", file=sys.stderr, flush=True)
+            log.warning(f"convoy agent {self.config.node_id}: cannot create the round lease {path} ({exc.strerror}); "
+                        "workers of an ended round are then fenced only by being stopped")
             return
         self.group.lease_file = str(path)
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import http.client
+import json
 import random
 import secrets
 import socket
 import ssl
 import time
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
@@ -25,6 +26,9 @@ def jittered(backoff: float, rng: random.Random) -> float:
     """A retry's pause: ``backoff`` scaled by a random factor in [0.5, 1.5), so that agents that lost the
     master together (a restart) do not all come back in the same instant."""
     return backoff * (0.5 + rng.random())
+
+
+TOKEN_HINT = "check --token-file (or the token given with --rdzv-conf token=...)"
 
 
 class MasterClient:
@@ -93,12 +97,30 @@ class MasterClient:
             if status == 503:
                 raise StateWriteError(f"master at {self.host}:{self.port}: {_error_text(data)}")
             if status == 401:
-                raise AuthError(f"master at {self.host}:{self.port} rejected the token: check --token-file")
+                raise AuthError(f"master at {self.host}:{self.port} rejected the token: {TOKEN_HINT}")
             if status == 409:  # refused for the job's state: the caller may act on it (a forwarded shard call)
                 raise ConflictError(f"master answered 409 to {path}: {_error_text(data)}")
+            if status == 400:  # a value of the request is wrong; the master's text names it
+                raise ConfigError(f"master answered 400 to {path}: {_error_text(data)}")
             raise ConvoyError(f"master answered {status} to {path}: {data.decode(errors='replace')}")
 
-    def _post(self, path: str, body: bytes, headers: dict[str, str], timeout: float) -> tuple[int, bytes]:
+    def get(self, path: str) -> dict[str, Any]:
+        """GET ``path`` (with its query) once: the JSON answer; a ConvoyError says why there is none."""
+        headers = {p.TOKEN_HEADER: f"Bearer {self.token}"}
+        try:
+            status, data = self._post(p.API_PREFIX + path, b"", headers, self.give_up_after_s, method="GET")
+        except (OSError, http.client.HTTPException) as exc:
+            self.close()
+            raise MasterUnreachableError(f"master at {self.host}:{self.port} unreachable: {exc}") from exc
+        if status == 401:
+            raise AuthError(f"master at {self.host}:{self.port} rejected the token: {TOKEN_HINT}")
+        if status != 200:
+            raise (ConfigError if status == 400 else ConvoyError)(f"master answered {status} to {path}: "
+                                                                  f"{_error_text(data)}")
+        return json.loads(data)  # type: ignore[no-any-return]
+
+    def _post(self, path: str, body: bytes, headers: dict[str, str], timeout: float,
+              method: str = "POST") -> tuple[int, bytes]:
         if self._conn is None:
             if self._tls is not None:
                 self._conn = http.client.HTTPSConnection(self.host, self.port, timeout=timeout, context=self._tls)
@@ -109,7 +131,7 @@ class MasterClient:
         self._conn.timeout = timeout
         if self._conn.sock is not None:
             self._conn.sock.settimeout(timeout)
-        self._conn.request("POST", path, body=body, headers=headers)
+        self._conn.request(method, path, body=body, headers=headers)
         response = self._conn.getresponse()
         return response.status, response.read()
 

@@ -58,7 +58,8 @@ def spawn_env(nproc_per_node: int, base: dict[str, str] | None = None, host: str
 
 
 def worker_env(
-    round_info: RoundInfo, member: MemberInfo, local_rank: int, run_dir: str, master_url: str, log_file: str
+    round_info: RoundInfo, member: MemberInfo, local_rank: int, run_dir: str, master_url: str, log_file: str,
+    role_name: str = DEFAULT_ROLE,
 ) -> dict[str, str]:
     """The per-round variables for one worker (RANK, MASTER_PORT, ... and CONVOY_*)."""
     rank = member.rank_offset + local_rank
@@ -71,7 +72,7 @@ def worker_env(
         "LOCAL_WORLD_SIZE": str(member.nproc),
         "GROUP_RANK": str(member.node_rank),
         "GROUP_WORLD_SIZE": str(len(round_info.members)),
-        **role_env(DEFAULT_ROLE, rank, round_info.world_size, {}),
+        **role_env(role_name, rank, round_info.world_size, {}),
         "MASTER_ADDR": round_info.master_addr,
         "MASTER_PORT": str(round_info.master_port),
         "TORCHELASTIC_RESTART_COUNT": restart_count,
@@ -88,4 +89,6 @@ def worker_env(
         "CONVOY_TOPOLOGY": json.dumps(topology),
         "CONVOY_MASTER": master_url,
         "CONVOY_LOG_FILE": log_file,
+        **({"CONVOY_RESTORE_AT_MOST": str(round_info.restore_at_most)} if round_info.restore_at_most is not None
+           else {}),
     }

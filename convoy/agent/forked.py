@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any, BinaryIO
 
+from convoy import log
 from convoy.agent.env import STEADY_MALLOC, spawn_env
 from convoy.config import WorkerConfig
 from convoy.errors import ConfigError, WorkerStartError
@@ -41,8 +42,7 @@ def start_fork_server(workers: WorkerConfig, host: str, job_id: str, node_id: st
     try:
         forks = ForkServer.start(workers.role_preload(), server_env(host, job_id, node_id))
     except OSError as exc:
-        print(f"convoy agent {node_id}: cannot start the fork server ({exc}); role processes start on their own",
-              file=sys.stderr, flush=True)
+        log.warning(f"convoy agent {node_id}: cannot start the fork server ({exc}); role processes start on their own")
         return None
     forks.job_id = job_id
     return forks

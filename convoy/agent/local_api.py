@@ -19,10 +19,12 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, ValidationError
 
+from convoy import log
 from convoy.control import protocol as p
 from convoy.control import shard_protocol as sp
+from convoy.control import train_protocol as tp
 from convoy.control.http_limits import discard_body
-from convoy.errors import ConflictError, ConvoyError
+from convoy.errors import ConfigError, ConflictError, ConvoyError
 
 AGENT_URL_ENV = "CONVOY_AGENT_URL"
 AGENT_TOKEN_ENV = "CONVOY_AGENT_TOKEN"
@@ -34,6 +36,8 @@ ROUTES: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
     "/shards/request": (sp.ShardRequest, sp.ShardGrant),
     "/shards/progress": (sp.ShardProgress, sp.ShardAck),
     "/shards/done": (sp.ShardDone, sp.ShardAck),
+    "/train/declare": (tp.ConfigDeclare, tp.ConfigState),
+    "/train/report": (tp.StatusReport, tp.StatusAck),
 }
 """Local path (under ``/v1``) -> (request, reply) models; the master serves the same path."""
 
@@ -97,10 +101,12 @@ class _Handler(BaseHTTPRequestHandler):
             reply = self.server.forward(path.removeprefix(p.API_PREFIX), request, reply_model)
         except ConflictError as exc:
             return self._reply(409, str(exc))
+        except ConfigError as exc:  # the master found a value of the request wrong: the process must not retry
+            return self._reply(400, str(exc))
         except ConvoyError as exc:  # the master is unreachable or failed the call: the process may retry
             return self._reply(502, f"the master did not answer {path}: {exc}")
         except Exception as exc:  # noqa: BLE001 (a fault caught on purpose: the agent keeps serving its node)
-            print(f"convoy agent: local API {path} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            log.warning(f"convoy agent: local API {path} failed: {type(exc).__name__}: {exc}")
             return self._reply(500, f"internal error in the agent's {path}: {type(exc).__name__}")
         self._send(200, reply.model_dump_json().encode())
 

@@ -14,12 +14,12 @@ import json
 import os
 import queue
 import secrets
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from convoy import log
 from convoy.agent.client import MasterClient
 from convoy.agent.memory import MemoryPeak, TreeMemory, TreeSampler
 from convoy.agent.memory_limits import MemoryLimit, MemoryLimiter
@@ -110,7 +110,7 @@ class RoleMemory:
         try:
             return self.limiter.limit(name, assignment.memory_limit_bytes)
         except ConfigError as exc:
-            print(f"convoy agent {self.node_id}: {exc}", file=sys.stderr, flush=True)
+            log.warning(f"convoy agent {self.node_id}: {exc}")
             return None
 
     def started(self, assignment: p.RoleAssignment, pid: int, limit: MemoryLimit | None = None) -> None:
@@ -179,7 +179,7 @@ class RoleMemory:
             except MasterUnreachableError:
                 raise
             except ConvoyError as exc:  # refused (over the node's budget): the line is in the log anyway
-                print(f"convoy agent {self.node_id}: event {kind} not recorded: {exc}", file=sys.stderr, flush=True)
+                log.warning(f"convoy agent {self.node_id}: event {kind} not recorded: {exc}")
 
     def forget(self, key: Key) -> None:
         """A process stopped on purpose: its sampler stops and its limit is released."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from convoy import log
 from convoy.agent.env import STEADY_MALLOC, spawn_env
 from convoy.agent.forked import ForkedProcess, ForkServer
 from convoy.agent.memory_limits import CgroupMemoryLimit, MemoryLimit
@@ -138,8 +139,8 @@ class RoleProcesses:
                 return self.forks.spawn(env, [entry, *args], entry, module, cgroups, FORK_READY_S,
                                         own_pages=limit is not None or assignment.measure)
             except WorkerStartError as exc:
-                print(f"convoy agent {self.context.node_id}: {exc}; {name} and the role processes after it start "
-                      "as processes of their own", file=sys.stderr, flush=True)
+                log.warning(f"convoy agent {self.context.node_id}: {exc}; {name} and the role processes after it start "
+                            "as processes of their own")
                 self.forks = None
         try:
             proc = subprocess.Popen(
@@ -165,7 +166,7 @@ class RoleProcesses:
             try:
                 process = self.start(assignment)
             except (WorkerStartError, OSError) as exc:
-                print(f"convoy agent {self.context.node_id}: {exc}", file=sys.stderr, flush=True)
+                log.warning(f"convoy agent {self.context.node_id}: {exc}")
                 report.state, report.start_failed, report.log_tail = "exited", True, [str(exc)]
             else:
                 if process is None:

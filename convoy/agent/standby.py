@@ -80,6 +80,13 @@ def main() -> int:
     os.close(devnull)
     os.environ.update(order["env"])  # type: ignore[arg-type]
     sys.argv = list(order["argv"])  # type: ignore[call-overload]
+    if order.get("no_python"):  # --no-python: this process becomes the executable (same pid, output, session)
+        sys.stdout.flush()
+        try:
+            os.execvp(sys.argv[0], sys.argv)
+        except OSError as exc:
+            print(f"convoy: cannot run {sys.argv[0]!r} (--no-python): {exc.strerror}", file=sys.stderr, flush=True)
+            return 127
     exit_without_teardown(run_script(str(order["entrypoint"]), bool(order["module"])))
 
 

@@ -35,6 +35,32 @@ LOG_REOPEN_S = 1.0
 REFILL_DELAY_S = 5.0
 
 
+PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "connectfullmesh",
+             "connection refused", "socket timeout", "ncclremoteerror", "nccl communicator was aborted",
+             "gloo/transport", "read error")
+"""What a worker's last lines say when it failed because a peer was gone (lowercase)."""
+TRACE_LINES = 400
+TRACE_START = b"Traceback (most recent call last):"
+
+
+class Failures:
+    """The first failure of a node's round, so that the workers that fail after it because their peer is gone
+    are one console line each (their full output stays in their log files)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.first: tuple[int, str] | None = None
+
+    def claim(self, rank: int, what: str) -> None:
+        with self._lock:
+            if self.first is None:
+                self.first = (rank, what)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.first = None
+
+
 class LogPump(threading.Thread):
     """Copies a worker's output to its log file and, prefixed with its rank, to the console.
 
@@ -46,9 +72,14 @@ class LogPump(threading.Thread):
     """
 
     def __init__(self, stream: BinaryIO, console: BinaryIO, console_lock: threading.Lock,
-                 events: queue.SimpleQueue[tuple[int, str, str]] | None = None) -> None:
+                 events: queue.SimpleQueue[tuple[int, str, str]] | None = None,
+                 failures: Failures | None = None) -> None:
         super().__init__(name="convoy-log", daemon=True)
         self._stream, self._console, self._console_lock = stream, console, console_lock
+        self._failures = failures
+        self._trace: list[bytes] | None = None
+        """A traceback being printed: held off the console until it is known to be the first failure's."""
+        self._trace_ended = False
         self._events = events
         self.rank = -1
         self._lock = threading.Lock()
@@ -56,6 +87,7 @@ class LogPump(threading.Thread):
         self._assigned = False
         self._file: BinaryIO | None = None
         self._prefix = b""
+        self._show = True
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.log_path = ""
         self.dropped_lines = 0
@@ -63,9 +95,11 @@ class LogPump(threading.Thread):
         self._log_error = ""
         self._next_open_at = 0.0
 
-    def assign(self, rank: int, log_path: Path, label: str = "") -> None:
-        """``label``: the console prefix's name (a role process's ``ps0``); default ``rank<N>``."""
+    def assign(self, rank: int, log_path: Path, label: str = "", show: bool = True) -> None:
+        """``label``: the console prefix's name (a role process's ``ps0``); default ``rank<N>``; ``show``: False
+        keeps the output off the console (its log file has it all)."""
         with self._lock:
+            self._show = show
             self._prefix = f"[{label or f'rank{rank}'}]: ".encode()  # torch prefixes its own errors the same way
             self.rank = rank
             self.log_path = str(log_path)
@@ -89,6 +123,7 @@ class LogPump(threading.Thread):
                 else:
                     self._write(line, console=event is None)  # the master prints a recorded event itself
         with self._lock:
+            self._settle_trace(ended=True)
             if self.dropped_lines:
                 self._say(f"{self.dropped_lines} lines not written to {self.log_path} ({self._log_error})")
             if self._file is not None:
@@ -122,7 +157,44 @@ class LogPump(threading.Thread):
         else:
             self.dropped_lines += 1
         self.tail.append(line.decode(errors="replace").rstrip("\n"))
-        if console:
+        if console and self._show and not self._held_back(line):
+            self._to_console(line if line.startswith(self._prefix) else self._prefix + line)
+
+    def _held_back(self, line: bytes) -> bool:
+        """Whether ``line`` belongs to a traceback held off the console (a printed traceback the process goes on
+        after is let out as soon as it does)."""
+        if self._failures is None:
+            return False
+        text = line.removeprefix(self._prefix)
+        if self._trace is None:
+            if not text.startswith(TRACE_START):
+                return False
+            self._trace, self._trace_ended = [], False
+        elif self._trace_ended and not text.startswith(TRACE_START):
+            self._settle_trace(ended=False)
+            return False
+        if len(self._trace) < TRACE_LINES:
+            self._trace.append(line)
+        stripped = text.strip()
+        self._trace_ended = bool(stripped) and not text[:1].isspace() and not stripped.startswith(
+            (b"Traceback", b"During handling", b"The above exception"))
+        return True
+
+    def _settle_trace(self, ended: bool) -> None:
+        """A held traceback: to the console, or (the process ended, its peer was gone after another rank's failure)
+        one line for it."""
+        trace, self._trace = self._trace, None
+        if not trace:
+            return
+        text = b"".join(trace).decode(errors="replace")
+        first = self._failures.first if self._failures is not None else None
+        if ended and first is not None and first[0] != self.rank and any(mark in text.lower() for mark in PEER_LOST):
+            last = next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "")
+            self._say(f"lost its peer after {first[1]}: {last[:160]} (its whole output: {self.log_path})")
+            return
+        if ended and self._failures is not None:
+            self._failures.claim(self.rank, f"rank {self.rank} failed")
+        for line in trace:
             self._to_console(line if line.startswith(self._prefix) else self._prefix + line)
 
     def _log_failed(self, exc: OSError) -> None:
@@ -206,6 +278,8 @@ class WorkerGroup:
         """Where this node's workers and all they start are kept, where a cgroup hierarchy is writable."""
         self.events: queue.SimpleQueue[tuple[int, str, str]] = queue.SimpleQueue()
         """Events the workers recorded, ``(rank, kind, message)``, for the agent to send on."""
+        self.failures = Failures()
+        """The first failure of the running round (the workers failing after it get a line each)."""
 
     def fill_standbys(self) -> None:
         """Start standbys until there is one per local worker (call from the main thread)."""
@@ -225,13 +299,11 @@ class WorkerGroup:
             time.sleep(0.01)
         return True
 
-    def refill_when_idle(self) -> None:
-        """Warm the next round's standbys once this round's workers are well under way.
-
-        Waiting (until the workers are done importing and have run ``REFILL_DELAY_S``) keeps
-        the new imports from competing for CPU with the workers' own start and first steps.
-        """
-        settled = time.monotonic() - self._started_at >= REFILL_DELAY_S
+    def refill_when_idle(self, now: bool = False) -> None:
+        """Warm the next round's standbys once this round's workers are done importing and have run
+        ``REFILL_DELAY_S``, so the imports do not compete with the workers' start and first steps; ``now``: a
+        restart of the training config is coming, and the next round needs them sooner."""
+        settled = now or time.monotonic() - self._started_at >= REFILL_DELAY_S
         if settled and len(self._standbys) < self.config.nproc_per_node and all(w.preloaded() for w in self.workers):
             self.fill_standbys()
 
@@ -251,7 +323,8 @@ class WorkerGroup:
         if self.cgroup is not None:
             self.cgroup.add(proc.pid)
         assert proc.stdout is not None
-        pump = LogPump(proc.stdout, self._console, self._console_lock, self.events)  # type: ignore[arg-type]
+        pump = LogPump(proc.stdout, self._console, self._console_lock, self.events,  # type: ignore[arg-type]
+                       self.failures)
         pump.start()
         return Worker(proc, pump, ready_read)
 
@@ -265,18 +338,21 @@ class WorkerGroup:
         """Hand each standby its rank for this round, then warm new standbys for the next one."""
         self.fill_standbys()
         self._started_at = time.monotonic()
+        self.failures.reset()
         self.workers, self._standbys = self._standbys[: member.nproc], self._standbys[member.nproc :]
-        log_dir = self.run_dir / "logs" / f"round{round_info.round_id}"
+        logs = Path(self.config.log_dir) if self.config.log_dir else self.run_dir / "logs"
+        log_dir = logs / f"round{round_info.round_id}"
         for local_rank, worker in enumerate(self.workers):
             worker.local_rank, worker.rank = local_rank, member.rank_offset + local_rank
             log_file = log_dir / f"rank{worker.rank}.log"
-            worker.pump.assign(worker.rank, log_file)
-            env = worker_env(round_info, member, local_rank, str(self.run_dir), master_url, str(log_file))
+            worker.pump.assign(worker.rank, log_file, show=self.config.shows_console(local_rank))
+            env = worker_env(round_info, member, local_rank, str(self.run_dir), master_url, str(log_file),
+                             self.config.role_name)
             if self.lease_file:
                 env["CONVOY_LEASE"] = self.lease_file
             env.update(self.agent_env)
             order = {"env": env, "argv": self._argv(), "entrypoint": self.config.entrypoint,
-                     "module": self.config.module}
+                     "module": self.config.module, "no_python": self.config.no_python}
             try:
                 assert worker.proc.stdin is not None
                 worker.proc.stdin.write(json.dumps(order).encode() + b"\n")
@@ -285,7 +361,8 @@ class WorkerGroup:
                 pass  # the standby died before its order arrived; poll() reports its exit
 
     def _argv(self) -> list[str]:
-        first = self.config.entrypoint if not self.config.module else f"-m {self.config.entrypoint}"
+        first = self.config.entrypoint if not self.config.module or self.config.no_python else \
+            f"-m {self.config.entrypoint}"
         return [first, *self.config.args]
 
     def poll(self) -> tuple[list[Worker], list[Worker]]:

@@ -10,6 +10,7 @@ import json
 import socket
 import ssl
 import time
+import urllib.parse
 from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable, Protocol
 
@@ -17,12 +18,13 @@ from pydantic import BaseModel, ValidationError
 
 from convoy.control import protocol as p
 from convoy.control import shard_protocol as sp
+from convoy.control import train_protocol as tp
 from convoy.control.http_limits import (
-    FrontDoor, Limits, PrefixedReader, Screened, SocketWriter, discard_body, plain_reply,
+    FrontDoor, Limits, Pages, PrefixedReader, Screened, SocketWriter, discard_body, plain_reply,
 )
 from convoy.control.replies import MAX_KEY_LENGTH, ReplyCache
 from convoy.control.sanitize import printable
-from convoy.errors import ConflictError
+from convoy.errors import ConfigError, ConflictError
 
 MAX_BODY = 1 << 20
 KEPT_STATUSES = (200, 409)
@@ -46,12 +48,22 @@ ENDPOINTS: dict[str, tuple[type[BaseModel] | None, type[BaseModel] | None, str]]
     "/shards/request": (sp.ShardRequest, sp.ShardGrant, "a worker asks for a shard of a dataset"),
     "/shards/progress": (sp.ShardProgress, sp.ShardAck, "a worker trained its shard up to an item (409: not its)"),
     "/shards/done": (sp.ShardDone, sp.ShardAck, "a worker trained all of its shard (409: not its shard)"),
+    "/train/declare": (tp.ConfigDeclare, tp.ConfigState, "a worker declares its training config (the first wins)"),
+    "/train/report": (tp.StatusReport, tp.StatusAck, "a worker's training status points (409: not the job's)"),
+    "/config": (tp.ConfigSet, tp.VersionInfo, "PUT: set the training config (GET: the config, its versions and "
+                                              "proposals)"),
+    "/config/proposals": (tp.ProposalAction, tp.VersionInfo, "apply or dismiss a proposal of the status rules"),
+    "/metrics": (None, None, "the ranks' training status: ?task=ROLE:RANK&since=STEP&limit=N"),
     "/status": (None, None, "the job's status"),
     "/openapi.json": (None, None, "this API's OpenAPI schema"),
 }
 
 
 SHARD_PATHS = ("/shards/declare", "/shards/request", "/shards/progress", "/shards/done")
+READ_TOO = {"/config"}
+"""Paths with a body that also answer a GET (without one)."""
+PUT_PATHS = {"/config"}
+"""Paths whose call is a PUT (a POST is taken too)."""
 
 
 class Routed(Protocol):
@@ -69,6 +81,12 @@ class Routed(Protocol):
     def scale(self, req: p.ScaleRequest) -> p.Ack: ...
     def memory_report(self, report: p.MemoryReport) -> p.Ack: ...
     def shard_call(self, req: sp.ShardWorker) -> Any: ...
+    def train_declare(self, req: tp.ConfigDeclare) -> tp.ConfigState: ...
+    def train_report(self, req: tp.StatusReport) -> tp.StatusAck: ...
+    def config_set(self, req: tp.ConfigSet) -> tp.VersionInfo: ...
+    def config_get(self) -> dict[str, Any]: ...
+    def proposal_action(self, req: tp.ProposalAction) -> tp.VersionInfo: ...
+    def metrics(self, query: dict[str, str]) -> dict[str, Any]: ...
     def abort(self, reason: str) -> None: ...
     def status(self) -> dict[str, Any]: ...
     def unauthorized(self, client: str, path: str) -> None: ...
@@ -88,6 +106,9 @@ def _routes(master: Routed) -> dict[str, tuple[type[BaseModel] | None, Callable[
         "/memory": master.memory_report,
         "/abort": lambda req: master.abort(printable(req.reason)) or p.Ack(), "/status": lambda _: master.status(),
         "/openapi.json": lambda _: openapi_schema(),
+        "/train/declare": master.train_declare, "/train/report": master.train_report,
+        "/config": lambda req: master.config_get() if isinstance(req, dict) else master.config_set(req),
+        "/config/proposals": master.proposal_action, "/metrics": master.metrics,
         **{path: master.shard_call for path in SHARD_PATHS},
     }
     return {path: (ENDPOINTS[path][0], call) for path, call in calls.items()}
@@ -111,6 +132,10 @@ def openapi_schema() -> dict[str, Any]:
         ok = {"description": "ok", "content": {"application/json": {"schema": ok_schema}}}
         operation: dict[str, Any] = {"summary": summary, "responses": {"200": ok, **responses}}
         if request is None:
+            if path == "/metrics":
+                operation["parameters"] = [{"name": name, "in": "query", "required": False, "schema": {"type": kind}}
+                                           for name, kind in (("task", "string"), ("since", "integer"),
+                                                              ("limit", "integer"))]
             paths[p.API_PREFIX + path] = {"get": operation}
             continue
         operation["parameters"] = [{"name": p.IDEMPOTENCY_HEADER, "in": "header", "required": False,
@@ -124,7 +149,11 @@ def openapi_schema() -> dict[str, Any]:
                                        "503": {"description": "handled, but the job's state cannot be written "
                                                               "(a full disk): retry", **error},
                                        "413": {"description": "body too large", **error}})
-        paths[p.API_PREFIX + path] = {"post": operation}
+        paths[p.API_PREFIX + path] = {"put" if path in PUT_PATHS else "post": operation}
+        if path in READ_TOO:
+            paths[p.API_PREFIX + path]["get"] = {"summary": summary, "responses": {
+                "200": {"description": "ok", "content": {"application/json": {"schema": {"type": "object"}}}},
+                **responses}}
     return {
         "openapi": "3.1.0",
         "info": {"title": "convoy master API", "version": "1"},
@@ -165,6 +194,9 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802
         self._handle(with_body=True)
 
+    def do_PUT(self) -> None:  # noqa: N802
+        self._handle(with_body=True)
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (signature of the base class)
         """Requests are not logged: the job's events are the record."""
 
@@ -174,7 +206,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             master.unauthorized(self.client_address[0], printable(self.path[:200]))
             self._reply(401, p.ErrorBody(error="missing or wrong job token"))
-            return self._discard(MAX_BODY)
+            return discard_body(self.connection, self.rfile, MAX_BODY)
         try:
             length = int(self.headers.get("Content-Length") or 0)
         except ValueError:
@@ -185,23 +217,29 @@ class _Handler(BaseHTTPRequestHandler):
         if length > MAX_BODY:
             self.close_connection = True
             self._reply(413, p.ErrorBody(error="request body too large"))
-            return self._discard(length)
+            return discard_body(self.connection, self.rfile, length)
         body = self._read_body(length)
         if body is None:
             self.close_connection = True
             return self._reply(408, p.ErrorBody(error=f"the body did not arrive within "
                                                       f"{self.server.limits.body_timeout_s:g} s"))
-        path = self.path.split("?", 1)[0]
-        route = self.server.routes.get(path.removeprefix(p.API_PREFIX)) if path.startswith(p.API_PREFIX) else None
+        path, _, query = self.path.partition("?")
+        name = path.removeprefix(p.API_PREFIX)
+        route = self.server.routes.get(name) if path.startswith(p.API_PREFIX) else None
         if route is None:
             return self._reply(404, p.ErrorBody(error=f"no such endpoint {path}"))
         model, call = route
         try:
             request = model.model_validate_json(body or b"{}", strict=True) if model and with_body else None
         except ValidationError as exc:
-            return self._reply(400, p.ErrorBody(error=f"bad request to {path}: {exc.errors()[0]['msg']}"))
-        if model is not None and request is None:
-            return self._reply(405, p.ErrorBody(error=f"{path} takes POST"))
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            return self._reply(400, p.ErrorBody(error=f"bad request to {path}: {where + ': ' if where else ''}"
+                                                      f"{first['msg']}"))
+        if model is not None and request is None and name not in READ_TOO:
+            return self._reply(405, p.ErrorBody(error=f"{path} takes {'PUT' if name in PUT_PATHS else 'POST'}"))
+        if request is None:
+            request = dict(urllib.parse.parse_qsl(query)) if query else {}  # a GET: its query
         key = self.headers.get(p.IDEMPOTENCY_HEADER, "") if with_body else ""
         if len(key) > MAX_KEY_LENGTH:
             return self._reply(400, p.ErrorBody(error=f"{p.IDEMPOTENCY_HEADER} is longer than {MAX_KEY_LENGTH} "
@@ -234,6 +272,8 @@ class _Handler(BaseHTTPRequestHandler):
             reply = call(request)
         except ConflictError as exc:
             return 409, _encode(p.ErrorBody(error=str(exc)))
+        except ConfigError as exc:  # a value the request gave is wrong: it names the field
+            return 400, _encode(p.ErrorBody(error=str(exc)))
         except Exception as exc:  # noqa: BLE001 (a fault caught on purpose: recorded, the master keeps serving)
             master.api_fault(path, exc)
             return 500, _encode(p.ErrorBody(error=f"internal error in {path}: {type(exc).__name__}"))
@@ -257,9 +297,6 @@ class _Handler(BaseHTTPRequestHandler):
         except TimeoutError:
             return None
         return b"".join(chunks)
-
-    def _discard(self, length: int) -> None:
-        discard_body(self.connection, self.rfile, length)
 
     def _authorized(self) -> bool:
         return authorized(self.headers.get(p.TOKEN_HEADER, ""), self.server.token)
@@ -286,13 +323,19 @@ def authorized(header: str, token: str) -> bool:
     return hmac.compare_digest(bearer_token(header).encode(), token.encode())
 
 
+def _is_api(head: bytes) -> bool:
+    parts = head.split(b" ", 2)
+    return len(parts) == 3 and (parts[1] == p.API_PREFIX.encode() or parts[1].startswith(p.API_PREFIX.encode() + b"/"))
+
+
 class _Server:
     """What a handler reads of the server it serves."""
 
-    def __init__(self, master: Routed, token: str, limits: Limits) -> None:
+    def __init__(self, master: Routed, token: str, limits: Limits, pages: Pages | None = None) -> None:
         self.master, self.token, self.limits, self.routes = master, token, limits, _routes(master)
         self.replies = ReplyCache()
         self.front: FrontDoor | None = None
+        self.pages = pages
 
     def crowded(self) -> bool:
         return bool(self.front.pool.waiting) if self.front is not None else False
@@ -308,13 +351,17 @@ class _Server:
             return plain_reply(400, "malformed request line or headers")
         if not version.startswith("HTTP/1."):
             return plain_reply(400, f"unsupported protocol {printable(version[:20])}")
+        if self.pages is not None and not _is_api(head):
+            return self.pages.screen(head, client)
         if not authorized(headers.get(p.TOKEN_HEADER, ""), self.token):
             self.master.unauthorized(client, printable(target[:200]))
             return plain_reply(401, "missing or wrong job token")
         return 0 if target == p.API_PREFIX + "/heartbeat" else 1
 
     def serve(self, item: object) -> None:
-        sock, client, _ = item  # type: ignore[misc]
+        sock, client, head = item  # type: ignore[misc]
+        if self.pages is not None and not _is_api(head):
+            return self.pages.serve(item)
         try:
             _Handler(item, client, self)  # type: ignore[arg-type]
         except (ConnectionError, TimeoutError, ssl.SSLError):
@@ -331,14 +378,20 @@ class ApiServer:
     """Binds the API (a clear ConfigError if the port is taken) and serves it on a thread."""
 
     def __init__(self, master: Routed, host: str, port: int, token: str, limits: Limits | None = None,
-                 tls: ssl.SSLContext | None = None) -> None:
-        self._server = _Server(master, token, limits or Limits())
-        self.front = FrontDoor(host, port, self._server.limits, self._server.screen, self._server.serve, tls)
+                 tls: ssl.SSLContext | None = None, pages: Pages | None = None,
+                 listener: socket.socket | None = None) -> None:
+        self._server = _Server(master, token, limits or Limits(), pages)
+        self.front = FrontDoor(host, port, self._server.limits, self._server.screen, self._server.serve, tls,
+                               listener)
         self._server.front = self.front
 
     @property
     def address(self) -> tuple[str, int]:
         return self.front.address
+
+    @property
+    def routes(self) -> dict[str, tuple[type[BaseModel] | None, Callable[[Any], Any]]]:
+        return self._server.routes  # the dashboard's actions call them in the master's process
 
     def start(self) -> None:
         self.front.start()

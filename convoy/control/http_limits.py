@@ -15,7 +15,7 @@ import ssl
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import Any, Callable, Protocol, Union
 
 from convoy.errors import ConfigError
 
@@ -53,6 +53,13 @@ class Limits:
 
 Screened = Union[int, bytes]
 """What the screen decides of a header block: a priority (lower first) to serve it, or a whole refusal to send."""
+
+
+class Pages(Protocol):
+    """Pages served beside the API (the dashboard): the API server hands them every request outside ``/v1``."""
+
+    def screen(self, head: bytes, client: str) -> Screened: ...
+    def serve(self, item: object) -> None: ...
 
 
 class _Pending:
@@ -100,14 +107,16 @@ class HandlerPool:
 class FrontDoor:
     """Listens (bound at construction, so a taken port is a ConfigError before any state), screens every
     request's header block with ``screen``, and hands the admitted ones to ``serve`` on the pool:
-    ``serve((sock, client, bytes_read_so_far))``."""
+    ``serve((sock, client, bytes_read_so_far))``. ``listener``: a socket already bound and listening (a
+    launcher that claimed the job's endpoint passes it on), used instead of binding ``host:port``."""
 
     def __init__(self, host: str, port: int, limits: Limits, screen: Callable[[bytes, str], Screened],
-                 serve: Callable[[object], None], tls: ssl.SSLContext | None = None) -> None:
+                 serve: Callable[[object], None], tls: ssl.SSLContext | None = None,
+                 listener: socket.socket | None = None) -> None:
         self.limits, self._screen, self._tls = limits, screen, tls
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
-            self._listener = socket.create_server((host, port), family=family, backlog=limits.backlog)
+            self._listener = listener or socket.create_server((host, port), family=family, backlog=limits.backlog)
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
                 raise ConfigError(f"port {port} on {host} is already in use: pick another --port or 0 for any") from exc

@@ -50,6 +50,8 @@ class Job:
     """Nodes over their regroup budget -> why their joins are refused."""
     port_retries: int = 0
     """Rounds reopened because their MASTER_PORT was taken (not restarts)."""
+    reconfigure_count: int = 0
+    """Rounds opened to apply a restart field of the training config (not restarts)."""
 
     @property
     def round_id(self) -> int:
@@ -59,8 +61,9 @@ class Job:
     def membership(self) -> Membership | None:
         return self.rendezvous.membership
 
-    def join(self, node_id: str, host: str, nproc: int, port: int, now: float) -> tuple[int, list[Event]]:
-        """A node asks for a place; returns the round it waits for."""
+    def join(self, node_id: str, host: str, nproc: int, port: int, now: float,
+             node_rank: int = -1) -> tuple[int, list[Event]]:
+        """A node asks for a place (at ``node_rank``, if it asks for one); returns the round it waits for."""
         events: list[Event] = []
         if self.status != RUNNING:
             return self.round_id, events
@@ -75,7 +78,7 @@ class Job:
             events += self._restart(f"node {node_id} rejoined while its round was running", now)
             if self.status != RUNNING:
                 return self.round_id, events
-        round_id = self.rendezvous.join(node_id, host, nproc, port, now)
+        round_id = self.rendezvous.join(node_id, host, nproc, port, now, node_rank)
         events.append(Event("node_joined", f"node {node_id} ({host}, {nproc} workers) joined", node_id, round_id))
         membership = self.membership
         if membership is not None and round_id > self.round_id and len(membership.members) < self.rendezvous.max_nodes:
@@ -198,6 +201,17 @@ class Job:
         message = (f"MASTER_PORT {taken} was taken before rank 0 could bind it: opening round {round_id} with a new "
                    f"port (retry {self.port_retries}/{MAX_PORT_RETRIES}, not a restart)")
         return [Event("port_retry", message, None, round_id, True)] + self._closed_events()
+
+    def reconfigure(self, cause: str, now: float) -> list[Event]:
+        """The same nodes in a new round, to apply a training config that needs a restart; the restart budget is
+        not touched (``reconfigure_count`` counts these)."""
+        if self.status != RUNNING or self.membership is None or self.rendezvous.is_open:
+            return []
+        self.reconfigure_count += 1
+        self.done_nodes.clear()
+        round_id = self.rendezvous.open_next(now, self.membership.node_ids())
+        message = f"{cause}: opening round {round_id} to apply it (not a restart)"
+        return [Event("reconfigure", message, None, round_id, True)] + self._closed_events()
 
     def _regroup(self, cause: str, now: float, expected: set[str], node_id: str) -> list[Event]:
         """Open a round for a membership change (caused by ``node_id``); the restart budget is not touched."""

@@ -32,7 +32,7 @@ POLL_S = 0.05
 MASTER_END_WAIT_S = 1.0
 
 
-def _describe(returncode: int) -> str:
+def describe_exit(returncode: int) -> str:
     name = signal_name(returncode)
     return f"killed by {name}" if name else f"exit code {returncode}"
 
@@ -69,7 +69,7 @@ def run_local_job(config: JobConfig, relaunch: bool = False, console: Callable[[
         from convoy.agent.client import MasterClient  # pydantic: imported once the children are on their way
 
         client = MasterClient("127.0.0.1", port, token, give_up_after_s=2.0)
-        master_code = _supervise(scheduler, client, relaunch, config.master.rendezvous.min_nodes, console)
+        master_code = supervise(scheduler, client, relaunch, config.master.rendezvous.min_nodes, console)
         if not scheduler.wait(config.workers.stop_grace_s + CHILD_EXIT_GRACE_S):
             scheduler.stop(CHILD_EXIT_GRACE_S)
         job = read_status(run_dir, recent=0)["job"]  # the outcome is the master's: its record may lag (a full disk)
@@ -77,7 +77,7 @@ def run_local_job(config: JobConfig, relaunch: bool = False, console: Callable[[
         return master_code
     except Interrupted as exc:
         if client is not None:
-            _abort(client, f"interrupted by {exc}")  # the record names the launcher's signal
+            abort_job(client, f"interrupted by {exc}")  # the record names the launcher's signal
         scheduler.stop(config.workers.stop_grace_s + CHILD_EXIT_GRACE_S)
         return exc.exit_code
     finally:
@@ -89,8 +89,8 @@ def run_local_job(config: JobConfig, relaunch: bool = False, console: Callable[[
             signal.signal(sig, handler)
 
 
-def _supervise(scheduler: LocalScheduler, client: MasterClient, relaunch: bool, min_nodes: int,
-               console: Callable[[str], None]) -> int:
+def supervise(scheduler: LocalScheduler, client: MasterClient, relaunch: bool, min_nodes: int,
+              console: Callable[[str], None]) -> int:
     """Watch the children until the master exits with the job's outcome (0 succeeded, 1 failed)."""
     master_restarts, aborted = 0, False
     while True:
@@ -99,27 +99,28 @@ def _supervise(scheduler: LocalScheduler, client: MasterClient, relaunch: bool, 
             return code
         if code is not None:
             if code == EXIT_USAGE or master_restarts >= MAX_MASTER_RESTARTS:
-                raise ConvoyError(f"the master stopped {master_restarts + 1} time(s), last with {_describe(code)}; "
+                raise ConvoyError(f"the master stopped {master_restarts + 1} time(s), last with {describe_exit(code)}; "
                                   "giving up (see the lines above)")
             master_restarts += 1
             has_state = (scheduler.config.master.run_dir / STATE_FILE).exists()
-            console(f"convoy: master {_describe(code)}; restarting it" + (" from the run dir" if has_state else ""))
+            console(f"convoy: master {describe_exit(code)}; restarting it" + (" from the run dir" if has_state else ""))
             scheduler.start_master(resume=has_state)
         for node_id, agent_code in scheduler.newly_exited():
             reap(scheduler.config.master.job_id, node_id)  # an agent killed outright leaves its workers' children
             if agent_code in (0, 1) and _master_ends(scheduler):
                 continue  # it heard the job's end (a master on its way out would only be retried in vain)
-            _report_lost(client, node_id, _describe(agent_code))
+            report_lost(client, node_id, describe_exit(agent_code))
             if relaunch and agent_code == EXIT_USAGE:  # refused (e.g. excluded): starting it again cannot help
                 console(f"convoy: agent of node {node_id} exited with a usage error; not relaunching it")
             elif relaunch and agent_code != 0:
-                console(f"convoy: agent of node {node_id} {_describe(agent_code)}; relaunching it")
+                console(f"convoy: agent of node {node_id} {describe_exit(agent_code)}; relaunching it")
                 scheduler.start_node(node_id)
         running = len(scheduler.running())
         if running < min_nodes and not relaunch and not aborted:
             aborted = True  # nothing will bring a local node back: do not sit out the join timeout
             left = "every agent exited before the job ended" if running == 0 else f"only {running} node(s) left"
-            _abort(client, f"{left}, fewer than --nnodes MIN={min_nodes}, and --relaunch is off; see the lines above")
+            abort_job(client, f"{left}, fewer than --nnodes MIN={min_nodes}, and --relaunch is off; see the lines "
+                              "above")
         time.sleep(POLL_S)
 
 
@@ -139,7 +140,7 @@ def _usable_port(port: int) -> int:
         raise ConfigError(f"port {port} on 127.0.0.1 is already in use: pick another --port or 0 for any") from exc
 
 
-def _report_lost(client: MasterClient, node_id: str, why: str) -> None:
+def report_lost(client: MasterClient, node_id: str, why: str) -> None:
     from convoy.control import protocol as p
 
     try:
@@ -148,7 +149,7 @@ def _report_lost(client: MasterClient, node_id: str, why: str) -> None:
         pass  # the master is down or the job is over; it will learn from heartbeats
 
 
-def _abort(client: MasterClient, reason: str) -> None:
+def abort_job(client: MasterClient, reason: str) -> None:
     from convoy.control import protocol as p
 
     try:

@@ -7,6 +7,7 @@ then records the events, prints the console ones, and wakes the long polls.
 from __future__ import annotations
 
 import secrets
+import socket
 import threading
 import time
 from pathlib import Path
@@ -15,9 +16,12 @@ from typing import Any, Callable
 from convoy.config import MasterConfig
 from convoy.control import protocol as p
 from convoy.control.api import ApiServer
+from convoy.control.dashboard.actions import in_process
+from convoy.control.dashboard.server import Dashboard, JobEntry
 from convoy.control.http_limits import server_tls
 from convoy.control.job import RUNNING, Event, Job
 from convoy.control.master_roles import RoleCalls
+from convoy.control.master_train import TrainCalls
 from convoy.control.nodes import NodeRegistry
 from convoy.control.rendezvous import Membership, Rendezvous
 from convoy.control.sanitize import printable
@@ -37,14 +41,15 @@ UNAUTHORIZED_EVERY_S = 10.0
 UNAUTHORIZED_CLIENTS = 1024
 
 
-class JobMaster(RoleCalls):
+class JobMaster(RoleCalls, TrainCalls):
     """The control plane of one job; ``start()`` serves it, ``wait_ended()`` blocks until it ends."""
 
     def __init__(self, config: MasterConfig, console: Callable[[str], None] = print, resume: bool = False,
-                 token_file: Path | None = None) -> None:
+                 token_file: Path | None = None, listener: socket.socket | None = None) -> None:
         """A new job, or with ``resume`` the job in ``config.run_dir`` as its last master left it.
 
-        ``token_file``: use (or create) the token there instead of a new ``run_dir/token``.
+        ``token_file``: use (or create) the token there instead of a new ``run_dir/token``. ``listener``: serve
+        on this bound socket (the endpoint its launcher claimed) instead of binding ``config.host:port``.
         """
         now = time.monotonic()
         token_path = token_file or Path(config.run_dir) / TOKEN_FILE
@@ -62,12 +67,19 @@ class JobMaster(RoleCalls):
         self.job.max_regroups, self.job.regroup_window_s = config.max_regroups, config.regroup_window_s
         self.config, self.console, self.resumed = config, console, resume
         self._compose_roles(config, resume)
+        self._compose_train(config, resume)
         tls = server_tls(config.tls_cert, config.tls_key) if config.tls_cert else None
-        self.api = ApiServer(self, config.host, config.port, self.token, tls=tls)  # bind first: no state if refused
+        self.dashboard = Dashboard([JobEntry(self.job.job_id, Path(config.run_dir), last_seen=self._heard_from)],
+                                   self.token, tls is not None)
+        # bind first: no state if refused
+        self.api = ApiServer(self, config.host, config.port, self.token, tls=tls, pages=self.dashboard,
+                             listener=listener)
+        self.dashboard.jobs[self.job.job_id].call = in_process(self.api.routes)
         if not token_path.exists():
             write_token(token_path, self.token)
         self.store = Store(config.run_dir, config.to_json())
         self._save_roles_with(self.store)
+        self._save_train_with(self.store)
         self._changed = threading.Condition()
         self._unwritten = threading.local()
         """Per server thread: why the state of the call it is handling could not be written."""
@@ -97,12 +109,14 @@ class JobMaster(RoleCalls):
                          *self._taken_back])
         self.api.start()
         self._ticker.start()
+        self.console(f"convoy: dashboard at {self.dashboard.login_link(*self.api.address)} (a one-time login link)")
 
     def stop(self) -> None:
         self._stopping.set()
         with self._changed:
             self._changed.notify_all()
         self.api.stop()
+        self.dashboard.stop()
         with self._changed:
             if self.store.failing_since is not None:
                 self._apply([])  # a last try
@@ -110,6 +124,7 @@ class JobMaster(RoleCalls):
                 self.console(f"convoy: {self.store.pending} events of the job could not be written to "
                              f"{self.store.path} ({self.store.fault})")
         self.store.close()
+        self.status_store.close()
 
     def wait_ended(self, timeout: float | None = None) -> bool:
         with self._changed:
@@ -126,7 +141,7 @@ class JobMaster(RoleCalls):
                                    req.node_id)])
                 raise ConflictError(f"node id {req.node_id!r} is in use by another running agent; "
                                     "give each agent its own --node-id")
-            round_id, events = self.job.join(req.node_id, req.host, req.nproc, req.port, now)
+            round_id, events = self.job.join(req.node_id, req.host, req.nproc, req.port, now, req.node_rank)
             if self.role_master is not None:
                 self.role_master.sizing.node_memory(req.node_id, req.memory_available_bytes, req.memory_limit_bytes,
                                                     req.cpus)
@@ -156,19 +171,24 @@ class JobMaster(RoleCalls):
             self._changed.wait_for(
                 lambda: self.ended or self.job.round_id != req.round_id or self._stopping.is_set()
                 or (roles is not None and (roles.has_news(req.node_id)
-                                           or roles.published()[0] > req.addresses_version)), req.wait_s
+                                           or roles.published()[0] > req.addresses_version))
+                or self.config_version > req.config_version, req.wait_s
             )
             self._note_outcome_heard(req.node_id)
             assignments, stops = roles.deliver(req.node_id, time.monotonic()) if roles and not self.ended else ([], [])
             version, addresses = roles.published() if roles else (0, {})
             return p.HeartbeatResponse(job_status=self.job.status, round_id=self.job.round_id, message=self.job.outcome,
                                        assignments=assignments, stops=stops, addresses=addresses,
-                                       addresses_version=version)
+                                       addresses_version=version,
+                                       train_config=self.train.config_state()
+                                       if self.config_version > req.config_version else None)
 
     def worker_exit(self, report: p.WorkerExit) -> p.Ack:
         with self._changed:
-            self.nodes.seen(report.node_id, time.monotonic())
-            self._apply(self.job.worker_exited(report, time.monotonic()))
+            now = time.monotonic()
+            self.nodes.seen(report.node_id, now)
+            current = report.round_id == self.job.round_id
+            self._apply((self._train_failed(now) if current else []) + self.job.worker_exited(report, now))
             return p.Ack()
 
     def worker_event(self, report: p.WorkerEvent) -> p.Ack:
@@ -237,6 +257,12 @@ class JobMaster(RoleCalls):
             more = f" ({since} more from it since the last record)" if since else ""
             self._apply([Event("unauthorized", f"rejected {path} from {client}: missing or wrong token{more}")])
 
+    def _heard_from(self) -> dict[str, float]:
+        """Each node's last heartbeat, wall clock (the dashboard's nodes page)."""
+        with self._changed:
+            to_wall = time.time() - time.monotonic()
+            return {node.node_id: node.last_seen + to_wall for node in self.nodes.nodes.values()}
+
     def status(self) -> dict[str, Any]:
         with self._changed:
             membership = self.job.membership
@@ -270,7 +296,7 @@ class JobMaster(RoleCalls):
             world_size=membership.world_size, master_addr=membership.master_addr,
             master_port=membership.master_port, restart_count=self.job.restart_count,
             max_restarts=self.job.max_restarts, lease_s=self.config.heartbeat_timeout_s,
-            roles=self.role_master is not None,
+            roles=self.role_master is not None, restore_at_most=self.train.restore_at_most(membership.round_id),
         )
 
     def take_unwritten(self) -> str | None:
@@ -332,6 +358,7 @@ class JobMaster(RoleCalls):
                     events += self.role_master.node_lost(node_id) if self.role_master else []
                     events += self.job.node_lost(node_id, f"sent no heartbeat for {self.nodes.timeout_s:.0f} s", now)
                 events += self.role_master.advance() if self.role_master else []
+                events += self._train_advance(now)
                 events += self._state_write_give_up(now)
                 retry = self.store.failing_since is not None and now - self._last_write_try >= STATE_RETRY_S
                 if events or retry:

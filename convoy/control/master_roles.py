@@ -80,7 +80,8 @@ class RoleCalls:
         """``convoy scale``: run ``req.count`` processes of a role; a count the role cannot take is a 409."""
         with self._changed:
             try:
-                self._apply(self._roles().scale(req.role, req.count))
+                asked = [Event("action", f"{req.author}: scale role {req.role} to {req.count}")] if req.author else []
+                self._apply(asked + self._roles().scale(req.role, req.count))
             except ConfigError as exc:
                 raise ConflictError(str(exc)) from exc
             return p.Ack()

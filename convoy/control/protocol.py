@@ -7,6 +7,7 @@ from typing import Annotated, Literal, Optional
 from pydantic import BaseModel, Field
 
 from convoy.control.sanitize import SAFE_HOST, SAFE_NAME
+from convoy.control.train_protocol import ConfigState
 
 API_PREFIX = "/v1"
 TOKEN_HEADER = "Authorization"
@@ -31,6 +32,8 @@ class JoinRequest(BaseModel):
                                         "(MemAvailable, within the agent's cgroup limit); 0: unknown")
     memory_limit_bytes: int = Field(default=0, ge=0, description="the agent's cgroup memory limit (0: none)")
     cpus: int = Field(default=0, ge=0, le=100000, description="CPUs this agent may use (0: unknown)")
+    node_rank: int = Field(default=-1, ge=-1, le=100000, description="the node rank asked for (torchrun's "
+                           "--node-rank): a first round orders its nodes by it; -1: none")
 
 
 class JoinResponse(BaseModel):
@@ -57,6 +60,8 @@ class RoundInfo(BaseModel):
     max_restarts: int
     lease_s: float = Field(default=0.0, description="the master's heartbeat timeout: how long a node's round "
                            "lease lasts after a heartbeat (0: no lease)")
+    restore_at_most: Optional[int] = Field(default=None, description="a round that rolls the job back: its workers "
+                                           "restore no checkpoint newer than this step (CONVOY_RESTORE_AT_MOST)")
     roles: bool = Field(default=False, description="a job of roles: the node runs the role processes its "
                         "heartbeats assign, not a worker per local rank")
 
@@ -79,6 +84,8 @@ class HeartbeatRequest(BaseModel):
     wait_s: float = Field(default=0, ge=0, le=60, description="hold the answer until the round or job changes")
     addresses_version: int = Field(default=0, ge=0, le=2**62, description="the role addresses' version this node "
                                    "has: the answer comes at once when the master's is newer")
+    config_version: int = Field(default=0, ge=0, le=2**62, description="the training config's version this node "
+                                "has: the answer comes at once (with the versions) when the master's is newer")
 
 
 class RoleAssignment(BaseModel):
@@ -121,6 +128,8 @@ class HeartbeatResponse(BaseModel):
     addresses: dict[str, list[str]] = Field(default_factory=dict, description="a job of roles: each role's "
                                             "current host:port by rank (\"\" for a process that is down)")
     addresses_version: int = Field(default=0, description="grows whenever ``addresses`` changes (0: no roles)")
+    train_config: Optional[ConfigState] = Field(default=None, description="the training config's versions, when "
+                                                "newer than the node's ``config_version``")
 
 
 class RoleReport(BaseModel):
@@ -194,6 +203,8 @@ class ScaleRequest(BaseModel):
 
     role: str = Field(min_length=1, max_length=32)
     count: int = Field(ge=0, le=100000)
+    author: str = Field(default="", max_length=200)
+    """Who asked (the dashboard names its session); recorded in the job's events when given."""
 
 
 class WorkerExit(BaseModel):

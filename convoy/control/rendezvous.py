@@ -41,6 +41,8 @@ class _Joiner:
     nproc: int
     port: int
     joined_at: float
+    node_rank: int = -1
+    """The rank the node asked for (torchrun's --node-rank); -1: none. It orders a first membership."""
 
 
 @dataclass
@@ -48,7 +50,7 @@ class Rendezvous:
     """Collects joins into rounds; a round closes at MAX nodes, or at MIN once ``wait_s`` passed.
 
     Nodes that join while a round runs wait for the next one. Node ranks are sticky: a node
-    keeps its rank order across rounds, newcomers are appended in join order.
+    keeps its rank order across rounds, newcomers are appended by the rank they asked for, then in join order.
     """
 
     min_nodes: int
@@ -76,9 +78,9 @@ class Rendezvous:
         """Whether a node has joined the open round or queued for the next one."""
         return node_id in self._joiners or node_id in self._pending
 
-    def join(self, node_id: str, host: str, nproc: int, port: int, now: float) -> int:
+    def join(self, node_id: str, host: str, nproc: int, port: int, now: float, node_rank: int = -1) -> int:
         """Record a join; return the round the node waits for."""
-        joiner = _Joiner(node_id, host, nproc, port, now)
+        joiner = _Joiner(node_id, host, nproc, port, now, node_rank)
         if not self.is_open or (node_id not in self._joiners and len(self._joiners) >= self.max_nodes):
             self._pending[node_id] = joiner
             return self.round_id + 1
@@ -141,12 +143,13 @@ class Rendezvous:
             if len(self._joiners) >= self.max_nodes:
                 break
             del self._pending[node_id]
-            self.join(node_id, joiner.host, joiner.nproc, joiner.port, now)
+            self.join(node_id, joiner.host, joiner.nproc, joiner.port, now, joiner.node_rank)
 
     def _close(self) -> Membership:
         order = sorted(
             self._joiners.values(),
-            key=lambda j: (self._previous_ranks.get(j.node_id, len(self._previous_ranks)), j.joined_at),
+            key=lambda j: (self._previous_ranks.get(j.node_id, len(self._previous_ranks)),
+                           j.node_rank if j.node_rank >= 0 else self.max_nodes, j.joined_at),
         )
         members, offset = [], 0
         for node_rank, joiner in enumerate(order):

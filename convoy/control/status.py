@@ -59,7 +59,30 @@ def _line(text: object) -> str:
     return printable(str(text).splitlines()[0] if str(text) else "")
 
 
-def format_status(state: dict[str, Any], memory: dict[str, Any] | None = None) -> str:
+def format_training(latest: list[dict[str, Any]], versions: list[dict[str, Any]]) -> list[str]:
+    """Each rank's newest status (``convoy.report``) and the training config's version in use."""
+    if not latest and not versions:
+        return []
+    lines = []
+    if versions:
+        current = versions[-1]
+        changed = ", ".join(f"{name}={value!r}" for name, value in current["changed"].items())
+        lines.append(f"training config: version {current['number']} ({current['status']}, from step "
+                     f"{current['at_step']}): {_line(changed)}")
+    if latest:
+        lines.append(f"  {'rank':<16} {'step':>8} {'loss':>12} {'step s':>8} {'samples/s':>10} {'RSS MiB':>8}")
+    for row in latest:
+        loss = row["loss"] if isinstance(row["loss"], str) else f"{row['loss']:.5g}" if row["loss"] is not None else "-"
+        numbers = [f"{row['step_time_s']:.3f}" if row["step_time_s"] is not None else "-",
+                   f"{row['samples_per_s']:.0f}" if row["samples_per_s"] is not None else "-",
+                   _mib(row["memory_bytes"] or 0)]
+        lines.append(f"  {_line(row['task']):<16} {row['step']:>8} {loss:>12} {numbers[0]:>8} {numbers[1]:>10} "
+                     f"{numbers[2]:>8}")
+    return lines
+
+
+def format_status(state: dict[str, Any], memory: dict[str, Any] | None = None,
+                  training: list[str] | None = None) -> str:
     job = state["job"]
     if job is None:
         return "no job recorded yet"
@@ -82,6 +105,7 @@ def format_status(state: dict[str, Any], memory: dict[str, Any] | None = None) -
         lines.append(f"  {_line(node['node_id']):<20} rank {rank:<3} {_line(node['host']):<15} x{node['nproc']} "
                      f"{_line(node['state']):<6} last seen {_clock(node['last_seen'])}")
     lines += format_memory(memory)
+    lines += training or []
     lines.append("recent events:")
     for event in state["events"]:
         lines.append(f"  {_clock(event['ts'])} {_line(event['kind']):<14} {_line(event['message'])}")

@@ -37,6 +37,7 @@ CREATE TABLE IF NOT EXISTS parts (name TEXT PRIMARY KEY, state TEXT);
 """
 
 
+EVENTS_FILE = "events.jsonl"
 NEW_JOB_COLUMNS = (("excluded_nodes", "TEXT"), ("port_retries", "INTEGER"))
 """Job columns newer than the first state files, added to those when they are opened."""
 MAX_PENDING_EVENTS = 10_000
@@ -66,6 +67,7 @@ class Store:
         self.parts: dict[str, Callable[[], str]] = {}
         """More of the job's state, by name (the shard queues): each save writes the part's text if it changed."""
         self._written_parts: dict[str, str] = {}
+        self._unwritten_lines = 0
         try:
             private_file(self.path)  # SQLite gives its WAL and journal files the database's mode
             self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
@@ -169,6 +171,27 @@ class Store:
         self._db.executemany("INSERT OR REPLACE INTO parts VALUES (?,?)", changed)
         self._db.execute("COMMIT")
         self._written_parts.update(changed)
+        self._append_events(rows)
+
+    def _append_events(self, rows: list[tuple[Any, ...]]) -> None:
+        """The events just recorded, also as JSON lines in ``RUN_DIR/events.jsonl`` (for log shippers and ``jq``);
+        a line that cannot be written (a full disk) is counted in the next one's ``unwritten_before``."""
+        if not rows:
+            return
+        lines = "".join(json.dumps({"ts": ts, "kind": kind, "node_id": node_id, "round_id": round_id,
+                                    "message": message, **({"unwritten_before": self._unwritten_lines}
+                                                           if self._unwritten_lines else {})}) + "\n"
+                        for ts, kind, node_id, round_id, message in rows)
+        try:
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
+            fd = os.open(self.path.with_name(EVENTS_FILE), flags, 0o600)
+            try:
+                os.write(fd, lines.encode())
+            finally:
+                os.close(fd)
+            self._unwritten_lines = 0
+        except OSError:
+            self._unwritten_lines += len(rows)
 
     def _save_round(self, membership: Membership, now: float) -> None:
         members = json.dumps([[m.node_rank, m.node_id, m.host, m.nproc] for m in membership.members])

@@ -32,6 +32,8 @@ from convoy.runtime.snapshot import RankSnapshots
 from convoy.runtime.stop_copy import ExitAfterCopy
 from convoy.shm import segment_path
 
+ROLLBACK_ENV = "CONVOY_RESTORE_AT_MOST"
+
 
 class Checkpointer:
     """Makes a training loop resumable at the step after the last finished one.
@@ -133,8 +135,20 @@ class Checkpointer:
             self._saver.save_async(persist.dcp_state(self.state, step, self.rank), step, stable)
 
     def restore(self) -> int:
-        """Load the newest state every rank has; return the step to start from (0: fresh)."""
-        restored = self._from_snapshots.restore()
+        """Load the newest state every rank has; return the step to start from (0: fresh).
+
+        In a round that rolls the job back (``CONVOY_RESTORE_AT_MOST``, set by the agent when the training
+        manager applies a rollback) the newest persistent checkpoint at or before that step is loaded instead."""
+        at_most = os.environ.get(ROLLBACK_ENV, "")
+        if at_most.isdigit():
+            restored = self._persistent.restore(int(at_most))
+            if restored is None:
+                self.log(f"no persistent checkpoint at or before step {at_most} to roll back to: resuming from the "
+                         "newest state instead")
+        else:
+            restored = None
+        if restored is None:
+            restored = self._from_snapshots.restore()
         if restored is None:
             restored = self._persistent.restore()
         if restored is None:

@@ -247,10 +247,14 @@ class PersistentRestore:
         found = complete_checkpoints(self.root)
         return found[0][0] if found else None
 
-    def restore(self) -> Restored | None:
+    def restore(self, at_most: int | None = None) -> Restored | None:
+        """``at_most``: resume from no checkpoint newer than this step (a rollback)."""
         if self.rank == 0:
             remove_stale_tmp(self.root)
-        listing = [complete_checkpoints(self.root) if self.rank == 0 else None]
+        found = complete_checkpoints(self.root) if self.rank == 0 else None
+        if found is not None and at_most is not None:
+            found = [(step, path) for step, path in found if step <= at_most]
+        listing = [found]
         dist.broadcast_object_list(listing, src=0, group=self.group)
         mismatches = []
         for step, path in listing[0] or []:

@@ -62,6 +62,10 @@ def _request(master: JobMaster, method: str, path: str, body: bytes, token: str 
             conn.request(method, path, body=body, headers=sent)
         response = conn.getresponse()
         data = response.read()
+        if data and response.getheader("Content-Type", "").startswith("text/html"):  # the dashboard's page
+            text = data.decode()
+            reason = text.partition("<p id=reason>")[2].partition("<")[0]
+            return response.status, {"error": reason} if response.status != 200 else {"page": text}
         return response.status, json.loads(data) if data else None
     finally:
         conn.close()

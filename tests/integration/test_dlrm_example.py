@@ -75,9 +75,12 @@ def test_bad_input_fails_with_a_clear_error(procs: ProcessScope, tmp_path: Path)
         result = procs.start(["run", "--nnodes", 1, "--nproc-per-node", 4, "--max-restarts", 0,
                               "--run-dir", run_dir, EXAMPLE, *SMALL, *args]).wait()
         assert result.returncode != 0, result.explain()
+        failed = re.search(r"rank (\d+) \([^)]*\) (exited with code|was killed by)", result.stdout)
+        assert failed, result.explain()
         if before_init:  # after init_process_group, torch 2.13's gloo teardown may turn exit 2 into an abort
-            assert "exited with code 2" in result.stdout, result.explain()
-        log = (run_dir / "logs" / "round1" / "rank0.log").read_text()
+            assert failed.group(2) == "exited with code" and "exited with code 2" in result.stdout, result.explain()
+        # the rank that failed first says why (the others may be stopped before they parse their arguments)
+        log = (run_dir / "logs" / "round1" / f"rank{failed.group(1)}.log").read_text()
         assert message in log, log
         assert "Traceback" not in log, log
     assert procs.wait_no_leftovers() == []

@@ -59,5 +59,9 @@ def test_killed_agent_shrinks_then_grows_back_without_losing_steps(procs: Proces
     assert resumes, out  # round 2 may be cut short by the growth before its workers print
     for position, start in resumes:
         printed_before = [int(s) for s in re.findall(r"\[rank0\]: step (\d+) loss", out[:position])]
-        assert start > max(printed_before), f"resumed at {start} but step {max(printed_before)} had finished"
+        # on a failure: the job's own lines and the run's events (the step lines are many and alike)
+        story = "\n".join(line for line in out.splitlines() if "loss" not in line)
+        events = (run_dir / "events.jsonl").read_text() if (run_dir / "events.jsonl").exists() else ""
+        assert start > max(printed_before), (f"resumed at {start} but step {max(printed_before)} had finished\n"
+                                             f"{story}\n{events}")
     assert finished[-1] == 399

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import os
 import signal
 from pathlib import Path
@@ -55,8 +56,8 @@ def test_master_and_two_agents_by_hand(procs: ProcessScope, run_dir: Path, tmp_p
     assert {e["CONVOY_JOB_ID"] for e in envs.values()} == {job_id}
     assert {e["WORLD_SIZE"] for e in envs.values()} == {"2"} and {e["MASTER_ADDR"] for e in envs.values()} == {
         "127.0.0.1"}
-    agent_pids = {str(agent.pid) for agent in agents}
-    assert {e["CONVOY_NODE_ID"].rsplit("-", 1)[1] for e in envs.values()} == agent_pids, "default node id HOST-PID"
+    host = socket.gethostname()
+    assert {e["CONVOY_NODE_ID"] for e in envs.values()} == {f"{host}-0", f"{host}-1"}, "default node id HOST-SLOT"
     assert {e["CONVOY_MASTER"] for e in envs.values()} == {f"127.0.0.1:{port}"}
     assert (run_dir / "logs" / "round1" / "rank0.log").exists() and (run_dir / "logs" / "round1" / "rank1.log").exists()
     # each agent printed its own worker's lines

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from convoy.cli import _job_config, _master_config, _worker_config, build_parser, main
+from convoy import cli_options
+from convoy.cli import build_parser, main
 from convoy.config import JobConfig
 from convoy.errors import ConfigError
 from convoy.roles_config import RoleCount, RoleSpec
@@ -16,16 +17,16 @@ from convoy.roles_config import RoleCount, RoleSpec
 def test_everything_after_the_script_belongs_to_the_script() -> None:
     args = build_parser().parse_args(
         ["run", "--nnodes", "1:3", "--nproc-per-node", "4", "--preload", "", "train.py", "--nnodes", "9", "-m", "x"])
-    workers = _worker_config(args)
+    workers = cli_options.worker_config(args)
     assert (workers.entrypoint, workers.args, workers.module) == ("train.py", ["--nnodes", "9", "-m", "x"], False)
     assert workers.nproc_per_node == 4 and workers.preload == ()
-    master = _master_config(args)
+    master = cli_options.master_config(args)
     assert (master.rendezvous.min_nodes, master.rendezvous.max_nodes) == (1, 3)
 
 
 def test_module_mode_and_preload_list() -> None:
     args = build_parser().parse_args(["run", "--preload", "torch,numpy", "-m", "pkg.train", "--lr", "0.1"])
-    workers = _worker_config(args)
+    workers = cli_options.worker_config(args)
     assert (workers.entrypoint, workers.module, workers.args) == ("pkg.train", True, ["--lr", "0.1"])
     assert workers.preload == ("torch", "numpy")
 
@@ -51,7 +52,7 @@ def test_status_of_a_dir_without_a_job(capsys: pytest.CaptureFixture[str], tmp_p
 @pytest.mark.parametrize("command", ["run", "master"])
 def test_regroup_budget_flags_reach_the_master_config(command: str) -> None:
     args = build_parser().parse_args([command, "--max-regroups", "3", "--regroup-window", "45"])
-    master = _master_config(args)
+    master = cli_options.master_config(args)
     assert (master.max_regroups, master.regroup_window_s) == (3, 45.0)
 
 
@@ -73,7 +74,7 @@ def job_file(tmp_path: Path, text: str) -> Path:
 
 
 def job_config(argv: list[str]) -> tuple[JobConfig, argparse.Namespace]:
-    return _job_config(build_parser("run").parse_args(argv), argv[1:])
+    return cli_options.job_config(build_parser("run").parse_args(argv), argv[1:])
 
 
 JOB = """\
@@ -125,7 +126,7 @@ def test_role_flags_without_a_job_file() -> None:
 def test_a_job_without_roles_is_as_before() -> None:
     config, args = job_config(["run", "--nnodes", "2", "--nproc-per-node", "2", "--run-dir", "r", "train.py", "--x"])
     assert config.roles == ()
-    assert config == JobConfig(master=_master_config(args), workers=_worker_config(args))
+    assert config == JobConfig(master=cli_options.master_config(args), workers=cli_options.worker_config(args))
 
 
 @pytest.mark.parametrize(("argv", "expected"), [

@@ -43,6 +43,12 @@ relaunch = true
 stop_grace = 2
 preload = ["torch", "numpy"]
 module = false
+auto_apply = ["nan", "divergence"]
+
+[train]
+lr = 0.05
+warm = true
+name = "a"
 """
 
 
@@ -52,11 +58,13 @@ def test_every_option_reads_as_the_flag_would(tmp_path: Path) -> None:
         "script": str(tmp_path / "train.py"), "args": ["--lr", "0.1"], "nnodes": "1:2", "nproc_per_node": 2,
         "max_restarts": 5, "run_dir": tmp_path / "runs" / "a", "host": "0.0.0.0", "port": 29500, "rdzv_wait": 1.5,
         "join_timeout": 60.0, "heartbeat_timeout": 20.0, "max_regroups": 4, "regroup_window": 120.0,
-        "relaunch": True, "stop_grace": 2.0, "preload": "torch,numpy", "module": False,
+        "relaunch": True, "stop_grace": 2.0, "preload": "torch,numpy", "module": False, "auto_apply": "nan,divergence",
+        "set": ["lr=0.05", "warm=true", "name=a"],
     }
     assert loaded.roles == ()
-    assert set(JOB_FILE_OPTIONS) - {"ps", "workers", "role"} == {line.split(" =")[0]
-                                                                for line in EVERY_OPTION.splitlines()}
+    assert set(JOB_FILE_OPTIONS) - {"ps", "workers", "role"} == {line.split(" =")[0] for line in
+                                                                EVERY_OPTION.split("[train]")[0].splitlines()
+                                                                if line.strip()}
 
 
 def test_a_module_entrypoint_is_not_a_path(tmp_path: Path) -> None:
@@ -182,3 +190,9 @@ def test_a_job_file_that_cannot_be_read(tmp_path: Path) -> None:
     binary = tmp_path / "binary.toml"
     binary.write_bytes(b"\xff\xfe\x00")
     assert "cannot be read: not UTF-8 text" in error_of(binary)
+
+
+def test_the_train_table_takes_only_plain_values(tmp_path: Path) -> None:
+    message = error_of(job_file(tmp_path, 'entrypoint = "train.py"\n[train]\nlr = [1, 2]\n'))
+    assert "train.lr: a value of the training config is a number, a bool or a string (got list)" in message
+    assert message.startswith(f"{tmp_path / 'job.toml'}:3: "), message

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from convoy.cli import PIPELINE_SCHEDULES, main
+from convoy.cli import main
+from convoy.cli_pipeline import PIPELINE_SCHEDULES
 from convoy.errors import ConfigError
 from convoy.parallel.pipeline.schedule import GENERATORS, Action, Kind, build
 from convoy.parallel.pipeline.simulate import Span, simulate

@@ -199,3 +199,16 @@ def test_open_next_ends_the_round() -> None:
     assert rdzv.open_next(now=4.0) == 2
     assert rdzv.round_id == 2 and rdzv.is_open and rdzv.membership is None
     assert rdzv.joined == [] and rdzv.opened_at == 4.0
+
+
+def test_a_first_round_orders_nodes_by_the_rank_they_ask_for_then_keeps_them() -> None:
+    rdzv = make(min_nodes=3, max_nodes=3)
+    rdzv.join("a", "10.0.0.1", 1, 20001, 0.0, node_rank=2)
+    rdzv.join("b", "10.0.0.2", 1, 20002, 1.0)  # asks for none: after those that asked
+    rdzv.join("c", "10.0.0.3", 1, 20003, 2.0, node_rank=0)
+    assert order(rdzv.membership) == ["c", "a", "b"]
+    assert rdzv.open_next(now=10.0) == 2
+    rdzv.join("b", "10.0.0.2", 1, 20002, 11.0, node_rank=0)  # a later ask does not move ranks already held
+    rdzv.join("a", "10.0.0.1", 1, 20001, 12.0, node_rank=2)
+    rdzv.join("c", "10.0.0.3", 1, 20003, 13.0, node_rank=0)
+    assert order(rdzv.membership) == ["c", "a", "b"]

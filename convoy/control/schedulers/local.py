@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from convoy import log
 from convoy.agent.forked import launch_server, server_env
 from convoy.config import JobConfig
 from convoy.procs import die_with_parent
@@ -23,8 +24,12 @@ CONVOY = [sys.executable, "-m", "convoy"]
 class LocalScheduler:
     """Starts the master and the agents; all of them get SIGTERM if the launcher dies."""
 
-    def __init__(self, config: JobConfig, token_file: Path, port: int) -> None:
+    def __init__(self, config: JobConfig, token_file: Path, port: int, master_host: str = "127.0.0.1",
+                 listener: socket.socket | None = None, agent_host: str | None = "127.0.0.1") -> None:
+        """``master_host:port``: where the master listens (``listener``: already bound there, handed to it);
+        ``agent_host``: the address agents give their workers (None: each finds its own towards the master)."""
         self.config, self.token_file, self.port = config, token_file, port
+        self.master_host, self.listener, self.agent_host = master_host, listener, agent_host
         self.master: subprocess.Popen[bytes] | None = None
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
         self.fork_servers: list[subprocess.Popen[bytes]] = []
@@ -56,21 +61,35 @@ class LocalScheduler:
             args = ["--resume", run_dir]
         else:
             rdzv = master.rendezvous
-            args = ["--host", "127.0.0.1", "--port", str(self.port), "--run-dir", run_dir,
+            args = ["--host", self.master_host, "--port", str(self.port), "--run-dir", run_dir,
                     "--nnodes", f"{rdzv.min_nodes}:{rdzv.max_nodes}", "--max-restarts", str(master.max_restarts),
                     "--rdzv-wait", str(rdzv.wait_s), "--join-timeout", str(rdzv.join_timeout_s),
                     "--heartbeat-timeout", str(master.heartbeat_timeout_s), "--job-id", master.job_id,
-                    "--max-regroups", str(master.max_regroups), "--regroup-window", str(master.regroup_window_s)]
-        self.master = self._spawn(["master", *args, "--token-file", str(self.token_file), "--under-run"])
+                    "--max-regroups", str(master.max_regroups), "--regroup-window", str(master.regroup_window_s),
+                    "--auto-apply", ",".join(master.auto_apply)]
+            for key, value in master.train_overrides.items():
+                args += ["--set", f"{key}={value}"]
+        fds: tuple[int, ...] = ()
+        if self.listener is not None:
+            fds = (self.listener.fileno(),)
+            args += ["--listen-fd", str(fds[0])]
+        self.master = self._spawn(["master", *args, "--token-file", str(self.token_file), "--under-run"], fds)
 
-    def start_node(self, node_id: str, fork_server: socket.socket | None = None) -> None:
-        """Start the node's agent; ``fork_server``: its fork server's end (closed here once the agent holds it)."""
+    def start_node(self, node_id: str, fork_server: socket.socket | None = None, node_rank: int = -1) -> None:
+        """Start the node's agent; ``fork_server``: its fork server's end (closed here once the agent holds it);
+        ``node_rank``: the rank it asks for in a first round (-1: none)."""
         workers = self.config.workers
         command = [
-            "agent", "--master", f"127.0.0.1:{self.port}", "--token-file", str(self.token_file),
-            "--run-dir", str(self.config.master.run_dir), "--node-id", node_id, "--host", "127.0.0.1",
+            "agent", "--master", f"{self.master_host}:{self.port}", "--token-file", str(self.token_file),
+            "--run-dir", str(self.config.master.run_dir), "--node-id", node_id,
+            *(["--host", self.agent_host] if self.agent_host else []),
             "--nproc-per-node", str(workers.nproc_per_node), "--stop-grace", str(workers.stop_grace_s),
-            "--preload", ",".join(workers.preload), "--job-id", self.config.master.job_id,
+            "--preload", ",".join(workers.preload),
+            *(["--job-id", self.config.master.job_id] if self.config.master.job_id else []),
+            "--role-name", workers.role_name, "--log-dir", workers.log_dir, "--redirects", workers.redirects,
+            "--tee", workers.tee, "--local-ranks-filter", workers.local_ranks_filter,
+            "--master-port", str(workers.master_port), *(["--no-python"] if workers.no_python else []),
+            *(["--node-rank", str(node_rank)] if node_rank >= 0 else []),
         ]
         passed: tuple[int, ...] = ()
         if fork_server is not None:
@@ -85,10 +104,15 @@ class LocalScheduler:
         self.fork_servers = [proc for proc in self.fork_servers if proc.poll() is None]
 
     def _spawn(self, args: list[str], fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(CONVOY + args, pass_fds=fds, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+        proc = subprocess.Popen(CONVOY + args, pass_fds=fds, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+        log.debug(f"convoy: started convoy {args[0]} (pid {proc.pid})")
+        return proc
 
     def master_exit(self) -> int | None:
         return None if self.master is None else self.master.poll()
+
+    def _master_running(self) -> bool:
+        return self.master is not None and self.master.poll() is None
 
     def running(self) -> list[str]:
         return [node_id for node_id, proc in self.agents.items() if proc.poll() is None]
@@ -105,9 +129,9 @@ class LocalScheduler:
     def wait(self, timeout: float) -> bool:
         """Wait for every child to exit; False if some are still running at the deadline."""
         deadline = time.monotonic() + timeout
-        while (self.running() or self.master_exit() is None) and time.monotonic() < deadline:
+        while (self.running() or self._master_running()) and time.monotonic() < deadline:
             time.sleep(0.02)
-        done = not self.running() and self.master_exit() is not None
+        done = not self.running() and not self._master_running()
         if done:  # each fork server ends as its agent's end of the socket closes
             while any(proc.poll() is None for proc in self.fork_servers) and time.monotonic() < deadline:
                 time.sleep(0.02)

@@ -120,11 +120,12 @@ class Trial:
         return simplest_within(dict(zip(self.candidates, scores, strict=True)))
 
 
-def cache_file(directory: Path | None, topology: Topology) -> Path | None:
-    """Where a job keeps what it measured for ``topology`` (None: no cache)."""
+def cache_file(directory: Path | None, topology: Topology, settings: str = "") -> Path | None:
+    """Where a job keeps what it measured for ``topology`` with the allreduce's ``settings`` (its chunk
+    size, lanes and coding change every algorithm's line and the trials' choices); None: no cache."""
     if directory is None:
         return None
-    return directory / f"links-{hashlib.sha1(topology.key().encode()).hexdigest()[:12]}.json"
+    return directory / f"links-{hashlib.sha1(f'{topology.key()}|{settings}'.encode()).hexdigest()[:12]}.json"
 
 
 def load_cache(path: Path | None, rank: int) -> tuple[CostModel, dict[int, str]] | None:

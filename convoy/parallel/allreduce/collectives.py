@@ -93,6 +93,7 @@ class HierarchicalAllreduce:
         self.members = self.topology.groups[self.topology.group_of(self.rank)]
         self._coded = compress and len(self.topology.groups) == 2
         self._host_memory_wanted = host_memory
+        self._settings = f"chunk={chunk_bytes} host_memory={host_memory} compress={self._coded}"  # the cache's key
         self._main = open_lane(self.topology, self.rank, False, host_memory, max(chunk_bytes, 16))
         self._hook_lane: Lane | None = None
         self._hook_queue: Queue[Callable[[], None] | None] | None = None
@@ -339,7 +340,7 @@ class HierarchicalAllreduce:
         """The links' costs: given, cached for this job and topology, or measured now (collective)."""
         if self._cost is not None:
             return self._cost
-        cached = load_cache(cache_file(self.cache_dir, self.topology), self.rank)
+        cached = load_cache(self.cache_path, self.rank)
         if cached is not None:
             self._cost = cached[0]
             with self._cache_lock:
@@ -349,9 +350,14 @@ class HierarchicalAllreduce:
         self._save_cache()
         return self._cost
 
+    @property
+    def cache_path(self) -> Path | None:
+        """The job's cache of what this topology and these settings measured (None: no cache)."""
+        return cache_file(self.cache_dir, self.topology, self._settings)
+
     def _save_cache(self) -> None:
         """Rank 0 writes what the job measured and settled on either lane (``autotune.save_cache``)."""
-        path = cache_file(self.cache_dir, self.topology)
+        path = self.cache_path
         if self.rank == 0 and path is not None and self._cost is not None and not self._cost_given:
             with self._cache_lock:
                 decided = {**(self._hook_lane.decided if self._hook_lane else {}), **self._main.decided}

@@ -1,0 +1,153 @@
+"""The master's calls of the training manager (a mixin of JobMaster): the ranks' status and the live config.
+
+``TrainMaster`` decides; these calls take the master's lock, feed it, record its events, write the status
+rows, and open the round that applies a restart field. The config's versions ride in the store's parts, so a
+restarted master keeps them.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any, Callable
+
+from convoy.config import MasterConfig
+from convoy.control import train_protocol as tp
+from convoy.control.job import Event, Job
+from convoy.control.shard_master import PLAIN_ROLE
+from convoy.control.status_store import StatusStore, latest_by_task, read_metrics
+from convoy.control.store import Store, read_part
+from convoy.control.train_master import PROPOSALS_PART, STATE_PART, TrainMaster
+from convoy.control.train_proposals import checkpoint_steps
+from convoy.errors import ConfigError, ConflictError
+
+MAX_METRICS_LIMIT = 10_000
+
+
+class TrainCalls:
+    """What JobMaster does for training status and config; it gives ``job``, ``config``, ``_changed``,
+    ``_apply``, ``ended`` and ``role_master``."""
+
+    job: Job
+    config: MasterConfig
+    ended: bool
+    role_master: Any
+    _changed: threading.Condition
+    _apply: Callable[[list[Event]], None]
+
+    def _compose_train(self, config: MasterConfig, resume: bool) -> None:
+        saved = read_part(config.run_dir, STATE_PART) if resume else None
+        proposals = read_part(config.run_dir, PROPOSALS_PART) if resume else None
+        run_dir = config.run_dir
+        self.train = TrainMaster.from_state(json.loads(saved) if saved else None, dict(config.train_overrides),
+                                            config.auto_apply, json.loads(proposals) if proposals else None,
+                                            lambda: checkpoint_steps(run_dir))
+        self._train_round = self.job.round_id
+
+    def _save_train_with(self, store: Store) -> None:
+        store.parts[STATE_PART] = lambda: json.dumps(self.train.state_json(), sort_keys=True)
+        store.parts[PROPOSALS_PART] = lambda: json.dumps(self.train.proposals.state(), sort_keys=True)
+        self.status_store = StatusStore(self.config.run_dir)
+
+    @property
+    def config_version(self) -> int:
+        current = self.train.history.current
+        return current.number if current else 0
+
+    def train_declare(self, req: tp.ConfigDeclare) -> tp.ConfigState:
+        with self._changed:
+            self._check_current(req, "declare a training config")
+            state, events = self.train.declare(req)
+            self._apply(events)
+            return state
+
+    def train_report(self, req: tp.StatusReport) -> tp.StatusAck:
+        """A rank's status points; a process of an ended round (or job) is refused and writes nothing."""
+        with self._changed:
+            self._check_current(req, "report training status")
+            now = time.monotonic()
+            ack, events, rows = self.train.report(req, now, self._expected_ranks())
+            self.status_store.add(rows.rows)
+            self._apply(events + self._train_advance(now))
+            return ack
+
+    def config_set(self, req: tp.ConfigSet) -> tp.VersionInfo:
+        """``PUT /v1/config`` (``convoy config set``): a ConfigError is a 400 and a ConflictError a 409 that name
+        the field; either changes nothing on any rank."""
+        with self._changed:
+            if self.ended:
+                raise ConflictError(f"job {self.job.job_id} has ended ({self.job.status}): its config cannot change")
+            version, events = self.train.set(req, time.monotonic(), req.at_step)
+            self._apply(events)
+            return tp.version_info(version)
+
+    def config_get(self) -> dict[str, Any]:
+        with self._changed:
+            history = self.train.history
+            return {"version": self.config_version, "schema": history.schema.to_json() if history.schema else None,
+                    "overrides": history.overrides, "versions": [v.public() for v in history.versions],
+                    "proposals": self.train.proposals.state(), "job_status": self.job.status}
+
+    def proposal_action(self, req: tp.ProposalAction) -> tp.VersionInfo:
+        """Apply a proposal (its version, as ``config set`` gives it) or dismiss it (an empty version, number 0)."""
+        with self._changed:
+            if self.ended:
+                raise ConflictError(f"job {self.job.job_id} has ended ({self.job.status}): its config cannot change")
+            if req.action == "dismiss":
+                self._apply(self.train.proposals.dismiss(req.proposal, req.author))
+                return tp.VersionInfo(number=0, values={}, kind="", apply="hot", at_step=0)
+            version, events = self.train.apply_proposal(req.proposal, req.author, time.monotonic())
+            self._apply(events + self._train_advance(time.monotonic()))
+            return tp.version_info(version)
+
+    def metrics(self, query: dict[str, str]) -> dict[str, Any]:
+        """``GET /v1/metrics``: status rows (``task``, ``since`` a step, ``limit``), and each task's newest."""
+        try:
+            since = int(query.get("since", "-1"))
+            limit = int(query.get("limit", "1000"))
+        except ValueError as exc:
+            raise ConfigError(f"since and limit are whole numbers: {exc}") from None
+        if not 1 <= limit <= MAX_METRICS_LIMIT:
+            raise ConfigError(f"limit must be 1..{MAX_METRICS_LIMIT} (got {limit})")
+        task = query.get("task", "")
+        unknown = sorted(set(query) - {"task", "since", "limit"})
+        if unknown:
+            raise ConfigError(f"unknown query parameter(s) {unknown}: give task, since or limit")
+        run_dir = self.config.run_dir
+        return {"points": read_metrics(run_dir, task, since, limit), "latest": latest_by_task(run_dir),
+                "dropped": self.status_store.dropped}
+
+    def _check_current(self, req: tp.Task, what: str) -> None:
+        roles = self.role_master
+        if self.ended:
+            gone = f"job {self.job.job_id} has ended"
+        elif roles is not None:
+            gone = "" if roles.is_running(req.role, req.rank, req.incarnation) else "is no longer running"
+        else:
+            gone = "" if (req.role, req.incarnation) == (PLAIN_ROLE, self.job.round_id) else \
+                f"ran in round {req.incarnation}, not in the current round {self.job.round_id}"
+        if gone:
+            raise ConflictError(f"refused: {req.task_id} may not {what}: it {gone}")
+
+    def _expected_ranks(self) -> int:
+        """The ranks that must switch: the round's world (plain workers), or the processes that report (roles)."""
+        if self.role_master is None:
+            membership = self.job.membership
+            return membership.world_size if membership is not None else 0
+        return len(self.train.tasks)
+
+    def _train_advance(self, now: float) -> list[Event]:
+        """Open the round a restart version waits for; tell the manager when a new round has begun."""
+        if self.job.round_id != self._train_round:
+            self._train_round = self.job.round_id
+            self.train.round_started(self.job.round_id)
+        events = self.train.tick(now, self._expected_ranks())
+        if self.train.restart_due is not None:
+            events += self.job.reconfigure(self.train.restart_due, now)
+            self.train.restart_due = None
+        return events
+
+    def _train_failed(self, now: float) -> list[Event]:
+        """A worker failed: revert a config that was not trusted yet (before the restart reads it)."""
+        return self.train.worker_failed(now)

@@ -1,0 +1,155 @@
+"""``convoy.accelerate``: wrap a model and its optimizer as a strategy says; ``convoy.train_step`` runs one step.
+
+``accelerate`` returns the wrapped model (DDP or FSDP2) and a new optimizer of the same class and
+settings over the wrapped parameters; ``train_step`` splits a rank's batch into micro-batches
+(gradients synchronised on the last only, for DDP), runs them under autocast where the strategy
+says, and steps the optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from convoy.errors import ConfigError
+from convoy.strategy.plan import Strategy, StrategyFile
+from convoy.strategy.workload import find_blocks, model_identity
+
+STRATEGY_ENV = "CONVOY_STRATEGY_FILE"
+"""Where ``strategy="auto"`` finds the plan (``convoy run --strategy auto`` sets it); else ./convoy-strategy.json."""
+DEFAULT_FILE = "convoy-strategy.json"
+
+
+def resolve(strategy: Strategy | str | Path, model: nn.Module) -> Strategy:
+    """A ``Strategy`` as given, or read from a file (``"auto"``: the planned one), checked against ``model``."""
+    if isinstance(strategy, Strategy):
+        return strategy.validate()
+    path = Path(strategy)
+    if str(strategy) == "auto":
+        path = Path(os.environ.get(STRATEGY_ENV, DEFAULT_FILE))
+        if not path.is_file():
+            raise ConfigError(f"strategy='auto' found no strategy file at {path}; run convoy plan SCRIPT first "
+                              f"(it writes {DEFAULT_FILE}), or convoy run --strategy auto")
+    planned = StrategyFile.load(path)
+    planned.check_model(*model_identity(model), path)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if planned.world_size != world:
+        raise ConfigError(f"strategy file {path} was planned for {planned.world_size} ranks; this job has {world}")
+    return planned.strategy
+
+
+def _checkpoint_blocks(model: nn.Module) -> None:
+    from torch.distributed._composable import checkpoint
+
+    blocks = find_blocks(model)
+    if not blocks:
+        raise ConfigError(f"activation checkpointing needs repeated blocks (an nn.ModuleList); "
+                          f"{type(model).__name__} has none")
+    for _, block in blocks:
+        checkpoint(block)
+
+
+def _rebuilt(optimizer: torch.optim.Optimizer, params: Any) -> torch.optim.Optimizer:
+    if len(optimizer.param_groups) != 1:
+        raise ConfigError(f"convoy.accelerate rebuilds the optimizer over the wrapped parameters and takes one "
+                          f"parameter group (this one has {len(optimizer.param_groups)})")
+    return type(optimizer)(params, **optimizer.defaults)
+
+
+def accelerate(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy | str | Path = "auto",
+               comm: Any = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Apply ``strategy`` to ``model`` and ``optimizer`` (built on the model's parameters, no steps taken).
+
+    ``comm``: a ``HierarchicalAllreduce`` to reuse for the ``leader`` and ``reduce_scatter`` allreduces
+    (one is made otherwise). Returns the wrapped model and its optimizer."""
+    chosen = resolve(strategy, model)
+    torch.set_num_threads(chosen.threads)
+    if chosen.checkpointing:
+        _checkpoint_blocks(model)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1:
+        wrapped, new_optimizer = model, optimizer
+    elif chosen.kind == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for _, block in find_blocks(model):
+            fully_shard(block)
+        fully_shard(model)
+        wrapped, new_optimizer = model, _rebuilt(optimizer, model.parameters())
+    else:
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(model, bucket_cap_mb=chosen.bucket_mb, gradient_as_bucket_view=True)
+        if chosen.allreduce != "gloo":
+            if comm is None:
+                from convoy.parallel.allreduce.collectives import HierarchicalAllreduce
+
+                comm = HierarchicalAllreduce(host_memory=False)
+            wrapped.register_comm_hook(None, comm.ddp_hook(chosen.allreduce))
+        if chosen.kind == "zero":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            if len(optimizer.param_groups) != 1:
+                raise ConfigError(f"the zero strategy takes an optimizer with one parameter group (this one has "
+                                  f"{len(optimizer.param_groups)})")
+            new_optimizer = ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=type(optimizer),
+                                                    **optimizer.defaults)
+        else:
+            new_optimizer = optimizer
+    wrapped.convoy_strategy = chosen
+    return wrapped, new_optimizer
+
+
+def _split(value: Any, parts: int) -> list[Any]:
+    if isinstance(value, torch.Tensor):
+        return list(value.chunk(parts))
+    if isinstance(value, (list, tuple)):
+        pieces = [_split(v, parts) for v in value]
+        return [type(value)(p[i] for p in pieces) for i in range(parts)]
+    if isinstance(value, dict):
+        pieces = {k: _split(v, parts) for k, v in value.items()}
+        return [{k: p[i] for k, p in pieces.items()} for i in range(parts)]
+    raise ConfigError(f"train_step splits tensors, tuples, lists and dicts of them; got {type(value).__name__}")
+
+
+def _forward(model: nn.Module, inputs: Any) -> torch.Tensor:
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (list, tuple)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any, inputs: Any,
+               targets: torch.Tensor) -> float:
+    """One optimizer step over this rank's batch, as the strategy ``accelerate`` applied says; the mean loss."""
+    chosen: Strategy = getattr(model, "convoy_strategy", None) or Strategy(micro_batch=len(targets))
+    samples = len(targets)
+    if samples != chosen.batch:
+        raise ConfigError(f"train_step got {samples} samples; the strategy's batch is {chosen.micro_batch} x "
+                          f"{chosen.accumulation} = {chosen.batch} per rank")
+    parts = chosen.accumulation
+    total = 0.0
+    for index, (micro_in, micro_target) in enumerate(zip(_split(inputs, parts), _split(targets, parts),
+                                                         strict=True)):
+        last = index == parts - 1
+        sync = contextlib.nullcontext()
+        if not last and hasattr(model, "no_sync"):
+            sync = model.no_sync()
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if chosen.bf16 else contextlib.nullcontext()
+        with sync:
+            with autocast:
+                loss = loss_fn(_forward(model, micro_in), micro_target)
+            (loss / parts).backward()
+        total += float(loss.detach())
+    optimizer.step()
+    # gradients stay allocated (DDP's are views of its buckets: dropping them would make the next no_sync
+    # micro-batch allocate a second copy beside the buckets); FSDP2's sharded ones are freed
+    optimizer.zero_grad(set_to_none=hasattr(model, "set_requires_gradient_sync"))
+    return total / parts

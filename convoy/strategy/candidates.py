@@ -1,0 +1,158 @@
+"""Candidate strategies for a model on some ranks, each kept or dropped with the reason (pure).
+
+Only combinations that make sense together: FSDP's own reduce-scatter has no allreduce choice; the
+hierarchical allreduces only where nodes hold several ranks; checkpointing only where it lets a larger
+micro-batch fit than without it; bfloat16 only where the calibration step did not find it slower, or
+where nothing fits without it; intra-op threads only up to the cores a rank has; bucket sizes only
+for plain DDP at its largest micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from convoy.errors import ConfigError
+from convoy.strategy.memory import ModelFeatures, MemoryEstimate, predict, smallest_need
+from convoy.strategy.plan import Strategy
+
+BUCKETS_MB = (5, 100)
+"""DDP bucket sizes tried beside the default 25 MB."""
+MICRO_BATCHES_KEPT = 2
+"""The largest feasible micro-batches kept per combination (a smaller one can run faster from cache)."""
+SLOWER_BF16 = 1.5
+"""bfloat16 measured this many times slower than float32 in the calibration step: not a candidate."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The ranks a plan is for and where they run."""
+
+    nodes: int
+    nproc_per_node: int
+    memory_limit: float
+    """Bytes a rank may use for training (above its process baseline)."""
+    cores: int
+    """CPU cores of the machine the ranks of one node share."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.nproc_per_node
+
+    @property
+    def cores_per_rank(self) -> float:
+        return self.cores / self.nproc_per_node
+
+    def validate(self) -> Hardware:
+        if self.nodes < 1 or self.nproc_per_node < 1:
+            raise ConfigError(f"need --nodes and --nproc-per-node >= 1 (got {self.nodes} and {self.nproc_per_node})")
+        if self.memory_limit <= 0:
+            raise ConfigError(f"the memory limit must be > 0 bytes (got {self.memory_limit})")
+        return self
+
+
+@dataclass(frozen=True)
+class Candidate:
+    strategy: Strategy
+    memory: MemoryEstimate
+    dropped: str = ""
+    """Why it is not measured ("" if it is a candidate)."""
+
+
+def micro_batches(batch: int) -> list[int]:
+    """The batch, and its halvings while they divide it, largest first."""
+    found, size = [batch], batch
+    while size % 2 == 0 and size > 1:
+        size //= 2
+        found.append(size)
+    return found
+
+
+def _combinations(features: ModelFeatures, hardware: Hardware) -> list[tuple[str, str, bool, int]]:
+    world = hardware.world_size
+    kinds = ["ddp"] + (["zero"] if world > 1 else []) + (["fsdp"] if world > 1 and features.has_blocks else [])
+    hierarchical = hardware.nodes > 1 and hardware.nproc_per_node > 1
+    threads = sorted({1, *(t for t in (2, 4, 8) if t <= hardware.cores_per_rank)})
+    combos = []
+    for kind in kinds:
+        for allreduce in ["gloo"] + (["leader", "reduce_scatter"] if hierarchical and kind != "fsdp" else []):
+            for bf16 in (False, True):
+                for thread_count in threads:
+                    combos.append((kind, allreduce, bf16, thread_count))
+    return combos
+
+
+def generate(features: ModelFeatures, hardware: Hardware) -> list[Candidate]:
+    """Every candidate considered, in a stable order; ``dropped`` says why one is not measured."""
+    hardware.validate()
+    world, limit = hardware.world_size, hardware.memory_limit
+    rows: list[Candidate] = []
+    for kind, allreduce, bf16, threads in _combinations(features, hardware):
+        fitting: list[Candidate] = []
+        largest_plain = 0
+        for checkpointing in (False, True) if features.has_blocks else (False,):
+            for micro in micro_batches(features.batch):
+                strategy = Strategy(kind, allreduce, checkpointing, bf16, micro, features.batch // micro,
+                                    threads=threads)
+                memory = predict(features, strategy, world)
+                if memory.peak > limit:
+                    rows.append(Candidate(strategy, memory, f"over the limit: needs {memory.peak / 1e6:.0f} MB"))
+                elif checkpointing and micro <= largest_plain:
+                    rows.append(Candidate(strategy, memory, f"checkpointing without a larger micro-batch than "
+                                                            f"{largest_plain} without it"))
+                else:
+                    if not checkpointing:
+                        largest_plain = max(largest_plain, micro)
+                    fitting.append(Candidate(strategy, memory))
+        fitting.sort(key=lambda c: -c.strategy.micro_batch)
+        for index, candidate in enumerate(fitting):
+            if index >= MICRO_BATCHES_KEPT:
+                rows.append(replace(candidate, dropped=f"a smaller micro-batch than the {MICRO_BATCHES_KEPT} "
+                                                        "largest that fit"))
+            else:
+                rows.append(candidate)
+    rows = _drop_slow_bf16(rows, features)
+    return _add_buckets(rows, features, world, limit)
+
+
+def _drop_slow_bf16(rows: list[Candidate], features: ModelFeatures) -> list[Candidate]:
+    if features.bf16_time_factor <= SLOWER_BF16 or all(c.dropped for c in rows if not c.strategy.bf16):
+        return rows
+    reason = f"bf16 ran {features.bf16_time_factor:.1f}x slower than float32 in the calibration step"
+    return [replace(c, dropped=reason) if c.strategy.bf16 and not c.dropped else c for c in rows]
+
+
+def _add_buckets(rows: list[Candidate], features: ModelFeatures, world: int, limit: float) -> list[Candidate]:
+    extra = []
+    for candidate in rows:
+        s = candidate.strategy
+        if (not candidate.dropped and s.kind == "ddp" and s.allreduce == "gloo" and not s.checkpointing
+                and not s.bf16 and s.accumulation == 1 and world > 1):
+            for bucket in BUCKETS_MB:
+                other = replace(s, bucket_mb=bucket)
+                memory = predict(features, other, world)
+                extra.append(Candidate(other, memory, "" if memory.peak <= limit else
+                                       f"over the limit: needs {memory.peak / 1e6:.0f} MB"))
+    return rows + extra
+
+
+def kept(rows: list[Candidate]) -> list[Candidate]:
+    return [c for c in rows if not c.dropped]
+
+
+def require_feasible(rows: list[Candidate], features: ModelFeatures, hardware: Hardware) -> list[Candidate]:
+    """The candidates to measure, or a ``ConfigError`` naming the smallest need when none fits."""
+    found = kept(rows)
+    if not found:
+        best, need = smallest_need(features, [c.strategy for c in rows], hardware.world_size)
+        raise ConfigError(f"no candidate fits {megabytes(hardware.memory_limit)} per rank: the smallest need is "
+                          f"{megabytes(need)} ({best.name()}); raise --memory to at least that, or use more ranks")
+    return found
+
+
+def megabytes(nbytes: float) -> str:
+    return f"{nbytes / 1e6:.0f} MB" if nbytes >= 10e6 else f"{nbytes / 1e6:.2f} MB"
+
+
+def plain_ddp(features: ModelFeatures) -> Strategy:
+    """The peer every pick is compared with: DDP over gloo, the whole batch at once, float32."""
+    return Strategy("ddp", "gloo", False, False, features.batch, 1)

@@ -1,0 +1,55 @@
+"""``convoy plan SCRIPT``: search the training strategy for a script's model, print the table, write the file.
+
+Loads only the standard library until ``run``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("script", help="a training script defining workload() -> convoy.strategy.Workload")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments workload() parses")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes of the job to plan for (default %(default)s)")
+    parser.add_argument("--nproc-per-node", type=int, default=2, help="ranks per node (default %(default)s)")
+    parser.add_argument("--memory", default="2GB", help="memory a rank may use for training, e.g. 1.5GB "
+                                                         "(default %(default)s)")
+    parser.add_argument("--cores", type=int, default=os.cpu_count() or 1,
+                        help="CPU cores one node's ranks share (default: this machine's, %(default)s)")
+    parser.add_argument("--out", default="convoy-strategy.json", help="the strategy file (default %(default)s)")
+    parser.add_argument("--keep", type=int, default=4, help="candidates measured first (default %(default)s)")
+    parser.add_argument("--first-steps", type=int, default=2,
+                        help="timed steps each gets in the first round (default %(default)s)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from convoy.errors import ConfigError
+    from convoy.strategy.candidates import Hardware, require_feasible
+    from convoy.strategy.dryrun import run_search
+    from convoy.strategy.memory import ModelFeatures
+    from convoy.strategy.plan import Strategy, StrategyFile
+    from convoy.strategy.report import parse_bytes, table
+
+    if args.keep < 1 or args.first_steps < 1:
+        raise ConfigError(f"--keep and --first-steps must be >= 1 (got {args.keep} and {args.first_steps})")
+    hardware = Hardware(args.nodes, args.nproc_per_node, parse_bytes(args.memory), args.cores).validate()
+    print(f"planning {args.script} for {args.nodes} node(s) x {args.nproc_per_node} rank(s), "
+          f"{hardware.memory_limit / 1e6:.0f} MB per rank", flush=True)
+    result = run_search(args.script, args.script_args, hardware, keep=args.keep, first_steps=args.first_steps)
+    features = ModelFeatures.from_dict(result["features"])
+    for note in result["notes"]:
+        print(f"note: {note}")
+    print(table(result))
+    from convoy.strategy.candidates import Candidate
+    from convoy.strategy.memory import MemoryEstimate
+
+    rows = [Candidate(Strategy.from_dict(r["strategy"]), MemoryEstimate(r["memory"], 0, 0), r["dropped"])
+            for r in result["rows"]]
+    require_feasible(rows, features, hardware)  # raises, naming the smallest need
+    winner = Strategy.from_dict(result["winner"])
+    StrategyFile(winner, features.fingerprint, features.summary, hardware.world_size, features.batch).save(args.out)
+    print(f"picked {winner.name()} (search {result['search_s']:.1f} s); wrote {args.out}")
+    sys.stdout.flush()
+    return 0

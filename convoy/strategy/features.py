@@ -1,0 +1,213 @@
+"""A model's features for the strategy search: sizes per module, activations traced on fake tensors,
+and the factors one real micro-step measures (activation memory, time per sample, optimizer step).
+
+The trace runs the forward under ``FakeTensorMode`` (no memory, no compute) and counts what autograd
+saves for the backward, per block; a model that cannot run on fake tensors is traced on real ones
+instead (``traced_on="real"``), and the caller says so.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from convoy.strategy.memory import Activations, ModelFeatures
+from convoy.strategy.workload import (Workload, find_blocks, model_identity, peak_rss, reset_peak, rss,
+                                      tensor_bytes)
+
+
+def _to(value: Any, convert: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return convert(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to(v, convert) for v in value)
+    if isinstance(value, dict):
+        return {k: _to(v, convert) for k, v in value.items()}
+    return value
+
+
+def call(model: nn.Module, inputs: Any) -> torch.Tensor:
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (list, tuple)):
+        return model(*inputs)
+    return model(inputs)
+
+
+class _SavedCounter:
+    """Counts the bytes autograd saves during a forward, by block (``None``: outside every block)."""
+
+    def __init__(self, model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> None:
+        self.params = {id(p) for p in model.parameters()}
+        self.seen: dict[int, torch.Tensor] = {}
+        self.by_block: dict[int | None, int] = {}
+        self.block_inputs = 0
+        self.current: int | None = None
+        self.handles = []
+        for index, (_, block) in enumerate(blocks):
+            self.handles.append(block.register_forward_pre_hook(self._enter(index)))
+            self.handles.append(block.register_forward_hook(self._leave))
+
+    def _enter(self, index: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            self.current = index
+            self.block_inputs += tensor_bytes(args)
+        return hook
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.current = None
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        base = tensor._base if tensor._base is not None else tensor
+        if id(base) not in self.params and id(base) not in self.seen:
+            self.seen[id(base)] = base  # held, so ids stay unique while counting
+            where = self.current
+            self.by_block[where] = self.by_block.get(where, 0) + base.numel() * base.element_size()
+        return tensor
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _count(model: nn.Module, blocks: list, workload: Workload, samples: int, bf16: bool,
+           convert: Callable[[torch.Tensor], torch.Tensor]) -> tuple[int, int, int]:
+    """(all saved, saved with checkpointing, the most one block saves) for one forward of ``samples``."""
+    inputs, targets = workload.batch(samples, 0)
+    inputs, targets = _to(inputs, convert), _to(targets, convert)
+    counter = _SavedCounter(model, blocks)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), autocast:
+            workload.loss(call(model, inputs), targets)
+    finally:
+        counter.close()
+    total = sum(counter.by_block.values())
+    in_blocks = [v for k, v in counter.by_block.items() if k is not None]
+    outside = counter.by_block.get(None, 0)
+    return total, outside + counter.block_inputs, max(in_blocks, default=0)
+
+
+def trace_activations(workload: Workload, bf16: bool, real: bool = False) -> Activations:
+    """Saved bytes per sample (from forwards of 1 and 2 samples) on fake tensors, or real ones."""
+    if real:
+        model, convert = workload.model(), (lambda t: t)
+    else:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode(allow_non_fake_inputs=False)
+        with mode:
+            model = workload.model()
+        convert = mode.from_tensor  # type: ignore[assignment]
+    blocks = find_blocks(model)
+    if real:
+        one, two = _count(model, blocks, workload, 1, bf16, convert), _count(model, blocks, workload, 2, bf16, convert)
+    else:
+        with mode:
+            one = _count(model, blocks, workload, 1, bf16, convert)
+            two = _count(model, blocks, workload, 2, bf16, convert)
+    per = [float(b - a) for a, b in zip(one, two, strict=True)]
+    return Activations(per_sample=per[0], fixed=max(one[0] - per[0], 0.0), checkpointed_per_sample=per[1],
+                       block_per_sample=per[2])
+
+
+def _timed(run: Callable[[], None], repeats: int = 2) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def calibrate_batch(workload: Workload, acts: Activations, budget: float) -> int:
+    """The calibration micro-step's samples: the rank's batch, fewer if its activations would pass ``budget``."""
+    samples = workload.batch_size
+    while samples > 1 and acts.per_sample * samples > budget:
+        samples //= 2
+    return samples
+
+
+def profile(workload: Workload, budget: float = 512e6) -> tuple[ModelFeatures, list[str]]:
+    """Trace the model and run one real micro-step (one thread) to measure its factors; and notes to print."""
+    notes: list[str] = []
+    torch.set_num_threads(1)
+    try:
+        fp32, bf16 = trace_activations(workload, False), trace_activations(workload, True)
+        traced_on = "meta"
+    except Exception as exc:  # noqa: BLE001 (any failure of the fake trace falls back to a real one, said so)
+        notes.append(f"the model cannot run on fake (meta) tensors ({type(exc).__name__}: {str(exc)[:120]}); "
+                     "its activations were measured in a real micro-step instead")
+        fp32, bf16 = trace_activations(workload, False, real=True), trace_activations(workload, True, real=True)
+        traced_on = "real"
+    gc.collect()
+    model = workload.model()
+    optimizer = workload.optimizer(model.parameters())
+    blocks = find_blocks(model)
+    identity, summary = model_identity(model)
+    param_bytes = sum(tensor_bytes(p) for p in model.parameters())
+    block_bytes = tuple(sum(tensor_bytes(p) for p in block.parameters()) for _, block in blocks)
+    modules = tuple((name, sum(tensor_bytes(t) for t in [*child.parameters(), *child.buffers()]))
+                    for name, child in model.named_children())
+
+    samples = calibrate_batch(workload, fp32, budget)
+    inputs, targets = workload.batch(samples, 1)
+    small_in, small_targets = workload.batch(1, 2)
+
+    def step(x: Any = inputs, y: torch.Tensor = targets) -> None:
+        workload.loss(call(model, x), y).backward()
+
+    step()
+    optimizer.step()  # the optimizer's state now exists, and every gradient
+    state = sum(tensor_bytes(v) for per_param in optimizer.state.values() for v in per_param.values())
+    optimizer.zero_grad(set_to_none=False)
+    gc.collect()
+    reset_peak()
+    before = rss()
+    step()
+    measured = peak_rss() - before
+    traced = acts_bytes(fp32, samples)
+    gc.collect()
+    reset_peak()
+    before = rss()
+    optimizer_s = _timed(optimizer.step, 1)
+    optimizer_peak = peak_rss() - before
+    full_s = _timed(step)
+    one_s = _timed(lambda: step(small_in, small_targets), 1)
+    sample_s = (full_s - one_s) / (samples - 1) if samples > 1 else full_s
+    micro_s = max(full_s - sample_s * samples, 0.0)
+
+    def bf16_step() -> None:  # one sample: bfloat16 can be many times slower on a CPU without it
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = workload.loss(call(model, small_in), small_targets)
+        loss.backward()
+
+    bf16_factor = _timed(bf16_step, 1) / one_s
+    checkpoint_factor = 1.0
+    if blocks:
+        from torch.distributed._composable import checkpoint
+
+        for _, block in blocks:
+            checkpoint(block)
+        checkpoint_factor = _timed(step, 1) / full_s
+    features = ModelFeatures(
+        fingerprint=identity, summary=summary, param_bytes=param_bytes,
+        buffer_bytes=sum(tensor_bytes(b) for b in model.buffers()), root_param_bytes=param_bytes - sum(block_bytes),
+        block_param_bytes=block_bytes, module_bytes=modules, fp32=fp32, bf16=bf16, traced_on=traced_on,
+        activation_factor=measured / max(traced, 1.0), optimizer_state_ratio=state / param_bytes,
+        optimizer_step_ratio=max(optimizer_peak, 0) / param_bytes, sample_s=sample_s, micro_step_s=micro_s,
+        bf16_time_factor=bf16_factor, checkpoint_time_factor=checkpoint_factor, optimizer_s=optimizer_s,
+        batch=workload.batch_size, has_blocks=bool(blocks))
+    notes.append(f"calibrated on one real micro-step of {samples} sample(s): measured activations "
+                 f"{measured / 1e6:.1f} MB, traced {traced / 1e6:.1f} MB (factor {features.activation_factor:.2f})")
+    return features, notes
+
+
+def acts_bytes(acts: Activations, samples: int) -> float:
+    return acts.per_sample * samples + acts.fixed

@@ -1,0 +1,130 @@
+"""Each candidate's peak memory per rank, predicted from the model's features (pure).
+
+The bytes a rank holds above its process baseline (torch and the process group loaded) while it
+trains: parameters, buffers, gradients, optimizer state (each whole or a 1/N share), the unsharded
+units FSDP gathers, and the activations of one micro-batch, scaled by the factor one real micro-step
+measured. The peak is the static part plus the larger of the forward/backward and the optimizer step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from convoy.strategy.plan import Strategy
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Bytes saved for the backward pass, from a trace (per sample, plus what does not grow with it)."""
+
+    per_sample: float
+    """Without checkpointing: every saved tensor of the forward."""
+    fixed: float
+    """What one forward saves whatever its batch (bfloat16 copies of weights under autocast)."""
+    checkpointed_per_sample: float
+    """With checkpointing: block inputs and what is saved outside the blocks."""
+    block_per_sample: float
+    """The most one block saves (recomputed in the backward, one block at a time)."""
+
+
+@dataclass(frozen=True)
+class ModelFeatures:
+    """What the strategy search knows of a model: sizes traced, factors measured in one real micro-step."""
+
+    fingerprint: str
+    summary: str
+    param_bytes: int
+    buffer_bytes: int
+    root_param_bytes: int
+    """Parameters outside the blocks (FSDP's root unit: embeddings, final norm, head)."""
+    block_param_bytes: tuple[int, ...]
+    module_bytes: tuple[tuple[str, int], ...]
+    """Parameter and buffer bytes of each top-level module."""
+    fp32: Activations
+    bf16: Activations
+    traced_on: str
+    """``meta`` (fake tensors) or ``real`` (the model could not run on meta tensors: measured instead)."""
+    activation_factor: float
+    """Measured / traced activation bytes of one real micro-step (autograd's transients, allocator)."""
+    optimizer_state_ratio: float
+    """Optimizer state bytes per parameter byte (Adam: 2)."""
+    optimizer_step_ratio: float
+    """Extra bytes during ``optimizer.step()`` per parameter byte of the rank's share."""
+    sample_s: float
+    """Forward + backward time per sample, one thread, float32."""
+    micro_step_s: float
+    """Fixed time of one forward + backward whatever its batch."""
+    bf16_time_factor: float
+    checkpoint_time_factor: float
+    optimizer_s: float
+    """``optimizer.step()`` over all parameters, one thread."""
+    batch: int
+    """Samples per rank per optimizer step."""
+    has_blocks: bool
+
+    def to_dict(self) -> dict:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ModelFeatures:
+        data = dict(data)
+        data["fp32"], data["bf16"] = Activations(**data["fp32"]), Activations(**data["bf16"])
+        data["block_param_bytes"] = tuple(data["block_param_bytes"])
+        data["module_bytes"] = tuple(tuple(pair) for pair in data["module_bytes"])
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    static: float
+    forward_backward: float
+    optimizer_step: float
+    """The optimizer step, or the gradient allreduce where it holds more."""
+
+    @property
+    def peak(self) -> float:
+        return self.static + max(self.forward_backward, self.optimizer_step)
+
+
+def activation_bytes(features: ModelFeatures, strategy: Strategy) -> float:
+    """One micro-batch's activations at their peak, as the real micro-step scaled them."""
+    acts = features.bf16 if strategy.bf16 else features.fp32
+    if strategy.checkpointing:
+        per_sample = acts.checkpointed_per_sample + acts.block_per_sample
+    else:
+        per_sample = acts.per_sample
+    return features.activation_factor * (per_sample * strategy.micro_batch + acts.fixed)
+
+
+def predict(features: ModelFeatures, strategy: Strategy, world_size: int) -> MemoryEstimate:
+    """The peak bytes one rank holds above its baseline while training with ``strategy``."""
+    params, share = float(features.param_bytes), 1.0
+    activations = activation_bytes(features, strategy)
+    if strategy.kind == "fsdp" and world_size > 1:
+        share = 1.0 / world_size
+        biggest = max(features.block_param_bytes, default=0)
+        # the root unit stays gathered from forward to backward, a block and the next (prefetched) are
+        # gathered at once; the sharded gradients are freed after each step and grow back as the
+        # activations are freed in the backward
+        gathered = features.root_param_bytes + 2 * biggest
+        if strategy.accumulation > 1:  # the sharded gradients of the first micro-batches are kept
+            gathered += params * share
+        static = params * share * (1 + features.optimizer_state_ratio) + features.buffer_bytes
+        step = params * share * (1 + features.optimizer_step_ratio)
+        return MemoryEstimate(static, activations + gathered, step)
+    state_share = 1.0 / world_size if strategy.kind == "zero" else 1.0
+    static = 2 * params + features.buffer_bytes + params * state_share * features.optimizer_state_ratio
+    step = params * state_share * features.optimizer_step_ratio
+    if strategy.kind == "zero":
+        step += params * share / world_size  # the broadcast of each rank's updated shard
+    if world_size > 1:  # gloo reduces a copy of the gradient buckets, late in the backward
+        step = max(step, params)
+    return MemoryEstimate(static, activations, step)
+
+
+def smallest_need(features: ModelFeatures, strategies: list[Strategy], world_size: int) -> tuple[Strategy, float]:
+    """The candidate that needs the least memory, and how much (for a limit no candidate fits)."""
+    best = min(strategies, key=lambda s: predict(features, s, world_size).peak)
+    return best, predict(features, best, world_size).peak

@@ -1,0 +1,134 @@
+"""A training strategy as data: what ``convoy.accelerate`` applies, and the file ``convoy plan`` writes (pure).
+
+A strategy names how the model is distributed (``kind``), how DDP's gradients are reduced, whether
+blocks recompute their activations, the precision, and how a rank's batch is split into micro-batches.
+The file also names the model it was planned for, so a strategy is never applied to another model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from convoy.errors import ConfigError
+
+KINDS = ("ddp", "zero", "fsdp")
+"""``ddp``: every rank holds everything, gradients allreduced. ``zero``: DDP gradients, optimizer state
+sharded over the ranks (``ZeroRedundancyOptimizer``). ``fsdp``: FSDP2 ``fully_shard`` per block and the
+root (parameters, gradients and optimizer state sharded, ZeRO-3)."""
+ALLREDUCES = ("gloo", "leader", "reduce_scatter")
+"""``gloo``: DDP's own allreduce (one flat ring). ``leader`` and ``reduce_scatter``: convoy's hierarchical
+allreduce (``parallel/allreduce``) as DDP's communication hook, for ranks grouped by node."""
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to train: applied by ``convoy.accelerate``, written to a strategy file by ``convoy plan``."""
+
+    kind: str = "ddp"
+    """One of ``KINDS``."""
+    allreduce: str = "gloo"
+    """One of ``ALLREDUCES`` (``ddp`` and ``zero`` only; ``fsdp`` reduce-scatters on its own)."""
+    checkpointing: bool = False
+    """Recompute each block's activations in the backward pass instead of keeping them."""
+    bf16: bool = False
+    """Run the forward under ``torch.autocast`` with bfloat16."""
+    micro_batch: int = 1
+    """Samples per forward/backward on one rank."""
+    accumulation: int = 1
+    """Micro-batches per optimizer step (the rank's batch is ``micro_batch * accumulation``)."""
+    bucket_mb: int = 25
+    """DDP's gradient bucket size, MB (``ddp`` and ``zero``)."""
+    threads: int = 1
+    """``torch.set_num_threads`` for each rank."""
+
+    def validate(self) -> Strategy:
+        if self.kind not in KINDS:
+            raise ConfigError(f"strategy kind {self.kind!r} is not one of {', '.join(KINDS)}")
+        if self.allreduce not in ALLREDUCES:
+            raise ConfigError(f"strategy allreduce {self.allreduce!r} is not one of {', '.join(ALLREDUCES)}")
+        if self.kind == "fsdp" and self.allreduce != "gloo":
+            raise ConfigError(f"strategy allreduce {self.allreduce!r} needs kind ddp or zero (fsdp reduce-scatters)")
+        for name in ("micro_batch", "accumulation", "bucket_mb", "threads"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"strategy {name} must be a whole number >= 1 (got {getattr(self, name)!r})")
+        return self
+
+    @property
+    def batch(self) -> int:
+        return self.micro_batch * self.accumulation
+
+    def name(self) -> str:
+        """A short label for tables: ``fsdp ckpt bf16 mb4x2 t1``."""
+        parts = [self.kind if self.allreduce == "gloo" else f"{self.kind}/{self.allreduce}"]
+        parts += ["ckpt"] * self.checkpointing + ["bf16"] * self.bf16
+        parts.append(f"mb{self.micro_batch}x{self.accumulation}")
+        if self.kind != "fsdp" and self.bucket_mb != 25:
+            parts.append(f"b{self.bucket_mb}")
+        parts.append(f"t{self.threads}")
+        return " ".join(parts)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Strategy:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"strategy has unknown fields {unknown}; known: {sorted(known)}")
+        return cls(**data).validate()
+
+
+def fingerprint(named_shapes: Iterable[tuple[str, tuple[int, ...], str]]) -> str:
+    """A model's identity for strategy files: its parameters' and buffers' names, shapes and dtypes."""
+    digest = hashlib.sha256()
+    for name, shape, dtype in named_shapes:
+        digest.update(f"{name}:{tuple(shape)}:{dtype};".encode())
+    return digest.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class StrategyFile:
+    """What ``convoy plan`` writes: the winner, for which model, ranks and per-rank batch."""
+
+    strategy: Strategy
+    model: str
+    """``fingerprint`` of the model."""
+    model_summary: str
+    """For people: the model's class and parameter count."""
+    world_size: int
+    batch: int
+
+    def save(self, path: str | Path) -> None:
+        body = {"format": FORMAT, "strategy": self.strategy.to_dict(), "model": self.model,
+                "model_summary": self.model_summary, "world_size": self.world_size, "batch": self.batch}
+        Path(path).write_text(json.dumps(body, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> StrategyFile:
+        try:
+            body = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read strategy file {path}: {exc.strerror}; run convoy plan to write one"
+                              ) from exc
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"strategy file {path} is not JSON ({exc.msg} at line {exc.lineno})") from exc
+        if not isinstance(body, dict) or body.get("format") != FORMAT:
+            raise ConfigError(f"strategy file {path} is not a convoy strategy file of format {FORMAT}")
+        try:
+            return cls(Strategy.from_dict(body["strategy"]), str(body["model"]), str(body["model_summary"]),
+                       int(body["world_size"]), int(body["batch"]))
+        except (KeyError, TypeError) as exc:
+            raise ConfigError(f"strategy file {path} lacks or mangles field {exc}") from exc
+
+    def check_model(self, model: str, summary: str, path: str | Path) -> None:
+        """Refuse a file planned for another model, naming both."""
+        if model != self.model:
+            raise ConfigError(f"strategy file {path} was planned for another model ({self.model_summary}, "
+                              f"fingerprint {self.model}); this model is {summary} (fingerprint {model}): "
+                              "run convoy plan for this model")

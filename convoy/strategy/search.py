@@ -1,0 +1,104 @@
+"""Rank candidates by a cost model, then measure the best few by successive halving (pure).
+
+The cost model: compute from the calibration step's time per sample and per micro-step (scaled for
+checkpointing, bfloat16 and the cores a rank gets), the optimizer step on the rank's share, and the
+gradient traffic from the allreduce lines the collectives measured (``CommCosts``). The measured
+search gives the top ``keep`` a few steps each, keeps the faster half, doubles the steps, and so on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from convoy.parallel.topology import Link
+from convoy.strategy.candidates import Hardware
+from convoy.strategy.memory import ModelFeatures
+from convoy.strategy.plan import Strategy
+
+THREAD_EFFICIENCY = 0.8
+"""Each intra-op thread past the first adds this much of one thread's speed (where a core is free)."""
+KEEP = 4
+FIRST_STEPS = 2
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class CommCosts:
+    """Measured allreduce time lines (fixed + per byte) over all ranks, by algorithm (``gloo`` = DDP's)."""
+
+    lines: Mapping[str, Link] = field(default_factory=dict)
+
+    def allreduce(self, algorithm: str, nbytes: float, messages: int = 1) -> float:
+        line = self.lines.get(algorithm) or self.lines["gloo"]
+        return messages * line.latency_s + nbytes * line.s_per_byte
+
+    def to_dict(self) -> dict:
+        return {name: [link.latency_s, link.s_per_byte] for name, link in self.lines.items()}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Sequence[float]]) -> CommCosts:
+        return cls({name: Link(float(a), float(b)) for name, (a, b) in data.items()})
+
+
+def rank_speed(threads: int, cores_per_rank: float) -> float:
+    """How many one-thread speeds a rank computes at, with ``threads`` on its share of the cores."""
+    usable = min(float(threads), max(cores_per_rank, 0.0))
+    if usable <= 1:
+        return max(usable, 1e-3)
+    return 1 + THREAD_EFFICIENCY * (usable - 1)
+
+
+def predict_time(features: ModelFeatures, strategy: Strategy, hardware: Hardware, comm: CommCosts) -> float:
+    """Seconds of one optimizer step on one rank."""
+    speed = rank_speed(strategy.threads, hardware.cores_per_rank)
+    compute = features.micro_step_s * strategy.accumulation + features.sample_s * strategy.batch
+    if strategy.bf16:
+        compute *= features.bf16_time_factor
+    if strategy.checkpointing:
+        compute *= features.checkpoint_time_factor
+    world = hardware.world_size
+    share = 1.0 / world if strategy.kind in ("zero", "fsdp") else 1.0
+    optimizer = features.optimizer_s * share
+    params = float(features.param_bytes)
+    if world == 1:
+        return (compute + optimizer) / speed
+    if strategy.kind == "fsdp":  # gather forward, gather backward, reduce-scatter: 1.5 allreduces, per micro-step
+        units = len(features.block_param_bytes) + 1
+        traffic = strategy.accumulation * 1.5 * comm.allreduce("gloo", params, 3 * units)
+    else:
+        buckets = max(1, math.ceil(params / (strategy.bucket_mb * 2 ** 20)))
+        traffic = comm.allreduce(strategy.allreduce, params, buckets)
+        if strategy.kind == "zero":  # each rank's updated shard broadcast: an all-gather, half an allreduce
+            traffic += 0.5 * comm.allreduce("gloo", params, world)
+    return (compute + optimizer) / speed + traffic
+
+
+@dataclass
+class Measured:
+    candidate: object
+    steps: int
+    seconds: float
+
+
+def successive_halving(ranked: Sequence[T], measure: Callable[[T, int], float], keep: int = KEEP,
+                       first_steps: int = FIRST_STEPS, eta: int = 2) -> tuple[T, list[list[Measured]]]:
+    """Measure the first ``keep`` of ``ranked`` (best predicted first) for ``first_steps`` steps each,
+    keep the fastest ``1/eta``, multiply the steps by ``eta``, until one is left: ``(winner, rounds)``."""
+    if not ranked:
+        raise ValueError("successive halving needs at least one candidate")
+    alive, steps, rounds = list(ranked[:keep]), first_steps, []
+    while True:
+        results = [Measured(candidate, steps, measure(candidate, steps)) for candidate in alive]
+        rounds.append(results)
+        results.sort(key=lambda m: m.seconds)
+        if len(results) <= 1:
+            break
+        alive = [m.candidate for m in results[:max(1, math.ceil(len(results) / eta))]]
+        if len(alive) == 1:
+            break
+        steps *= eta
+    return results[0].candidate, rounds  # type: ignore[return-value]

@@ -1,0 +1,163 @@
+"""One rank of the strategy search's dry runs: ``python -m convoy.strategy.worker SPEC.json`` (torchrun env).
+
+Rank 0 profiles the model (trace + one real micro-step) while the others wait; every rank then
+measures the allreduce lines, generates and ranks the same candidates, and runs each measured
+candidate for real (warm-up, then timed steps; the step time is the slowest rank's, the memory the
+highest rank's peak above its baseline). Rank 0 writes the results JSON the planner prints.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from convoy.parallel.topology import Link, Topology
+from convoy.strategy import candidates as cands
+from convoy.strategy.apply import accelerate, train_step
+from convoy.strategy.features import profile
+from convoy.strategy.memory import ModelFeatures
+from convoy.strategy.plan import Strategy
+from convoy.strategy.search import CommCosts, predict_time, successive_halving
+from convoy.strategy.workload import Workload, load_workload, peak_rss, reset_peak, rss
+
+WARMUP = 1
+
+
+def _shared(value: Any) -> Any:
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def measure_comm(topology: Topology, comm: Any) -> CommCosts:
+    """DDP's flat allreduce timed at two sizes; convoy's hierarchical ones from its own cost model."""
+    points = []
+    for nbytes in (1 << 20, 16 << 20):
+        buffer = torch.ones(nbytes // 4)
+        dist.all_reduce(buffer)
+        times = []
+        for _ in range(3):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(buffer)
+            times.append(time.perf_counter() - start)
+        points.append((float(nbytes), statistics.median(times)))
+    lines = {"gloo": Link.fit_line(points[0], points[1])}
+    if comm is not None:
+        model = comm.cost_model()
+        for algorithm in ("leader", "reduce_scatter"):
+            small = model.predict(topology, algorithm, 1 << 20)
+            large = model.predict(topology, algorithm, 16 << 20)
+            lines[algorithm] = Link.fit_line((float(1 << 20), small), (float(16 << 20), large))
+    return CommCosts(lines)
+
+
+def run_candidate(workload: Workload, strategy: Strategy, steps: int, comm: Any,
+                  warmup: int = WARMUP) -> tuple[float, float]:
+    """(median step seconds of the slowest rank, the highest rank's peak bytes above its baseline)."""
+    rank = dist.get_rank()
+    gc.collect()
+    before = rss()
+    model = workload.model()
+    model, optimizer = accelerate(model, workload.optimizer(model.parameters()), strategy, comm=comm)
+    inputs, targets = workload.batch(strategy.batch, 100 + rank)
+    for _ in range(warmup):
+        train_step(model, optimizer, workload.loss, inputs, targets)
+    gc.collect()
+    dist.barrier()
+    reset_peak()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        train_step(model, optimizer, workload.loss, inputs, targets)
+        times.append(time.perf_counter() - start)
+    peak = float(peak_rss() - before)
+    per_step = torch.tensor([*times, peak], dtype=torch.float64)
+    dist.all_reduce(per_step, op=dist.ReduceOp.MAX)
+    del model, optimizer, inputs, targets
+    gc.collect()
+    torch.set_num_threads(1)
+    dist.barrier()
+    return statistics.median(per_step[:-1].tolist()), float(per_step[-1])
+
+
+def _preload() -> None:
+    """Import what the strategies use now, so no candidate's memory counts loading code."""
+    from torch.distributed._composable import checkpoint  # noqa: F401
+    from torch.distributed.fsdp import fully_shard  # noqa: F401
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: F401
+    from torch.nn.parallel import DistributedDataParallel  # noqa: F401
+
+
+def main(spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    _preload()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    sys.argv = [spec["script"], *spec["args"]]
+    workload = load_workload(spec["script"])
+    hardware = cands.Hardware(spec["nodes"], spec["nproc_per_node"], spec["memory"], spec["cores"])
+    if rank == 0:
+        features, notes = profile(workload)
+        shared = _shared([features.to_dict(), notes])
+    else:
+        shared = _shared(None)
+    features, notes = ModelFeatures.from_dict(shared[0]), shared[1]
+    topology = Topology.uniform(hardware.world_size, hardware.nproc_per_node)
+    comm = None
+    if hardware.nodes > 1 and hardware.nproc_per_node > 1:
+        from convoy.parallel.allreduce.collectives import HierarchicalAllreduce
+
+        comm = HierarchicalAllreduce(topology, host_memory=False, tune=False)
+    costs = CommCosts.from_dict(_shared(measure_comm(topology, comm).to_dict()))
+    rows = cands.generate(features, hardware)
+    predicted = {c.strategy: predict_time(features, c.strategy, hardware, costs) for c in rows}
+    result: dict[str, Any] = {"features": features.to_dict(), "notes": notes, "comm": costs.to_dict(),
+                              "rows": [{"strategy": c.strategy.to_dict(), "name": c.strategy.name(),
+                                        "memory": c.memory.peak, "predicted_s": predicted[c.strategy],
+                                        "dropped": c.dropped} for c in rows]}
+    feasible = [c.strategy for c in cands.kept(rows)]
+    if not feasible:
+        result["error"] = "none fits"
+    else:
+        ranked = sorted(feasible, key=lambda s: predicted[s])
+        measured: dict[Strategy, list] = {}
+
+        def measure(strategy: Strategy, steps: int) -> float:
+            seconds, peak = run_candidate(workload, strategy, steps, comm)
+            measured.setdefault(strategy, []).append([steps, seconds, peak])
+            return seconds
+
+        winner, _ = successive_halving(ranked, measure, keep=spec["keep"], first_steps=spec["first_steps"])
+        result["search_s"] = time.perf_counter() - started
+        result["winner"] = winner.to_dict()
+        result["measured"] = [{"strategy": s.to_dict(), "runs": runs} for s, runs in measured.items()]
+        if spec["exhaustive_steps"]:
+            start = time.perf_counter()
+            grid = []
+            for strategy in feasible:
+                seconds, peak = run_candidate(workload, strategy, spec["exhaustive_steps"], comm)
+                grid.append({"strategy": strategy.to_dict(), "seconds": seconds, "peak": peak})
+            result["exhaustive"] = grid
+            result["exhaustive_s"] = time.perf_counter() - start
+    if comm is not None:
+        comm.close()
+    if rank == 0:
+        Path(spec["out"]).write_text(json.dumps(result, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,77 @@
+"""A Lightning Trainer with ConvoyCallback under convoy (two ranks, strategy="ddp" on gloo, gradients accumulated
+over 2 batches): rank 1 SIGKILLed at the first epoch's end, then rank 0 mid-way through the third epoch, the job
+goes on each time in a new round from the newest snapshot, no optimizer step is run twice and the final weights
+are bit-identical to an uninterrupted run; outside convoy the callback changes nothing."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ProcessScope, fixture
+
+from convoy.shm import SHM_DIR
+
+pytestmark = pytest.mark.slow
+STEPS = 36  # 96 samples, 2 ranks x batch 2: 24 batches an epoch on each rank, 12 optimizer steps; 3 epochs
+KILLS = ((1, 12), (0, 29))  # attempt 0: as step 13 begins (an epoch's end); attempt 1: 10 batches into epoch 3
+
+
+def _train(procs: ProcessScope, tmp_path: Path, name: str, *extra: object) -> tuple[str, Path]:
+    out, run_dir = tmp_path / name, tmp_path / f"{name}-run"
+    result = procs.run(["run", "--nnodes", 1, "--nproc-per-node", 2, "--run-dir", run_dir, "--stop-grace", 2,
+                        fixture("lightning_train.py"), "--out", out, *extra], env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.explain()
+    assert f"trained to step {STEPS}" in result.stdout, result.explain()
+    return result.stdout, out
+
+
+def _steps(out: Path, rank: int) -> list[tuple[int, str]]:
+    lines = (out / f"steps.rank{rank}.txt").read_text().split("\n")
+    return [(int(step), round_id) for step, round_id in (line.split() for line in lines if line)]
+
+
+def test_killed_ranks_resume_lightning_with_no_step_redone_bit_identical(procs: ProcessScope,
+                                                                          tmp_path: Path) -> None:
+    _, clean = _train(procs, tmp_path, "clean")
+    for rank in (0, 1):
+        assert [step for step, _ in _steps(clean, rank)] == list(range(1, STEPS + 1))
+    kills = [f"{rank}:{step}" for rank, step in KILLS]
+    stdout, killed = _train(procs, tmp_path, "killed", *(arg for kill in kills for arg in ("--kill", kill)))
+    for rank, step in KILLS:
+        assert f"rank {rank}: SIGKILL as step {step + 1} begins" in stdout, stdout
+        assert f"resuming at global step {step}" in stdout, stdout
+    assert "(epoch 1, 0 batches of it already trained)" in stdout, stdout  # the first kill: at an epoch's end
+    assert "(epoch 2, 10 batches of it already trained)" in stdout, stdout  # the second: step 29 = 5 x 2 in
+    for rank in (0, 1):
+        steps = _steps(killed, rank)
+        counts = Counter(step for step, _ in steps)
+        assert sorted(counts) == list(range(1, STEPS + 1)), f"rank {rank} missed steps: {steps}"
+        assert [step for step, count in counts.items() if count > 1] == [], f"rank {rank} redid steps: {steps}"
+        rounds = [round_id for _, round_id in steps]
+        assert len(set(rounds)) == 3, f"rank {rank}: {steps}"
+        assert [index for index in range(1, STEPS) if rounds[index] != rounds[index - 1]] == [12, 29], steps
+    uninterrupted, resumed = torch.load(clean / "weights.pt"), torch.load(killed / "weights.pt")
+    assert sorted(uninterrupted) == sorted(resumed)
+    different = [name for name in uninterrupted if not torch.equal(uninterrupted[name], resumed[name])]
+    assert different == [], f"tensors not bit-identical after two resumes: {different}"
+    assert json.loads((killed / "final.json").read_text()) == {"global_step": STEPS, "epoch": 3}
+    job_id = re.search(r"^convoy: job (\w+):", stdout, re.MULTILINE)
+    assert job_id, stdout
+    assert not list(SHM_DIR.glob(f"convoy-{job_id.group(1)}-*")), "the job's shared memory outlived it"
+
+
+def test_outside_convoy_the_lightning_callback_warns_and_training_is_unchanged(procs: ProcessScope,
+                                                                               tmp_path: Path) -> None:
+    out = tmp_path / "plain"
+    result = procs.run([fixture("lightning_train.py"), "--out", out, "--epochs", 1, "--samples", 24],
+                       command=[sys.executable], env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.explain()
+    assert "ConvoyCallback: not under `convoy run`" in result.output, result.explain()
+    assert [step for step, _ in _steps(out, 0)] == list(range(1, 7)), "one process: 12 batches of 2, 2 a step"
+    assert (out / "weights.pt").exists() and not list(out.glob("checkpoints"))

@@ -1,0 +1,52 @@
+"""convoy.accelerate applying each strategy kind on 2 real gloo ranks (tests/fixtures/strategy_accelerate.py:
+DDP, ZeRO's sharded optimizer, FSDP2 shards, checkpointing, micro-batches; each equal to one process), and
+convoy plan end to end: the table, the strategy file a job then runs with, a limit nothing fits (a file from
+another model is refused in tests/unit/test_strategy_search.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from helpers import FIXTURES, REPO, ProcessScope
+
+pytestmark = pytest.mark.slow
+EXAMPLE = str(REPO / "examples" / "train_strategy.py")
+TINY = ["--width", "32", "--layers", "2", "--heads", "2", "--vocab", "256", "--context", "16", "--batch", "4"]
+
+
+def test_every_strategy_kind_wraps_for_real_and_trains_like_one_process(procs: ProcessScope) -> None:
+    outputs = procs.gloo_ranks(str(FIXTURES / "strategy_accelerate.py"), 2, [])
+    for rank, output in enumerate(outputs):
+        for name in ("ddp mb8x1", "zero mb4x2", "fsdp mb8x1", "fsdp ckpt mb4x2", "ddp ckpt mb4x2"):
+            assert f"rank {rank}: {name} t1 ok" in output, output
+        assert f"rank {rank}: ok (13 checks)" in output, output
+    assert procs.wait_no_leftovers() == []
+
+
+def test_plan_writes_the_strategy_and_the_script_runs_with_it(procs: ProcessScope, tmp_path: Path) -> None:
+    out = tmp_path / "s.json"
+    result = procs.start(["plan", "--nodes", 1, "--nproc-per-node", 2, "--memory", "1GB", "--keep", 2,
+                          "--first-steps", 1, "--out", out, EXAMPLE, *TINY]).wait()
+    assert result.returncode == 0, result.explain()
+    assert re.search(r"^candidate +pred MB +pred s +search s +meas MB", result.stdout, re.MULTILINE), result.stdout
+    assert "PICK" in result.stdout and "dropped: " in result.stdout, result.stdout
+    planned = json.loads(out.read_text())
+    assert planned["world_size"] == 2 and "Transformer of" in planned["model_summary"], planned
+    job = procs.start(["run", "--nproc-per-node", 2, "--run-dir", tmp_path / "run", EXAMPLE, *TINY,
+                       "--steps", 2, "--strategy", out]).wait()
+    assert job.returncode == 0, job.explain()
+    assert "strategy: " in job.stdout and "step 1 loss" in job.stdout, job.stdout
+    assert procs.wait_no_leftovers() == []
+
+
+def test_plan_with_a_limit_nothing_fits_names_the_smallest_need(procs: ProcessScope, tmp_path: Path) -> None:
+    result = procs.start(["plan", "--nproc-per-node", 2, "--memory", "100KB", "--out", tmp_path / "s.json",
+                          EXAMPLE, *TINY]).wait()
+    assert result.returncode == 2, result.explain()
+    assert re.search(r"no candidate fits 0.10 MB per rank: the smallest need is [\d.]+ MB \(fsdp", result.stderr), \
+        result.stderr
+    assert not (tmp_path / "s.json").exists()

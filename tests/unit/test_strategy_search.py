@@ -1,0 +1,140 @@
+"""The strategy search's pure parts: candidates and feasibility pruning, the successive halving's choice
+on a synthetic cost table, the cost model's ordering, and the strategy file (checked against its model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from convoy.errors import ConfigError
+from convoy.parallel.topology import Link
+from convoy.strategy.candidates import Hardware, generate, kept, micro_batches, require_feasible
+from convoy.strategy.memory import Activations, ModelFeatures, predict
+from convoy.strategy.plan import Strategy, StrategyFile
+from convoy.strategy.report import parse_bytes
+from convoy.strategy.search import CommCosts, predict_time, successive_halving
+
+MB = 1e6
+
+
+def features(batch: int = 8, params_mb: float = 100, per_sample_mb: float = 50, bf16_factor: float = 3.0,
+             ) -> ModelFeatures:
+    acts = Activations(per_sample=per_sample_mb * MB, fixed=0.0, checkpointed_per_sample=per_sample_mb * MB / 10,
+                       block_per_sample=per_sample_mb * MB / 10)
+    blocks = (params_mb * MB / 10,) * 8
+    return ModelFeatures(
+        fingerprint="f", summary="test model", param_bytes=int(params_mb * MB), buffer_bytes=0,
+        root_param_bytes=int(params_mb * MB - sum(blocks)), block_param_bytes=tuple(int(b) for b in blocks),
+        module_bytes=(), fp32=acts, bf16=acts, traced_on="meta", activation_factor=1.0, optimizer_state_ratio=2.0,
+        optimizer_step_ratio=0.25, sample_s=0.01, micro_step_s=0.005, bf16_time_factor=bf16_factor,
+        checkpoint_time_factor=1.3, optimizer_s=0.05, batch=batch, has_blocks=True)
+
+
+def test_micro_batches_halve_while_they_divide() -> None:
+    assert micro_batches(8) == [8, 4, 2, 1]
+    assert micro_batches(12) == [12, 6, 3]
+    assert micro_batches(1) == [1]
+
+
+def test_memory_model_shares_what_each_kind_shards() -> None:
+    f = features(per_sample_mb=0)
+    ddp, zero, fsdp = (predict(f, Strategy(kind, micro_batch=8), 4).peak for kind in ("ddp", "zero", "fsdp"))
+    assert ddp == pytest.approx(100 * MB * (2 + 2 + 1))  # params, grads (buckets), Adam's state, gloo's copy
+    assert zero < ddp and fsdp < zero
+    acts = features(params_mb=0.001)
+    whole = predict(acts, Strategy(micro_batch=8), 1).peak
+    assert predict(acts, Strategy(micro_batch=4, accumulation=2), 1).peak == pytest.approx(whole / 2, rel=1e-3)
+    assert predict(acts, Strategy(micro_batch=8, checkpointing=True), 1).peak == pytest.approx(whole / 5, rel=1e-3)
+
+
+def test_only_sensible_combinations() -> None:
+    rows = generate(features(), Hardware(2, 2, 10e9, 8))
+    strategies = [c.strategy for c in rows]
+    assert not any(s.kind == "fsdp" and s.allreduce != "gloo" for s in strategies)
+    assert {s.allreduce for s in strategies if s.kind == "ddp"} == {"gloo", "leader", "reduce_scatter"}
+    assert {s.threads for s in strategies} == {1, 2, 4}  # 8 cores over 2 ranks of a node
+    one_node = generate(features(), Hardware(1, 4, 10e9, 2))
+    assert {c.strategy.allreduce for c in one_node} == {"gloo"}
+    assert {c.strategy.threads for c in one_node} == {1}
+    with_room = kept(rows)
+    assert not any(s.strategy.checkpointing for s in with_room)  # everything fits without: no reason to recompute
+    assert not any(s.strategy.bf16 for s in with_room)  # bf16 measured 3x slower
+    assert all(c.dropped.startswith("bf16 ran 3.0x slower") for c in rows if c.strategy.bf16
+               and not c.strategy.checkpointing and c.strategy.micro_batch >= 4)
+
+
+def test_feasibility_drops_what_does_not_fit_and_keeps_checkpointing_that_helps() -> None:
+    f = features()
+    limit = 780 * MB  # ddp's static part is 400 MB; 8 samples of activations (400 MB) do not fit on top
+    rows = generate(f, Hardware(1, 4, limit, 2))
+    for c in rows:
+        if c.memory.peak > limit:
+            assert c.dropped.startswith("over the limit: needs"), c
+    feasible = [c.strategy for c in kept(rows)]
+    assert feasible and all(predict(f, s, 4).peak <= limit for s in feasible)
+    assert Strategy("ddp", micro_batch=8) not in feasible
+    assert Strategy("ddp", checkpointing=True, micro_batch=8) in feasible  # fits only with recomputation
+    assert Strategy("ddp", micro_batch=4, accumulation=2) in feasible
+
+
+def test_a_limit_nothing_fits_names_the_smallest_need() -> None:
+    f = features()
+    hardware = Hardware(1, 4, 50 * MB, 2)
+    rows = generate(f, hardware)
+    assert not kept(rows)
+    with pytest.raises(ConfigError, match=r"no candidate fits 50 MB per rank: the smallest need is (\d+) MB "
+                                          r"\(fsdp ckpt mb1x8 t1\)"):
+        require_feasible(rows, f, hardware)
+
+
+def test_cost_model_prefers_the_hierarchical_allreduce_on_a_slow_link() -> None:
+    f = features()
+    hardware = Hardware(2, 2, 10e9, 8)
+    slow_flat = CommCosts({"gloo": Link(1e-3, 1e-8), "leader": Link(1e-3, 4e-9), "reduce_scatter": Link(1e-3, 6e-9)})
+    times = {a: predict_time(f, Strategy("ddp", a, micro_batch=8), hardware, slow_flat)
+             for a in ("gloo", "leader", "reduce_scatter")}
+    assert times["leader"] < times["reduce_scatter"] < times["gloo"]
+    assert predict_time(f, Strategy(micro_batch=8, checkpointing=True), hardware, slow_flat) > times["gloo"]
+
+
+def test_successive_halving_picks_the_fastest_of_the_top_few() -> None:
+    table = {"a": 1.0, "b": 0.7, "c": 0.9, "d": 0.5, "e": 0.1}  # the cost model ranked them a, b, c, d, e
+    calls: list[tuple[str, int]] = []
+
+    def measure(name: str, steps: int) -> float:
+        calls.append((name, steps))
+        return table[name] + 0.05 / steps  # fewer steps: a noisier, higher figure
+
+    winner, rounds = successive_halving(list(table), measure, keep=4, first_steps=2)
+    assert winner == "d"  # the best of the four measured; e was ranked out by the model
+    assert [len(r) for r in rounds] == [4, 2]
+    assert calls[:4] == [("a", 2), ("b", 2), ("c", 2), ("d", 2)]
+    assert sorted(calls[4:]) == [("b", 4), ("d", 4)]
+    assert "e" not in {name for name, _ in calls}
+    assert successive_halving(["x"], lambda n, s: 1.0)[0] == "x"
+
+
+def test_strategy_file_round_trip_and_another_model_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "s.json"
+    chosen = Strategy("fsdp", checkpointing=True, micro_batch=2, accumulation=4)
+    StrategyFile(chosen, "abc123", "Net of 1.00 M parameters", 4, 8).save(path)
+    loaded = StrategyFile.load(path)
+    assert loaded.strategy == chosen and loaded.world_size == 4
+    loaded.check_model("abc123", "Net of 1.00 M parameters", path)
+    with pytest.raises(ConfigError, match=r"planned for another model \(Net of 1.00 M parameters, fingerprint "
+                                          r"abc123\); this model is Other of 2.00 M parameters \(fingerprint zzz\)"):
+        loaded.check_model("zzz", "Other of 2.00 M parameters", path)
+    path.write_text('{"format": 1, "strategy": {"kind": "tp"}, "model": "a", "model_summary": "b", '
+                    '"world_size": 1, "batch": 1}')
+    with pytest.raises(ConfigError, match="strategy kind 'tp' is not one of ddp, zero, fsdp"):
+        StrategyFile.load(path)
+    with pytest.raises(ConfigError, match="allreduce 'leader' needs kind ddp or zero"):
+        Strategy("fsdp", "leader").validate()
+
+
+def test_memory_sizes_parse() -> None:
+    assert parse_bytes("1.5GB") == 1.5e9
+    assert parse_bytes("512MiB") == 512 * 2 ** 20
+    with pytest.raises(ConfigError, match="is not a size"):
+        parse_bytes("lots")
