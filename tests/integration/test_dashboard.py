@@ -135,7 +135,7 @@ def test_the_pages_show_the_two_node_job(job: Job, page: Any) -> None:
     page.click("#tab-overview")
     assert page.inner_text("#o-world-size") == "2"
     page.click("#tab-rounds")
-    assert page.locator("#timeline rect[data-round='round 1']").count() == 1
+    wait_for(lambda: page.locator("#timeline rect[data-round='round 1']").count() == 1, 10, "round 1 drawn")
     page.click("#tab-events")
     page.wait_for_selector("#event-kind option[value='node_joined']", state="attached")
     page.select_option("#event-kind", "node_joined")

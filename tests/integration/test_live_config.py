@@ -94,8 +94,9 @@ def test_a_config_that_fails_the_workers_is_reverted(procs: ProcessScope, run_di
     job = procs.start(["run", "--nnodes", "2", "--run-dir", run_dir, "--set", "crash_above_lr=0.05", "--stop-grace",
                        "2", "--set", "steps=100000", EXAMPLE, "--step-time", "0.03", "--log-dir", logs])
     wait_for(lambda: newest_step(logs) >= 10, 120, "both ranks to run 10 steps")
-    metrics = api(run_dir, "/metrics?task=default:0&limit=5")
-    assert len(metrics["points"]) == 5 and all(p["loss"] is not None for p in metrics["points"]), metrics
+    # the steps reach the master through the agent, every FLUSH_S, so they may trail the rank logs
+    metrics = wait_for(lambda: metrics_of_both_ranks(run_dir), 30, "five steps of rank 0 and both ranks at the master")
+    assert all(p["loss"] is not None for p in metrics["points"]), metrics
     assert {row["task"] for row in metrics["latest"]} == {"default:0", "default:1"}
     with pytest.raises(urllib.error.HTTPError) as refused:
         api(run_dir, "/config", {"values": {"lr": "x"}})
@@ -123,6 +124,12 @@ def test_a_config_that_fails_the_workers_is_reverted(procs: ProcessScope, run_di
     assert bad_step >= 10
     status = procs.run(["status", "--run-dir", run_dir]).stdout
     assert "training config: version 4 (" in status and re.search(rf"default:1 +{steps - 1} ", status), status
+
+
+def metrics_of_both_ranks(run_dir: Path) -> dict | None:
+    """The master's last five steps of rank 0, once it has five of them and a step of each rank; else None."""
+    metrics = api(run_dir, "/metrics?task=default:0&limit=5")
+    return metrics if len(metrics["points"]) == 5 and len(metrics["latest"]) == 2 else None
 
 
 def api(run_dir: Path, path: str, body: dict | None = None) -> dict:

@@ -72,8 +72,10 @@ def kill_mid_training(procs: ProcessScope, run_dir: Path, rank: int,
 def assert_every_push_applied_once(out: str, killed: int) -> list[re.Match[str]]:
     held = sorted(HELD.finditer(out), key=lambda m: m.group(1))
     assert len(held) == 2, out
+    # the workers share the epoch's shards as they ask, so one may train more of it than the other
+    per_server = [sum(int(found.group(2 + server)) for found in held) for server in (0, 1)]
+    assert per_server == [2 * STEPS, 2 * STEPS], f"every batch of the epoch pushed once to each server: {held}"
     for found in held:
-        assert [int(found.group(2)), int(found.group(3))] == [STEPS, STEPS], found.group(0)
         assert [int(found.group(6)), int(found.group(7))] == [0, 0], found.group(0)
     resent = [sum(int(found.group(4 + server)) for found in held) for server in (0, 1)]
     assert resent[killed] >= 1 and resent[1 - killed] == 0, f"only the killed server's unkept pushes resent: {held}"
