@@ -28,7 +28,7 @@ from convoy.agent.forked import ForkedProcess, ForkServer
 from convoy.agent.memory_limits import CgroupMemoryLimit, MemoryLimit
 from convoy.agent.reap import NodeCgroup
 from convoy.agent.role_memory import RoleMemory
-from convoy.agent.workers import LogPump
+from convoy.agent.log_pump import LogPump
 from convoy.config import WorkerConfig
 from convoy.control import protocol as p
 from convoy.errors import WorkerStartError

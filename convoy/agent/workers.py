@@ -1,9 +1,14 @@
-"""Worker processes of one node: warm standbys, log pumps, start, poll, and stop."""
+"""Worker processes of one node: a fork server (or warm standbys), log pumps, start, poll, and stop.
+
+A node's workers are forked from one fork server (``forkserver.py``) that imported the preload list once: a
+round's workers, and every restart's, start in milliseconds, and nproc workers cost one import of torch rather
+than nproc at once (on 2 cores, two concurrent imports take each about twice as long). Where the server cannot
+be used (``--no-python``: a worker becomes another executable; an empty ``--preload``; a server that cannot
+start or dies), each worker is a standby of its own: a process that imports the preload list ahead of its
+round, then waits for its rank."""
 
 from __future__ import annotations
 
-import collections
-import errno
 import json
 import os
 import queue
@@ -17,9 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
+from convoy import log
 from convoy.agent.env import spawn_env, worker_env
+from convoy.agent.forked import ForkedProcess, ForkServer
 from convoy.agent.reap import NodeCgroup
-from convoy.worker_events import MARK, parse
+from convoy.agent.log_pump import Failures, LogPump
 from convoy.config import WorkerConfig
 from convoy.errors import WorkerStartError
 from convoy.procs import die_with_parent
@@ -27,209 +34,17 @@ from convoy.procs import die_with_parent
 if TYPE_CHECKING:
     from convoy.control.protocol import MemberInfo, RoundInfo
 
-TAIL_LINES = 20
-HELD_LINES = 1000
-"""Lines kept from a standby that has no rank yet; older ones are dropped."""
-LOG_REOPEN_S = 1.0
-"""How often a log file that could not be opened is tried again."""
 REFILL_DELAY_S = 5.0
-
-
-PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "connectfullmesh",
-             "connection refused", "socket timeout", "ncclremoteerror", "nccl communicator was aborted",
-             "gloo/transport", "read error")
-"""What a worker's last lines say when it failed because a peer was gone (lowercase)."""
-TRACE_LINES = 400
-TRACE_START = b"Traceback (most recent call last):"
-
-
-class Failures:
-    """The first failure of a node's round, so that the workers that fail after it because their peer is gone
-    are one console line each (their full output stays in their log files)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.first: tuple[int, str] | None = None
-
-    def claim(self, rank: int, what: str) -> None:
-        with self._lock:
-            if self.first is None:
-                self.first = (rank, what)
-
-    def reset(self) -> None:
-        with self._lock:
-            self.first = None
-
-
-class LogPump(threading.Thread):
-    """Copies a worker's output to its log file and, prefixed with its rank, to the console.
-
-    Lines printed before the worker has a rank (e.g. import warnings) are held, then written.
-    A line that records an event (``convoy.worker_events``) is also put on ``events`` as
-    ``(rank, kind, message)`` for the agent to send to the master.
-    The pump never stops reading (a worker blocks once its pipe is full): a line the log file
-    cannot take (a full disk) is dropped from the file and counted, its console copy still goes out.
-    """
-
-    def __init__(self, stream: BinaryIO, console: BinaryIO, console_lock: threading.Lock,
-                 events: queue.SimpleQueue[tuple[int, str, str]] | None = None,
-                 failures: Failures | None = None) -> None:
-        super().__init__(name="convoy-log", daemon=True)
-        self._stream, self._console, self._console_lock = stream, console, console_lock
-        self._failures = failures
-        self._trace: list[bytes] | None = None
-        """A traceback being printed: held off the console until it is known to be the first failure's."""
-        self._trace_ended = False
-        self._events = events
-        self.rank = -1
-        self._lock = threading.Lock()
-        self._held: collections.deque[bytes] = collections.deque(maxlen=HELD_LINES)
-        self._assigned = False
-        self._file: BinaryIO | None = None
-        self._prefix = b""
-        self._show = True
-        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-        self.log_path = ""
-        self.dropped_lines = 0
-        """Lines not written to the log file since it last took one (0 while writing works)."""
-        self._log_error = ""
-        self._next_open_at = 0.0
-
-    def assign(self, rank: int, log_path: Path, label: str = "", show: bool = True) -> None:
-        """``label``: the console prefix's name (a role process's ``ps0``); default ``rank<N>``; ``show``: False
-        keeps the output off the console (its log file has it all)."""
-        with self._lock:
-            self._show = show
-            self._prefix = f"[{label or f'rank{rank}'}]: ".encode()  # torch prefixes its own errors the same way
-            self.rank = rank
-            self.log_path = str(log_path)
-            self._assigned = True
-            self._open()
-            held, self._held = list(self._held), collections.deque(maxlen=HELD_LINES)
-            for line in held:
-                self._write(line)
-
-    def run(self) -> None:
-        mark = MARK.encode()
-        for line in iter(self._stream.readline, b""):
-            event = None
-            if self._events is not None and mark in line[:64]:
-                event = parse(line.decode(errors="replace"))
-                if event is not None:
-                    self._events.put((self.rank, *event))
-            with self._lock:
-                if not self._assigned:
-                    self._held.append(line)
-                else:
-                    self._write(line, console=event is None)  # the master prints a recorded event itself
-        with self._lock:
-            self._settle_trace(ended=True)
-            if self.dropped_lines:
-                self._say(f"{self.dropped_lines} lines not written to {self.log_path} ({self._log_error})")
-            if self._file is not None:
-                self._close_file()
-        self._stream.close()
-
-    def _open(self) -> None:
-        """Open the log file (unbuffered: a failed write leaves nothing behind to retry)."""
-        self._next_open_at = time.monotonic() + LOG_REOPEN_S
-        try:
-            Path(self.log_path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)  # the owner's only
-            self._file = open(fd, "ab", buffering=0)  # noqa: SIM115 (closed when the stream ends)
-        except OSError as exc:
-            self._log_failed(exc)
-
-    def _write(self, line: bytes, console: bool = True) -> None:
-        if self._file is None and time.monotonic() >= self._next_open_at:
-            self._open()
-        if self._file is not None:
-            try:
-                written = self._file.write(line)
-            except OSError as exc:
-                self._log_failed(exc)
-            else:
-                if written is not None and written < len(line):  # the disk filled up inside this line
-                    self._log_failed(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
-                elif self.dropped_lines:
-                    self._say(f"{self.log_path} is writable again; {self.dropped_lines} lines not written to it")
-                    self.dropped_lines, self._log_error = 0, ""
-        else:
-            self.dropped_lines += 1
-        self.tail.append(line.decode(errors="replace").rstrip("\n"))
-        if console and self._show and not self._held_back(line):
-            self._to_console(line if line.startswith(self._prefix) else self._prefix + line)
-
-    def _held_back(self, line: bytes) -> bool:
-        """Whether ``line`` belongs to a traceback held off the console (a printed traceback the process goes on
-        after is let out as soon as it does)."""
-        if self._failures is None:
-            return False
-        text = line.removeprefix(self._prefix)
-        if self._trace is None:
-            if not text.startswith(TRACE_START):
-                return False
-            self._trace, self._trace_ended = [], False
-        elif self._trace_ended and not text.startswith(TRACE_START):
-            self._settle_trace(ended=False)
-            return False
-        if len(self._trace) < TRACE_LINES:
-            self._trace.append(line)
-        stripped = text.strip()
-        self._trace_ended = bool(stripped) and not text[:1].isspace() and not stripped.startswith(
-            (b"Traceback", b"During handling", b"The above exception"))
-        return True
-
-    def _settle_trace(self, ended: bool) -> None:
-        """A held traceback: to the console, or (the process ended, its peer was gone after another rank's failure)
-        one line for it."""
-        trace, self._trace = self._trace, None
-        if not trace:
-            return
-        text = b"".join(trace).decode(errors="replace")
-        first = self._failures.first if self._failures is not None else None
-        if ended and first is not None and first[0] != self.rank and any(mark in text.lower() for mark in PEER_LOST):
-            last = next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "")
-            self._say(f"lost its peer after {first[1]}: {last[:160]} (its whole output: {self.log_path})")
-            return
-        if ended and self._failures is not None:
-            self._failures.claim(self.rank, f"rank {self.rank} failed")
-        for line in trace:
-            self._to_console(line if line.startswith(self._prefix) else self._prefix + line)
-
-    def _log_failed(self, exc: OSError) -> None:
-        if not self.dropped_lines and not self._log_error:
-            self._log_error = exc.strerror or str(exc)
-            self._say(f"cannot write to {self.log_path} ({self._log_error}); dropping lines from the log file, "
-                      "the console copy goes on")
-        self.dropped_lines += 1
-
-    def _say(self, message: str) -> None:
-        self._to_console(self._prefix + f"convoy: {message}".encode())
-
-    def _to_console(self, text: bytes) -> None:
-        try:
-            with self._console_lock:
-                self._console.write(text if text.endswith(b"\n") else text + b"\n")
-                self._console.flush()
-        except (OSError, ValueError):
-            pass  # the agent's own output is gone or full: the worker must still not block
-
-    def _close_file(self) -> None:
-        assert self._file is not None
-        try:
-            self._file.close()
-        except OSError:
-            pass
-        self._file = None
+FORK_READY_S = 120.0
+"""How long a round's start waits for the fork server to finish preloading."""
 
 
 @dataclass
 class Worker:
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | ForkedProcess
     pump: LogPump
     ready_fd: int
-    """Read end of a pipe the standby writes to once its preloading is done."""
+    """Read end of a pipe the standby writes to once its preloading is done (-1: forked, preloaded already)."""
     local_rank: int = -1
     rank: int = -1
     _ready: bool = False
@@ -251,14 +66,21 @@ class Worker:
         return self.proc.poll()
 
     def signal(self, sig: int) -> None:
+        """Signal the worker's process group (a forked worker not yet in a session of its own: the worker)."""
         try:
             os.killpg(self.proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
+        except ProcessLookupError:
+            try:
+                os.kill(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        except PermissionError:
             pass
 
 
 class WorkerGroup:
-    """The local workers of one node. Keeps ``nproc`` warm standbys ready for the next round."""
+    """The local workers of one node, forked from the node's fork server (else ``nproc`` warm standbys kept
+    ready for the next round)."""
 
     def __init__(self, config: WorkerConfig, run_dir: Path, console: BinaryIO | None = None,
                  host: str | None = None) -> None:
@@ -268,6 +90,9 @@ class WorkerGroup:
         self._console = console or sys.stdout.buffer
         self._console_lock = threading.Lock()
         self._standbys: list[Worker] = []
+        self._forks: ForkServer | None = None
+        self._forking = bool(config.preload) and not config.no_python
+        """Whether the workers are forked from a fork server (False for good once one fails)."""
         self.workers: list[Worker] = []
         self._started_at = 0.0
         self.lease_file = ""
@@ -282,7 +107,17 @@ class WorkerGroup:
         """The first failure of the running round (the workers failing after it get a line each)."""
 
     def fill_standbys(self) -> None:
-        """Start standbys until there is one per local worker (call from the main thread)."""
+        """Start the fork server, or standbys until there is one per local worker (call from the main thread)."""
+        if self._forking and self._forks is None:
+            try:
+                self._forks = ForkServer.start(self.config.preload, self._env)
+            except OSError as exc:
+                self._stop_forking(f"cannot start the fork server ({exc})")
+            else:
+                if self.cgroup is not None:
+                    self.cgroup.add(self._forks.pid)  # what it forks is born in the node's cgroup
+        if self._forking:
+            return
         while len(self._standbys) < self.config.nproc_per_node:
             try:
                 self._standbys.append(self._spawn())
@@ -290,8 +125,16 @@ class WorkerGroup:
                 raise WorkerStartError(f"cannot start a worker process ({sys.executable}): {exc}") from exc
 
     def wait_preloaded(self, timeout: float) -> bool:
-        """Start standbys if needed and wait (bounded) until all have imported their preload list."""
+        """Start the fork server or standbys if needed and wait (bounded) until they have imported their preload
+        list."""
         self.fill_standbys()
+        if self._forks is not None:
+            if self._forks.wait_ready(timeout):
+                return True
+            if self._forks.alive:
+                return False
+            self._stop_forking("the fork server died while preloading")
+            self.fill_standbys()
         deadline = time.monotonic() + timeout
         while not all(standby.preloaded() for standby in self._standbys):
             if time.monotonic() > deadline:
@@ -328,29 +171,53 @@ class WorkerGroup:
         pump.start()
         return Worker(proc, pump, ready_read)
 
+    def _stop_forking(self, why: str) -> None:
+        """Start each worker as a standby of its own from now on (the fork server, if any, ends with its
+        processes)."""
+        log.warning(f"convoy agent: {why}; each worker starts as a process of its own")
+        self._forking = False
+        if self._forks is not None:
+            self._forks.close()
+            self._forks = None
+
     def use_cgroup(self, cgroup: NodeCgroup) -> None:
-        """Keep every worker, the standbys already started included, in ``cgroup`` from now on."""
+        """Keep every worker, the fork server and the standbys already started included, in ``cgroup`` from now
+        on."""
         self.cgroup = cgroup
-        for worker in [*self._standbys, *self.workers]:
-            cgroup.add(worker.proc.pid)
+        for pid in [*([self._forks.pid] if self._forks is not None else []),
+                    *(worker.proc.pid for worker in [*self._standbys, *self.workers])]:
+            cgroup.add(pid)
 
     def start(self, round_info: RoundInfo, member: MemberInfo, master_url: str) -> None:
-        """Hand each standby its rank for this round, then warm new standbys for the next one."""
+        """Fork this round's workers (else hand each standby its rank, then warm new standbys for the next one);
+        WorkerStartError where no worker process can be started."""
         self.fill_standbys()
         self._started_at = time.monotonic()
         self.failures.reset()
-        self.workers, self._standbys = self._standbys[: member.nproc], self._standbys[member.nproc :]
+        self.workers = []
         logs = Path(self.config.log_dir) if self.config.log_dir else self.run_dir / "logs"
         log_dir = logs / f"round{round_info.round_id}"
-        for local_rank, worker in enumerate(self.workers):
-            worker.local_rank, worker.rank = local_rank, member.rank_offset + local_rank
-            log_file = log_dir / f"rank{worker.rank}.log"
-            worker.pump.assign(worker.rank, log_file, show=self.config.shows_console(local_rank))
+        envs = []
+        for local_rank in range(member.nproc):
+            log_file = log_dir / f"rank{member.rank_offset + local_rank}.log"
             env = worker_env(round_info, member, local_rank, str(self.run_dir), master_url, str(log_file),
                              self.config.role_name)
             if self.lease_file:
                 env["CONVOY_LEASE"] = self.lease_file
-            env.update(self.agent_env)
+            envs.append({**env, **self.agent_env})
+        if self._forks is not None:
+            try:
+                self.workers = self._fork(envs)
+            except WorkerStartError as exc:
+                self._stop_forking(str(exc))
+                self.fill_standbys()
+        if not self.workers:
+            self.workers, self._standbys = self._standbys[: member.nproc], self._standbys[member.nproc :]
+        for local_rank, (worker, env) in enumerate(zip(self.workers, envs)):
+            worker.local_rank, worker.rank = local_rank, member.rank_offset + local_rank
+            worker.pump.assign(worker.rank, Path(env["CONVOY_LOG_FILE"]), show=self.config.shows_console(local_rank))
+            if isinstance(worker.proc, ForkedProcess):
+                continue
             order = {"env": env, "argv": self._argv(), "entrypoint": self.config.entrypoint,
                      "module": self.config.module, "no_python": self.config.no_python}
             try:
@@ -359,6 +226,27 @@ class WorkerGroup:
                 worker.proc.stdin.close()
             except BrokenPipeError:
                 pass  # the standby died before its order arrived; poll() reports its exit
+
+    def _fork(self, envs: list[dict[str, str]]) -> list[Worker]:
+        """One process per environment from the fork server (each already holds the preloaded modules); where
+        one cannot be forked, those forked before it are killed and WorkerStartError raised."""
+        assert self._forks is not None
+        cgroups = [str(self.cgroup.path)] if self.cgroup is not None else []
+        forked: list[Worker] = []
+        try:
+            for env in envs:
+                proc = self._forks.spawn({**self._env, **env}, self._argv(), self.config.entrypoint,
+                                         self.config.module, cgroups, FORK_READY_S, own_pages=False)
+                pump = LogPump(proc.stdout, self._console, self._console_lock, self.events, self.failures)
+                pump.start()
+                forked.append(Worker(proc, pump, -1, _ready=True))
+        except WorkerStartError:
+            for worker in forked:
+                worker.signal(signal.SIGKILL)
+                worker.proc.wait()
+                worker.pump.join(timeout=2.0)
+            raise
+        return forked
 
     def _argv(self) -> list[str]:
         first = self.config.entrypoint if not self.config.module or self.config.no_python else \
@@ -396,3 +284,6 @@ class WorkerGroup:
             standby.proc.wait()
             standby.release()
         self._standbys = []
+        if self._forks is not None:
+            self._forks.close()
+            self._forks = None

@@ -300,7 +300,7 @@ def test_wire_details_server_header_bearer_case_and_strict_types(master: JobMast
 
 def test_state_and_logs_are_private(master: JobMaster, tmp_path: Path) -> None:
     """Item 5: the state file 0600 (and the run dir 0700); a worker's log 0600 in a 0700 directory."""
-    from convoy.agent.workers import LogPump
+    from convoy.agent.log_pump import LogPump
 
     assert stat.S_IMODE(master.store.path.stat().st_mode) == 0o600
     assert stat.S_IMODE(master.config.run_dir.stat().st_mode) == 0o700

@@ -157,8 +157,8 @@ def test_a_killed_worker_shows_as_a_new_round_within_2_s(job: Job, page: Any) ->
     page.click("#tab-overview")
     assert page.inner_text("#job-round") == "1"
     agent, = [proc for proc in psutil.Process(job.launched.pid).children() if "local1" in proc.cmdline()]
-    workers = sorted((proc for proc in agent.children() if "convoy.agent.standby" in proc.cmdline()),
-                     key=lambda proc: proc.create_time())  # the oldest trains; a newer one waits for the next round
+    workers = [proc for server in agent.children() if "convoy.agent.forkserver" in server.cmdline()
+               for proc in server.children()]  # the node's workers are forked from its fork server
     assert workers, "no worker process found"
     killed = time.monotonic()
     os.kill(workers[0].pid, signal.SIGKILL)
