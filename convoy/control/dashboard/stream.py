@@ -61,7 +61,7 @@ class Broadcaster:
             if len(self._streams) >= self.max_streams:
                 return False
             sock.setblocking(False)
-            stream = Stream(sock, job, every_s, cursor, next_due=time.monotonic() + every_s)
+            stream = Stream(sock, job, every_s, cursor, next_due=_next_tick(time.monotonic(), every_s))
             stream.owed = _message("hello", {"cursor": list(cursor[:2]), "status": cursor[2][0],
                                              "round_id": cursor[2][1]})
             self._streams.append(stream)
@@ -94,19 +94,23 @@ class Broadcaster:
         while not self._stopping.wait(LOOP_S):
             now = time.monotonic()
             probes: dict[str, tuple[Any, ...]] = {}
+            made: dict[tuple[Any, ...], bytes] = {}
             with self._lock:
                 streams = list(self._streams)
             for stream in streams:
                 if now >= stream.next_due and not stream.owed:
-                    stream.next_due = now + stream.every_s
+                    stream.next_due = _next_tick(now, stream.every_s)
                     try:
-                        self._update(stream, probes, now)
+                        self._update(stream, probes, made, now)
                     except Exception as exc:  # noqa: BLE001 (a state file busy or gone for a moment: next look)
                         self.fault = f"{type(exc).__name__}: {exc}"
                 if stream.owed and not self._flush(stream):
                     self._drop(stream)
 
-    def _update(self, stream: Stream, probes: dict[str, tuple[Any, ...]], now: float) -> None:
+    def _update(self, stream: Stream, probes: dict[str, tuple[Any, ...]], made: dict[tuple[Any, ...], bytes],
+                now: float) -> None:
+        """What ``stream`` is owed: one look at its job per pass, and one message per (job, from, to) in a pass,
+        so that pages of the same job at the same refresh (their ticks coincide) cost one query between them."""
         kept = self._kept(stream.job)
         if stream.job not in probes:
             probes[stream.job] = views.probe(kept)
@@ -115,15 +119,21 @@ class Broadcaster:
             if now - stream.last_sent >= KEEPALIVE_S:
                 stream.owed, stream.last_sent = b": keepalive\n\n", now
             return
-        run_dir = self._run_dir_of(stream.job)
-        events_after, points_after = stream.cursor[0], stream.cursor[1]
+        key = (stream.job, stream.cursor, probe)
+        if key not in made:
+            made[key] = self._news(stream.job, kept, stream.cursor, probe)
+        stream.cursor, stream.owed, stream.last_sent = probe, made[key], now
+
+    def _news(self, job: str, kept: Any, cursor: tuple[Any, ...], probe: tuple[Any, ...]) -> bytes:
+        run_dir = self._run_dir_of(job)
+        events_after, points_after = cursor[0], cursor[1]
         news: dict[str, Any] = {"cursor": list(probe[:2]), "status": probe[2][0], "round_id": probe[2][1]}
         if probe[0] != events_after:
             news["events"] = views.events(run_dir, after=events_after, limit=DELTA_EVENTS, kept=kept)["events"]
         if probe[1] != points_after:
             news["series"] = views.metrics(run_dir, after=points_after, upto=probe[1], per_task=DELTA_POINTS,
                                            kept=kept)["series"]
-        stream.cursor, stream.owed, stream.last_sent = probe, _message("update", news), now
+        return _message("update", news)
 
     def _flush(self, stream: Stream) -> bool:
         try:
@@ -141,6 +151,11 @@ class Broadcaster:
                 self._streams.remove(stream)
                 self.dropped += 1
         _close(stream.sock)
+
+
+def _next_tick(now: float, every_s: float) -> float:
+    """The next multiple of ``every_s`` after ``now``: streams of the same refresh are due in the same pass."""
+    return (int(now / every_s) + 1) * every_s
 
 
 def _message(kind: str, data: dict[str, Any]) -> bytes:
