@@ -230,9 +230,13 @@ class TrainMaster:
         self._restart_asked = None
         return []
 
-    def round_started(self, round_id: int) -> None:
-        """A new round: the ranks start again (a pending restart version takes effect as they resume)."""
+    def round_started(self, round_id: int, now: float) -> None:
+        """A new round: the ranks start again (a pending restart version takes effect as they resume). Until a
+        rank reports from it, its progress counts from ``now``: the restart's gap is not steps it ran (counted, the
+        next version's step would be planned seconds too late)."""
         self.restart_due = None
+        for task in self.tasks.values():
+            task.sent_at, task.received = task.point_time, now
         for version in self.history.versions:  # its round resumes with it: a next change may come
             if version.status == PENDING and version.apply == RESTART:
                 version.status = ACTIVE

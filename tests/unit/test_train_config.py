@@ -96,6 +96,14 @@ def test_a_hot_change_is_planned_past_every_ranks_reach() -> None:
         master.set(tp.ConfigSet(values={"lr": 0.01}), now=51.0, at_step=5)
 
 
+def test_a_new_rounds_gap_is_not_counted_as_steps() -> None:
+    master = declared()
+    report(master, 0, 100, now=50.0)
+    master.round_started(2, now=60.0)  # a restart took 10 s: at 0.05 s a step that would be 200 steps
+    version, _ = master.set(tp.ConfigSet(values={"lr": 0.05}), now=60.5)
+    assert 110 + 6 < version.at_step <= 110 + 6 + 2, "0.5 s since the round began, not 10.5 s since the report"
+
+
 def test_ranks_that_switch_at_different_steps_are_reported() -> None:
     master = declared()
     report(master, 0, 10, now=1.0)
@@ -204,7 +212,7 @@ def test_a_divergence_is_proposed_and_its_rollback_restarts_from_a_checkpoint_be
     assert rolled.apply == "restart" and rolled.at_step == 40 and master.restart_due
     assert master.history.number(version.number).status == "reverted"
     assert master.history.effective(45).values["lr"] == 0.1
-    master.round_started(7)
+    master.round_started(7, now=50.0)
     assert master.restore_at_most(7) == 39 and master.restore_at_most(8) is None
     with pytest.raises(ConflictError, match="already applied"):
         master.apply_proposal(kept.id, "ann", now=42.0)
