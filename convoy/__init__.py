@@ -33,8 +33,11 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
+    """A public name's first use imports its module; the name is then kept here (``convoy.report`` is called every
+    step: a module lookup each time would cost the training loop)."""
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        value = globals()[name] = getattr(importlib.import_module(_LAZY[name]), name)
+        return value
     raise AttributeError(f"module 'convoy' has no attribute {name!r}")

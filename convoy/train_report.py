@@ -45,8 +45,8 @@ class Reporter:
         self.points: collections.deque[tp.StatusPoint] = collections.deque()
         self.dropped = 0
         self.parked: int | None = None
-        self.timed = False
-        """Whether a point with a step time was sent at once (the first: the master plans config steps by it)."""
+        self.early = 0
+        """Points sent at once so far (a new process's first two: where it is, and its pace)."""
         self.refused = ""
         self._wake = threading.Event()
         self._sent = threading.Event()
@@ -132,8 +132,8 @@ def report(step: int, loss: Any = None, *, samples: int | None = None, grad_norm
         _reporter.add(point)
         if _urgent(point.loss):  # the rules judge it soon: a diverging run must be caught within a few steps
             _reporter.wake()
-        elif step_time is not None and not _reporter.timed:  # the master learns this process's pace at once
-            _reporter.timed = True
+        elif _reporter.early < 2:  # the first two points go at once: the master plans config steps by them
+            _reporter.early += 1
             _reporter.wake()
     live = _live_config()
     if live is not None:

@@ -290,7 +290,7 @@ class JobMaster(RoleCalls, TrainCalls):
         return "ready" if membership.member(req.node_id) else "rejoin"
 
     def _round_info(self, membership: Membership) -> p.RoundInfo:
-        self._train_round_seen(time.monotonic())  # a rollback's round restores at most its step from its first member on
+        self._train_round_seen()  # a rollback's round restores at most its step from its first member on
         members = [p.MemberInfo(**vars(m)) for m in membership.members]
         return p.RoundInfo(
             job_id=self.job.job_id, round_id=membership.round_id, members=members,

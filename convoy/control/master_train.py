@@ -139,19 +139,19 @@ class TrainCalls:
 
     def _train_advance(self, now: float) -> list[Event]:
         """Open the round a restart version waits for; tell the manager when a new round has begun."""
-        self._train_round_seen(now)
+        self._train_round_seen()
         events = self.train.tick(now, self._expected_ranks())
         if self.train.restart_due is not None:
             events += self.job.reconfigure(self.train.restart_due, now)
             self.train.restart_due = None
         return events
 
-    def _train_round_seen(self, now: float) -> None:
+    def _train_round_seen(self) -> None:
         """Tell the training master once that a new round has begun: at the next tick, or sooner, when the first
         member asks for the round's info (which carries the step a rollback restores at most)."""
         if self.job.round_id != self._train_round:
             self._train_round = self.job.round_id
-            self.train.round_started(self.job.round_id, now)
+            self.train.round_started(self.job.round_id)
 
     def _train_failed(self, now: float) -> list[Event]:
         """A worker failed: revert a config that was not trusted yet (before the restart reads it)."""

@@ -43,12 +43,15 @@ class TaskState:
     received: float = 0.0
     step_time_s: float = 0.0
     parked: int | None = None
+    stale: bool = False
+    """Of a round before the current one: the process now starting in its place resumes at about ``step``."""
 
     def estimated_step(self, now: float) -> float:
-        """The step this rank is at ``now`` (master's monotonic clock), extrapolated from its last report."""
+        """The step this rank is at ``now`` (master's monotonic clock), extrapolated from its last report (not
+        past it while its successor of a new round has not reported: that one sends its first point at once)."""
         if self.step < 0:
             return 0.0
-        if self.step_time_s <= 0:
+        if self.step_time_s <= 0 or self.stale:
             return float(self.step)
         since = max(0.0, self.sent_at - self.point_time) + max(0.0, now - self.received)
         return self.step + since / self.step_time_s
@@ -230,13 +233,13 @@ class TrainMaster:
         self._restart_asked = None
         return []
 
-    def round_started(self, round_id: int, now: float) -> None:
+    def round_started(self, round_id: int) -> None:
         """A new round: the ranks start again (a pending restart version takes effect as they resume). Until a
-        rank reports from it, its progress counts from ``now``: the restart's gap is not steps it ran (counted, the
-        next version's step would be planned seconds too late)."""
+        rank reports from it, it is taken to be where it resumes: the restart's gap is not steps it ran (counted,
+        the next version's step would be planned seconds too late)."""
         self.restart_due = None
         for task in self.tasks.values():
-            task.sent_at, task.received = task.point_time, now
+            task.stale = True
         for version in self.history.versions:  # its round resumes with it: a next change may come
             if version.status == PENDING and version.apply == RESTART:
                 version.status = ACTIVE

@@ -99,9 +99,12 @@ def test_a_hot_change_is_planned_past_every_ranks_reach() -> None:
 def test_a_new_rounds_gap_is_not_counted_as_steps() -> None:
     master = declared()
     report(master, 0, 100, now=50.0)
-    master.round_started(2, now=60.0)  # a restart took 10 s: at 0.05 s a step that would be 200 steps
-    version, _ = master.set(tp.ConfigSet(values={"lr": 0.05}), now=60.5)
-    assert 110 + 6 < version.at_step <= 110 + 6 + 2, "0.5 s since the round began, not 10.5 s since the report"
+    master.round_started(2)  # a restart that takes 10 s: at 0.05 s a step that would be 200 steps
+    version, _ = master.set(tp.ConfigSet(values={"lr": 0.05}), now=60.0)
+    assert 100 + 6 < version.at_step <= 100 + 6 + 2, "where the rank resumes, plus the push's reach"
+    report(master, 0, 101, now=61.0, incarnation=2)  # its successor's first point
+    version, _ = master.set(tp.ConfigSet(values={"lr": 0.06}), now=62.0)
+    assert 121 + 6 < version.at_step <= 121 + 6 + 2, "from the new round's report on, its pace counts again"
 
 
 def test_ranks_that_switch_at_different_steps_are_reported() -> None:
@@ -212,7 +215,7 @@ def test_a_divergence_is_proposed_and_its_rollback_restarts_from_a_checkpoint_be
     assert rolled.apply == "restart" and rolled.at_step == 40 and master.restart_due
     assert master.history.number(version.number).status == "reverted"
     assert master.history.effective(45).values["lr"] == 0.1
-    master.round_started(7, now=50.0)
+    master.round_started(7)
     assert master.restore_at_most(7) == 39 and master.restore_at_most(8) is None
     with pytest.raises(ConflictError, match="already applied"):
         master.apply_proposal(kept.id, "ann", now=42.0)
