@@ -3,11 +3,11 @@
 Measures (1) the time from the command to the first step finished by all ranks, (2) the time
 from SIGKILL of a worker to the next step finished by all ranks of the restarted workers, and
 (3) memory while training: the whole process tree of the node (the launcher and every descendant:
-convoy's launcher with its master, agent, workers and standbys; torchrun's agent and workers) as
+convoy's launcher with its master, agent, fork server and workers; torchrun's agent and workers) as
 summed USS, and PSS, max over the samples taken before each kill, beside the old per-process RSS
-of convoy's launcher, agent and standalone master and of torchrun's agent. A standby is a worker
-process convoy starts ahead of need that has imported torch; the tree counts its memory, and the
-output relates it to what it buys: a restart that skips the import (timed here in a fresh process).
+of convoy's launcher, agent and standalone master and of torchrun's agent. The fork server is the process
+convoy starts ahead of need that has imported torch, and forks the workers from; the tree counts its memory,
+and the output relates it to what it buys: a restart that skips the import (timed here in a fresh process).
 
 torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1. With its default (the agent hosts one
 TCPStore for every rendezvous round), a restarted worker group often fails: the workers' gloo
@@ -221,9 +221,9 @@ def main() -> int:
     uss = {k: t.uss if t else None for k, t in trees.items()}
     print(f"{'tree USS (MB, max while training)':<34}{fmt(uss['convoy'], 0):>10}{fmt(uss['torchrun'], 0):>10}"
           f"{fmt(ratio(uss['convoy'], uss['torchrun'])):>8}")
+    order = ["launcher + master", "torchrun (agent)", "agent", "workers", "fork server", "standbys"]
     parts = sorted({part for t in trees.values() if t for part in t.parts},
-                   key=lambda p: ["launcher + master", "torchrun (agent)", "agent", "workers", "standbys"].index(p)
-                   if p != "other" else 9)
+                   key=lambda p: order.index(p) if p != "other" else 9)
     for part in parts:
         cells = []
         for tree in trees.values():
@@ -246,14 +246,16 @@ def main() -> int:
 
     print("\nUSS counts the pages only that process maps, summed over the launcher and every descendant (RSS would")
     print("count torch's shared libraries once per process); PSS splits each shared page among its mappers.")
-    standbys = trees["convoy"].parts.get("standbys", []) if trees["convoy"] else []
-    if standbys:
-        print(f"convoy's {len(standbys)} standbys hold {sum(standbys):.0f} MB USS of that tree: each is a started "
-              f"interpreter that has imported {', '.join(DEFAULT_PRELOAD)} (a fresh process takes {fmt(preload_s)} s "
-              "to import them here),")
-        print("so a restart gives the dead group's ranks to processes that skip that import; torchrun starts new")
-        print(f"interpreters, and its recovery ({fmt(rec_med['torchrun'])} s) includes the import that convoy's "
-              f"({fmt(rec_med['convoy'])} s) does not.")
+    ahead = [(part, trees["convoy"].parts.get(part, [])) for part in ("fork server", "standbys")] if trees["convoy"] \
+        else []
+    for part, sizes in ahead:
+        if sizes:
+            print(f"convoy's {part} ({len(sizes)}) hold{'s' if len(sizes) == 1 else ''} {sum(sizes):.0f} MB USS of "
+                  f"that tree: an interpreter that has imported {', '.join(DEFAULT_PRELOAD)} (a fresh process takes "
+                  f"{fmt(preload_s)} s to import them here),")
+            print("so a restart's ranks start in processes that skip that import; torchrun starts new")
+            print(f"interpreters, and its recovery ({fmt(rec_med['torchrun'])} s) includes the import that convoy's "
+                  f"({fmt(rec_med['convoy'])} s) does not.")
     shared = recovery.get("torchrun-shared")
     if shared is not None:
         print(f"torchrun, shared store (its default): {rec_ok['torchrun-shared']} recovered, median "

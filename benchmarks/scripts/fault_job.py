@@ -22,6 +22,7 @@ from typing import TypeVar
 
 import psutil
 from steplog import StepLog
+from warm import agent_is_warm
 
 TRAIN = Path(__file__).resolve().parent / "fault_train.py"
 TAG_VAR = "CONVOY_FAULTS_TAG"
@@ -88,14 +89,6 @@ def master_serving(url: str, token: str, timeout_s: float = 0.5) -> bool:
         conn.close()
 
 
-def blocked_on_pipe(proc: psutil.Process) -> bool:
-    """A standby that has finished preloading sits in read(2) on its stdin pipe, waiting for its rank."""
-    try:
-        return "pipe_read" in Path(f"/proc/{proc.pid}/wchan").read_text()
-    except OSError:
-        return False
-
-
 class Job:
     """One job in its own directory; subclasses start it. ``stop()`` ends every process it started."""
 
@@ -146,16 +139,10 @@ class Job:
         return next((str(node_id) for rank, node_id, _host, _nproc in members if rank == node_rank), None)
 
     def standbys_warm(self) -> bool:
-        """Every agent holds a preloaded standby beside its running workers."""
+        """Every agent can start its next workers without an import (its fork server, or a standby, is warm)."""
         workers = {s.pid for s in self.steps.current().values()}
-        for agent in self.agents():
-            try:
-                standbys = [c for c in agent.children() if c.pid not in workers]
-            except psutil.Error:
-                return False
-            if not standbys or not all(blocked_on_pipe(c) for c in standbys):
-                return False
-        return bool(self.agents())
+        agents = self.agents()
+        return bool(agents) and all(agent_is_warm(agent, workers, 1) for agent in agents)
 
     def ready(self, settle_s: float, warm: bool) -> bool:
         """Every rank has trained ``settle_s`` with its current worker (and, if asked, standbys are warm)."""

@@ -13,6 +13,7 @@ from typing import Callable, TypeVar
 
 import psutil
 from steplog import StepLog
+from warm import agent_is_warm
 
 SCRIPT = Path(__file__).resolve().parent / "ddp_steps.py"
 NPROC = 2
@@ -114,16 +115,8 @@ def wait_for(job: Job, probe: Callable[[], T | None], timeout_s: float) -> T | N
     return None
 
 
-def _blocked_on_pipe(proc: psutil.Process) -> bool:
-    """A standby that has finished preloading sits in read(2) on its stdin pipe, waiting for its rank."""
-    try:
-        return "pipe_read" in Path(f"/proc/{proc.pid}/wchan").read_text()
-    except OSError:
-        return False
-
-
 def ready_to_kill(job: Job, settle_s: float) -> bool:
-    """Every rank has trained ``settle_s`` in this round and (convoy) the agent's standbys are warm."""
+    """Every rank has trained ``settle_s`` in this round and (convoy) the agent can start the next without an import."""
     current = job.steps.current()
     if len(current) < NPROC:
         return False
@@ -134,11 +127,4 @@ def ready_to_kill(job: Job, settle_s: float) -> bool:
     if job.launcher != "convoy":
         return True
     workers = {s.pid for s in current.values()}
-    for agent in job.agents():
-        try:
-            standbys = [c for c in agent.children() if c.pid not in workers]
-        except psutil.Error:
-            return False
-        if len(standbys) < NPROC or not all(_blocked_on_pipe(c) for c in standbys):
-            return False
-    return True
+    return all(agent_is_warm(agent, workers, NPROC) for agent in job.agents())

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psutil
 from launch_jobs import LAUNCHERS, MB, Job
+from warm import FORK_SERVER
 
 def rss_mb(proc: psutil.Process) -> float | None:
     try:
@@ -50,8 +51,8 @@ def _tree_part(job: Job, proc: psutil.Process, workers: set[int], agents: set[in
         return "agent"
     if proc.pid in workers:
         return "workers"
-    if proc.ppid() in agents:
-        return "standbys"  # a child of convoy's agent that trains no rank is waiting for one
+    if proc.ppid() in agents:  # a child of convoy's agent that trains no rank: what the next workers start from
+        return "fork server" if FORK_SERVER in " ".join(proc.cmdline()) else "standbys"
     return "other"
 
 
