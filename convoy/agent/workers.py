@@ -133,7 +133,7 @@ class WorkerGroup:
                 return True
             if self._forks.alive:
                 return False
-            self._stop_forking("the fork server died while preloading")
+            self._stop_forking("the fork server is gone")
             self.fill_standbys()
         deadline = time.monotonic() + timeout
         while not all(standby.preloaded() for standby in self._standbys):
