@@ -1,5 +1,5 @@
-"""The dashboard's metric series: every rank's points in step order, thinned to a bound per rank (every k-th
-point and the last), bounded by row ids, with non-finite losses as gaps."""
+"""The dashboard's metric series: every rank's points in step order, thinned to about a bound per rank (every
+k-th step, and its newest point), bounded by row ids, with non-finite losses as gaps."""
 
 from __future__ import annotations
 
@@ -28,8 +28,10 @@ def test_every_rank_is_thinned_to_its_bound_with_its_last_point(tmp_path: Path) 
     got = views.metrics(tmp_path, per_task=100)
     assert sorted(got["series"]) == ["a:0", "a:1", "a:2"]
     first = got["series"]["a:0"]
-    assert len(first["step"]) <= 101 and first["step"][-1] == 999, "every 11th point of 1001, and the last"
-    assert first["step"][:3] == [0, 10, 21], "every 11th point in step order (step 5 is there twice)"
+    assert first["step"][:4] == [0, 5, 10, 20], "every 10th of 1000 steps, and the newest point (step 5 again)"
+    assert len(first["step"]) == 101 and first["step"][-1] == 990
+    second = got["series"]["a:1"]["step"]
+    assert len(second) == 101 and second[-2:] == [990, 998], "its newest point is kept"
     assert got["series"]["a:2"]["step"] == list(range(7)), "a rank under the bound keeps all its points"
     assert got["series"]["a:2"]["loss"][3] is None, "a nan loss is a gap"
     assert got["last_id"] == 1000 + 999 + 7 + 1
