@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, BinaryIO
 from convoy import log
 from convoy.agent.env import spawn_env, worker_env
 from convoy.agent.forked import ForkedProcess, ForkServer
-from convoy.agent.reap import NodeCgroup
 from convoy.agent.log_pump import Failures, LogPump
+from convoy.agent.reap import NodeCgroup
 from convoy.config import WorkerConfig
 from convoy.errors import WorkerStartError
 from convoy.procs import die_with_parent
