@@ -11,7 +11,8 @@
    refresh 0.25 s; the report's own batching, FLUSH_S = 0.5 s, is inside the measurement).
 3. A finished job of 10,000 events and 100,000 metric points (a synthetic state file, served by ``convoy
    dashboard``): page load to first paint, and to the job's data drawn.
-Ray's dashboard is measured in the same run only when ``ray`` is installed.
+Ray's dashboard (``scripts/ray_dashboard.py``) is measured in the same run when a ``ray`` executable is given
+(``--ray``, default: ray on PATH).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import sqlite3
 import statistics
@@ -32,6 +34,9 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+import ray_dashboard  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -215,6 +220,10 @@ def big_job(playwright, work: Path, runs: int) -> tuple[list[float], list[float]
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="shorter windows, fewer page loads")
+    on_path = shutil.which("ray")
+    parser.add_argument("--ray", type=Path, default=Path(on_path) if on_path else None,
+                        help="the ray executable of an environment with ray[default], to measure Ray's dashboard "
+                        "in the same run (default: ray on PATH)")
     args = parser.parse_args()
     window_s, runs, pairs = (5.0, 3, 2) if args.quick else (10.0, 5, 4)
     from playwright.sync_api import sync_playwright
@@ -223,6 +232,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="convoy-dash-bench-") as tmp, sync_playwright() as playwright:
         live = live_job(playwright, Path(tmp), window_s, pairs)
         paints, ready = big_job(playwright, Path(tmp), runs)
+        peer = ray_dashboard.measure(args.ray, playwright, CHROMIUM, window_s) if args.ray else \
+            "not measured: no ray executable (give --ray PATH of an environment with ray[default])"
     added_rss = imported + max(0.0, live["rss_with"] - live["rss_before"])
     added_cpu = statistics.median(with_pages - before for before, with_pages in live["cpu_pairs"])
     print(f"4-rank job, master process, {pairs} pairs of {window_s:.0f} s windows, alternating (pages away, pages on)")
@@ -232,7 +243,13 @@ def main() -> None:
     print(f"  {'no page open':38} {live['rss_before']:9.1f} {live['cpu_before']:16.2f}")
     print(f"  {'3 browser contexts, 1 s refresh':38} {live['rss_with']:9.1f} {live['cpu_with']:16.2f}")
     print(f"  importing the dashboard's modules: {imported:.1f} MiB")
-    print("  ray's dashboard: not measured (ray is not installed in this venv; `import ray` fails)")
+    if isinstance(peer, str):
+        print(f"  Ray's dashboard: {peer}")
+    else:
+        print(f"  Ray's dashboard ({peer['version']}, `ray start --head`, one node; {peer['processes']:.0f} "
+              f"processes): RSS {peer['rss_idle']:.0f} MiB (USS {peer['uss_idle']:.0f}) idle, CPU "
+              f"{peer['cpu_idle']:.2f}% of a core; with 3 browser contexts on its overview: RSS "
+              f"{peer['rss_pages']:.0f} MiB (USS {peer['uss_pages']:.0f}), CPU {peer['cpu_pages']:.2f}%")
     print(f"report -> point drawn in the page: {live['points']:.0f} points, p50 {live['p50'] * 1000:.0f} ms, "
           f"p95 {live['p95'] * 1000:.0f} ms (includes convoy.report's 0.5 s batching and the 0.25 s refresh)")
     print(f"10,000 events + 100,000 points, {len(ready)} page loads: first paint median "
@@ -240,7 +257,9 @@ def main() -> None:
           f"max {max(ready) * 1000:.0f} ms")
     print()
     verdict = lambda ok: "met" if ok else "missed"  # noqa: E731
-    print(f"target dashboard RSS added to the master: {added_rss:.1f} MiB (goal <= 30 MB) {verdict(added_rss <= 28.6)}")
+    beside = "" if isinstance(peer, str) else f"; Ray's dashboard processes: {peer['rss_pages']:.0f} MiB RSS"
+    print(f"target dashboard RSS added to the master: {added_rss:.1f} MiB (goal <= 30 MB{beside}) "
+          f"{verdict(added_rss <= 28.6)}")
     print(f"target dashboard CPU with 3 browsers at 1 s: {added_cpu:.2f}% of a core, the median of the pairs' "
           f"differences (goal <= 2%) "
           f"{verdict(added_cpu <= 2.0)}")
