@@ -37,8 +37,8 @@ def add_worker_options(parser: Options) -> None:
     parser.add_argument("--stop-grace", type=float, default=_WORKERS.stop_grace_s,
                         help="seconds from SIGTERM to SIGKILL (default %(default)s)")
     parser.add_argument("--preload", default=",".join(_WORKERS.preload),
-                        help="comma-separated modules standby workers import ahead of time ('' for none; "
-                             "default %(default)s)")
+                        help="comma-separated modules the node's fork server imports before it forks the workers "
+                             "('' for none: each worker then starts as a process of its own; default %(default)s)")
     parser.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")
     parser.add_argument("--no-python", action="store_true", help="run SCRIPT as an executable, not with python")
     parser.add_argument("--role-name", default=_WORKERS.role_name, help="the workers' ROLE_NAME (torchrun's --role)")

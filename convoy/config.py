@@ -129,7 +129,8 @@ class WorkerConfig:
     master_port: int = 0
     """MASTER_PORT of the first round, if free then (0: a free one; every later round takes a fresh one)."""
     preload: tuple[str, ...] = DEFAULT_PRELOAD
-    """Modules a standby worker imports before it is given a rank (empty: none).
+    """Modules the node's fork server imports before it forks the workers (empty: none; each worker is then a
+    standby of its own, a fresh interpreter).
 
     torch._dynamo is in the default because DistributedDataParallel imports it on construction, and that
     import is one of the slowest parts of a worker's start.

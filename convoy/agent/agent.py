@@ -98,8 +98,8 @@ class Agent:
     def _rendezvous(self) -> p.RoundInfo | None:
         """Join and wait for the round to close; None when the job has ended.
 
-        The node joins once its standbys are warm, so a round never waits on a cold import
-        of another node's workers (a node that joins a running job costs it no idle time).
+        The node joins once its fork server (or its standbys) has preloaded, so a round never waits on a cold
+        import of another node's workers (a node that joins a running job costs it no idle time).
         """
         if not self.config.roles:
             self.group.wait_preloaded(PRELOAD_WAIT_S)
@@ -185,7 +185,7 @@ class Agent:
         nodes (the roles share no torch.distributed world): on a new one (a node lost or added) the node joins
         it and its processes go on."""
         self._release_port()
-        self.group.close()  # no worker per local rank: the standbys are not needed
+        self.group.close()  # no worker per local rank: the workers' fork server is not needed
         self._start_fork_server(self._job_id)
         context = JobContext(self._job_id, self.config.node_id, self.config.host, self.config.run_dir, self.master_url,
                              self.local_api.env())
