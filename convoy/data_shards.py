@@ -9,7 +9,6 @@ dataset, so the script runs unchanged.
 
 from __future__ import annotations
 
-import http.client
 import json
 import math
 import os
@@ -27,6 +26,7 @@ from convoy.control.shard_master import ShardMaster
 from convoy.control.shards import Dataset
 from convoy.control.shards import Shard as QueueShard
 from convoy.errors import ConfigError, ConvoyError, MasterUnreachableError
+from convoy.local_http import Connection
 from convoy.role_env import DEFAULT_ROLE, role
 
 AGENT_URL_ENV, AGENT_TOKEN_ENV = "CONVOY_AGENT_URL", "CONVOY_AGENT_TOKEN"
@@ -65,7 +65,7 @@ class AgentBackend:
             raise ConfigError(f"{AGENT_URL_ENV}={url!r} is not http://HOST:PORT; start the script with convoy")
         self.host, self.port, self.token = parsed.hostname, parsed.port, token
         self.unreachable_s, self.call_timeout_s = unreachable_s, call_timeout_s
-        self._conn: http.client.HTTPConnection | None = None
+        self._conn = Connection(self.host, self.port, call_timeout_s)
 
     def call(self, path: str, request: BaseModel, reply: type[Reply]) -> Reply | str:
         body = request.model_dump_json().encode()
@@ -73,9 +73,8 @@ class AgentBackend:
         deadline, backoff = time.monotonic() + self.unreachable_s, WAIT_FIRST_S
         while True:
             try:
-                status, data = self._post(f"/v1{path}", body, headers)
-            except (OSError, http.client.HTTPException) as exc:
-                self._close()
+                status, data = self._conn.post(f"/v1{path}", body, headers)
+            except OSError as exc:  # the connection is closed; the next try opens another
                 status, data = 0, str(exc).encode()
             if status == 200:
                 return reply.model_validate_json(data)
@@ -87,18 +86,6 @@ class AgentBackend:
                     f"{_error_text(data)}")
             time.sleep(backoff)
             backoff = min(backoff * 2, WAIT_MOST_S)
-
-    def _post(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
-        if self._conn is None:
-            self._conn = http.client.HTTPConnection(self.host, self.port, timeout=self.call_timeout_s)
-        self._conn.request("POST", path, body=body, headers=headers)
-        response = self._conn.getresponse()
-        return response.status, response.read()
-
-    def _close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
 
 
 @dataclass

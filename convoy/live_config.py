@@ -10,8 +10,9 @@
         ...                                 # read cfg.lr, cfg.batch_size
         convoy.report(step, loss=loss)      # a hot change lands in cfg here, at the same step on every rank
 
-The master keeps the versions; each node's agent writes them to a file of the run dir, which ``report`` looks
-at (one ``stat``) after every step. A hot version is set on ``cfg`` at the boundary before its first step; a
+The master keeps the versions; each node's agent writes them to a file of the run dir and then bumps a counter
+beside it, which ``report`` reads after every step from a shared mapping (no system call: the file is read only
+when the counter moved). A hot version is set on ``cfg`` at the boundary before its first step; a
 restart version parks the rank after the step before it until the agent restarts the round, whose processes
 resume from their Checkpointer with the new values. Outside convoy the script gets its defaults.
 """
@@ -19,6 +20,7 @@ resume from their Checkpointer with the new values. Outside convoy the script ge
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import os
 import re
 import sys
@@ -75,11 +77,42 @@ def config_file(run_dir: Path | str, node_id: str) -> Path:
 
 
 def write_config(path: Path, state: tp.ConfigState) -> None:
-    """Replace the file at once (a reader sees the old whole file or the new one)."""
+    """Replace the file at once (a reader sees the old whole file or the new one), then bump its counter."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     partial.write_text(state.model_dump_json())
     os.replace(partial, path)
+    fd = os.open(generation_file(path), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        now = int.from_bytes(os.pread(fd, GENERATION_BYTES, 0).ljust(GENERATION_BYTES, b"\0"), "little")
+        os.pwrite(fd, ((now + 1) % 2**64).to_bytes(GENERATION_BYTES, "little"), 0)
+    finally:
+        os.close(fd)
+
+
+GENERATION_BYTES = 8
+
+
+def generation_file(path: Path) -> Path:
+    """The counter the agent bumps after each write of the config file ``path``."""
+    return path.with_name(f"{path.name}.gen")
+
+
+class Generation:
+    """A rank's read-only mapping of a config file's counter: one memory read tells whether the file changed."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size < GENERATION_BYTES:  # the agent has not written yet; its pwrite keeps the size
+                os.ftruncate(fd, GENERATION_BYTES)
+            self._map = mmap.mmap(fd, GENERATION_BYTES, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+
+    def read(self) -> bytes:
+        return self._map[:GENERATION_BYTES]
 
 
 def effective(versions: list[tp.VersionInfo], step: int) -> tp.VersionInfo | None:
@@ -101,6 +134,14 @@ class LiveConfig:
         self._first: str | None = None
         """The version set at the start: its first step is the first one this rank finishes."""
         self._seen: tuple[int, int] | None = None
+        self._generation: Generation | None = None
+        self._generation_seen = b""
+        if path is not None:
+            try:
+                self._generation = Generation(generation_file(path))
+            except (OSError, ValueError) as exc:  # a read-only run dir: look at the file itself after each step
+                print(f"convoy: cannot map the training config's counter beside {path} ({exc}); checking the file "
+                      "after every step", file=sys.stderr, flush=True)
 
     def seek(self, step: int) -> None:
         """Set the values of the version ``step`` runs with (at the start, or after a restore)."""
@@ -142,12 +183,17 @@ class LiveConfig:
     def _refresh(self) -> None:
         if self.path is None:
             return
+        generation = self._generation.read() if self._generation is not None else b""
+        if generation and generation == self._generation_seen:
+            return
         try:
             stat = self.path.stat()
-        except FileNotFoundError:
+        except FileNotFoundError:  # none written yet as of this count (the agent writes the file, then counts)
+            self._generation_seen = generation
             return
         seen = (stat.st_mtime_ns, stat.st_size)
         if seen == self._seen:
+            self._generation_seen = generation
             return
         try:
             state = tp.ConfigState.model_validate_json(self.path.read_bytes())
@@ -155,7 +201,7 @@ class LiveConfig:
             print(f"convoy: cannot read the training config {self.path}: {exc}; keeping the one in use",
                   file=sys.stderr, flush=True)
             return
-        self._seen = seen
+        self._seen, self._generation_seen = seen, generation
         self.versions = list(state.versions)
 
     def take_switched(self) -> dict[str, int]:

@@ -15,7 +15,6 @@ import os
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from convoy.agent_link import Link, link
@@ -42,12 +41,16 @@ class Reporter:
         self.link = where
         self.backend = type(where.backend)(f"http://{where.backend.host}:{where.backend.port}", where.backend.token,
                                            unreachable_s=SEND_TIMEOUT_S, call_timeout_s=SEND_TIMEOUT_S)
-        self.points: collections.deque[tp.StatusPoint] = collections.deque()
+        self.points: collections.deque[Point] = collections.deque()
+        """What ``report`` recorded: plain tuples (the training thread builds no model); the sender makes them
+        StatusPoints."""
         self.dropped = 0
         self.parked: int | None = None
         self.early = 0
         """Points sent at once so far (a new process's first two: where it is, and its pace)."""
         self.refused = ""
+        self.sends = 0
+        """Reports sent (or tried): the sender's cost is per send, spread over the steps each one carries."""
         self._wake = threading.Event()
         self._sent = threading.Event()
         self._last: float | None = None
@@ -55,7 +58,7 @@ class Reporter:
         self._thread.start()
         atexit.register(self.flush, EXIT_FLUSH_S)  # a script that ends (or raises) sends its last steps
 
-    def add(self, point: tp.StatusPoint) -> None:
+    def add(self, point: Point) -> None:
         if len(self.points) >= MAX_BUFFER:
             self.points.popleft()
             self.dropped += 1
@@ -72,7 +75,7 @@ class Reporter:
             self.points.clear()
             self._sent.set()
             return
-        taken = [self.points.popleft() for _ in range(min(len(self.points), tp.MAX_POINTS))]
+        taken = [_status_point(self.points.popleft()) for _ in range(min(len(self.points), tp.MAX_POINTS))]
         live = _live_config()
         switched = live.take_switched() if live is not None else {}
         if not taken and not switched and self.parked is None:
@@ -80,13 +83,14 @@ class Reporter:
             return
         if taken:
             taken[-1].memory_bytes = _rss()
+        self.sends += 1
         dropped, self.dropped = self.dropped, 0
         report = tp.StatusReport(**self.link.task, sent_at=time.time(), points=taken, dropped=dropped,
                                  switched=switched, parked=self.parked)
         try:
             answer = self.backend.call("/train/report", report, tp.StatusAck)
         except ConvoyError:  # the agent or master is slow or gone: these points go with the next send
-            self.points.extendleft(reversed(taken))
+            self.points.extendleft(reversed([_point_tuple(point) for point in taken]))
             self.dropped += dropped
             if live is not None:
                 live.switched = switched | live.switched
@@ -124,23 +128,40 @@ def report(step: int, loss: Any = None, *, samples: int | None = None, grad_norm
     if where is not None:
         if _reporter is None:
             _reporter = Reporter(where)
+        if type(step) is not int or not 0 <= step <= MAX_STEP:  # noqa: E721 (a bool is no step)
+            raise ConfigError(f"convoy.report: step={step!r} is not a whole number from 0 to 2**62")
         step_time = now - _last_report if _last_report is not None else None
-        point = tp.StatusPoint(step=step, time=time.time(), loss=_number(loss, "loss"), step_time_s=step_time,
-                               samples_per_s=samples / step_time if samples and step_time else None,
-                               grad_norm=_number(grad_norm, "grad_norm"),
-                               metrics=_metrics(metrics))
-        _reporter.add(point)
-        if _urgent(point.loss):  # the rules judge it soon: a diverging run must be caught within a few steps
+        value = _number(loss, "loss")
+        speed = samples / step_time if samples and step_time else None
+        _reporter.add((step, time.time(), value, step_time, speed, _number(grad_norm, "grad_norm"),
+                       _metrics(metrics) if metrics else None))
+        if _urgent(value):  # the rules judge it soon: a diverging run must be caught within a few steps
             _reporter.wake()
         elif _reporter.early < 2:  # the first two points go at once: the master plans config steps by them
             _reporter.early += 1
             _reporter.wake()
-    live = _live_config()
+    live = current()
     if live is not None:
         due = live.boundary(step)
         if due is not None and _reporter is not None:
             _park(_reporter, step, due)
     _last_report = time.monotonic()
+
+
+Point = tuple[int, float, "float | None", "float | None", "float | None", "float | None", "dict[str, float] | None"]
+"""One ``report``: step, wall time, loss, step time, samples per second, gradient norm, other metrics."""
+MAX_STEP = 2**62
+
+
+def _status_point(point: Point) -> tp.StatusPoint:
+    step, at, loss, step_time, speed, grad_norm, metrics = point
+    return tp.StatusPoint(step=step, time=at, loss=loss, step_time_s=step_time, samples_per_s=speed,
+                          grad_norm=grad_norm, metrics=metrics or {})
+
+
+def _point_tuple(point: tp.StatusPoint) -> Point:
+    return (point.step, point.time, point.loss, point.step_time_s, point.samples_per_s, point.grad_norm,
+            point.metrics or None)
 
 
 def _park(reporter: Reporter, step: int, due: tp.VersionInfo) -> None:
@@ -192,12 +213,22 @@ def _urgent(loss: float | None) -> bool:
 
 
 def _metrics(given: dict[str, Any]) -> dict[str, float]:
+    if len(given) > tp.MAX_METRICS:
+        raise ConfigError(f"convoy.report: {len(given)} metrics given; at most {tp.MAX_METRICS} are kept per step")
+    long = [name for name in given if len(name) > tp.MAX_METRIC_NAME]
+    if long:
+        raise ConfigError(f"convoy.report: the metric name {long[0][:80]!r}... is over {tp.MAX_METRIC_NAME} "
+                          "characters")
     numbers = {name: _number(value, name) for name, value in given.items()}
     return {name: number for name, number in numbers.items() if number is not None}
 
 
 def _rss() -> int | None:
     try:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * _PAGE
+        fd = os.open("/proc/self/statm", os.O_RDONLY)
+        try:
+            return int(os.read(fd, 256).split()[1]) * _PAGE
+        finally:
+            os.close(fd)
     except (OSError, ValueError, IndexError):
         return None

@@ -76,6 +76,7 @@ def main() -> None:
     square = torch.randn(COMPUTE_N, COMPUTE_N, generator=torch.Generator().manual_seed(7)) / COMPUTE_N
     product = torch.empty_like(square)
     in_report: list[float] = []
+    in_report_cpu: list[float] = []
     began = time.perf_counter()
     step = start
     while step < cfg.steps and not (args.max_steps and step >= args.max_steps):
@@ -101,15 +102,17 @@ def main() -> None:
             log.write(f"{step} {cfg.lr!r} {cfg.batch_size} {value!r} {ctx.round_id} {started!r}\n")
             log.flush()
         if args.report == "on":
-            before = time.perf_counter()
+            before, before_cpu = time.perf_counter(), time.thread_time()
             convoy.report(step, loss=value if math.isfinite(value) else float("nan"), samples=cfg.batch_size)
             in_report.append(time.perf_counter() - before)
+            in_report_cpu.append(time.thread_time() - before_cpu)
         if args.step_time:
             time.sleep(args.step_time)
         step += 1
     wall = time.perf_counter() - began
     if args.stats:
         stats = {"rank": ctx.rank, "steps": step - start, "wall_s": wall, "in_report_s": in_report,
+                 "in_report_cpu_s": in_report_cpu,
                  "sender": sender_cpu(), "train_cpu_s": time.thread_time()}
         Path(args.stats, f"rank{ctx.rank}.json").write_text(json.dumps(stats))
     ckpt.close()

@@ -17,6 +17,7 @@ ConfigValue = Union[bool, int, float, Annotated[str, Field(max_length=4096)]]
 MAX_POINTS = 2000
 """Points in one report; a worker that has more (the agent was slow) sends the newest and counts the rest."""
 MAX_METRICS = 32
+MAX_METRIC_NAME = 64
 
 
 class Task(BaseModel):
@@ -42,7 +43,8 @@ class StatusPoint(BaseModel):
     samples_per_s: Optional[float] = Field(default=None, ge=0)
     memory_bytes: Optional[int] = Field(default=None, ge=0, le=2**62)
     grad_norm: Optional[Number] = None
-    metrics: dict[Annotated[str, Field(max_length=64)], Number] = Field(default_factory=dict, max_length=MAX_METRICS)
+    metrics: dict[Annotated[str, Field(max_length=MAX_METRIC_NAME)], Number] = Field(default_factory=dict,
+                                                                                     max_length=MAX_METRICS)
 
 
 class FieldDecl(BaseModel):

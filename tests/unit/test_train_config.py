@@ -3,7 +3,9 @@ takes effect at, restart versions, reverts, and refusals that change nothing."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -11,7 +13,8 @@ from convoy.control import train_protocol as tp
 from convoy.control.train_config import ConfigHistory, FieldSpec, Schema, parse_assignments
 from convoy.control.train_master import TrainMaster
 from convoy.errors import ConfigError, ConflictError
-from convoy.live_config import LiveConfig, declared_fields, effective, hot, restart
+from convoy.live_config import (LiveConfig, config_file, declared_fields, effective, generation_file, hot,
+                                restart, write_config)
 
 
 @dataclass
@@ -180,6 +183,28 @@ def test_a_rank_applies_a_hot_version_at_its_step_and_parks_for_a_restart_one() 
     assert live.boundary(restart_version.at_step - 2) is None
     assert live.boundary(restart_version.at_step - 1).number == restart_version.number and cfg.batch_size == 32
     assert effective(live.versions, 0).number == 1
+
+
+def test_a_rank_reads_the_config_file_only_when_the_agent_bumped_its_counter(tmp_path: Path) -> None:
+    master = declared()
+    path = config_file(tmp_path / "run", "host-0")
+    cfg = Config()
+    live = LiveConfig(cfg, master.config_state(), path, None, {d.name: d.kind for d in declared_fields(Config)})
+    assert generation_file(path).stat().st_size == 8, "the rank made the counter before the agent's first write"
+    live.seek(0)
+    assert live.boundary(0) is None  # no file yet, as of count 0
+    report(master, 0, 10, now=1.0)
+    master.set(tp.ConfigSet(values={"lr": 0.5}), now=1.0, at_step=20)
+    state = master.config_state()
+    unannounced = path.with_name("unannounced.json")
+    unannounced.write_text(state.model_dump_json())
+    os.replace(unannounced, path)  # the new file without the counter's bump: the rank does not look
+    assert live.boundary(19) is None and cfg.lr == 0.1
+    write_config(path, state)
+    assert int.from_bytes(generation_file(path).read_bytes(), "little") == 1
+    assert live.boundary(19) is None and cfg.lr == 0.5, "the bumped counter made the rank read the file"
+    write_config(path, state)
+    assert int.from_bytes(generation_file(path).read_bytes(), "little") == 2
 
 
 def test_the_history_survives_its_state() -> None:
