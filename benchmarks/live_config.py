@@ -169,6 +169,7 @@ def calibrate_reps(target_s: float) -> int:
 def overhead(tmp: Path, pairs: int, steps: int, reps: int) -> dict[str, Any]:
     """Section (3): 1x1 jobs, report on and off in turn; stats of every 'on' run and each run's step time."""
     calls: list[float] = []
+    calls_cpu: list[float] = []
     sender: list[tuple[float | None, float | None, int]] = []
     step_s: dict[str, list[float]] = {"on": [], "off": []}
     for pair in range(pairs):
@@ -187,10 +188,11 @@ def overhead(tmp: Path, pairs: int, steps: int, reps: int) -> dict[str, Any]:
             step_s[mode].append(per)
             if mode == "on":
                 calls += data["in_report_s"]
+                calls_cpu += data.get("in_report_cpu_s", [])
                 sender.append((data["sender"]["proc_s"], data["sender"]["clock_s"], data["steps"]))
             print(f"  report {mode:<3} run {pair + 1}/{pairs}: {data['steps']} steps, median step {per * 1e3:.2f} ms"
                   f", exit {code}", flush=True)
-    return {"calls": calls, "sender": sender, "step_s": step_s}
+    return {"calls": calls, "calls_cpu": calls_cpu, "sender": sender, "step_s": step_s}
 
 
 def dlrover_peer(site: str | None, tmp: Path, changes: int) -> str:
@@ -277,12 +279,14 @@ def main() -> int:
     calls = cost["calls"]
     med_call = statistics.median(calls) if calls else None
     mean_call = statistics.mean(calls) if calls else None
+    cpu_call = statistics.median(cost["calls_cpu"]) if cost["calls_cpu"] else None
     proc = [p / n for p, _, n in cost["sender"] if p is not None and n]
     clock = [c / n for _, c, n in cost["sender"] if c is not None and n]
     sender_step = statistics.median(clock) if clock else (statistics.median(proc) if proc else None)
     on, off = cost["step_s"]["on"], cost["step_s"]["off"]
     print(f"(3) convoy.report: {len(calls)} calls, median {fmt(med_call and med_call * 1e6, 1)} us, mean "
-          f"{fmt(mean_call and mean_call * 1e6, 1)} us, max {fmt(max(calls) * 1e3 if calls else None, 2)} ms; sender "
+          f"{fmt(mean_call and mean_call * 1e6, 1)} us, max {fmt(max(calls) * 1e3 if calls else None, 2)} ms (the "
+          f"training thread's CPU in it: median {fmt(cpu_call and cpu_call * 1e6, 1)} us); sender "
           f"thread CPU per step {fmt(sender_step and sender_step * 1e6, 1)} us (thread clock; /proc utime+stime "
           f"{fmt(statistics.median(proc) * 1e6 if proc else None, 1)} us)")
     print(f"  wall clock, median step: report on {' '.join(fmt(x * 1e3, 2) for x in on)} ms, off "
