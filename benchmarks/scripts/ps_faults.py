@@ -23,7 +23,6 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -103,15 +102,15 @@ def ps_status(run_dir: Path, rank: int) -> dict | None:
 
 
 def role_pid(run_dir: Path, role: str, rank: int) -> int | None:
-    for proc in psutil.process_iter():
-        try:
-            env = proc.environ()
-        except (psutil.Error, OSError):
-            continue
-        if env.get("CONVOY_RUN_DIR") == str(run_dir) and env.get("ROLE_NAME") == role \
-                and env.get("ROLE_RANK") == str(rank):
-            return proc.pid
-    return None
+    """The pid of the newest process of ``role`` ``rank``, from the master's role_started events (a process forked
+    from its node's fork server keeps the server's command line and environment in /proc)."""
+    try:
+        events = read_status(run_dir, recent=100_000)["events"]
+    except (OSError, KeyError, ValueError):
+        return None
+    pids = [int(m[1]) for e in events if e["kind"] == "role_started"
+            and (m := re.match(rf"{role} {rank} is running.* pid (\d+)\)", e["message"]))]
+    return pids[-1] if pids else None
 
 
 def inject(job: Job, fault: str) -> float:

@@ -175,7 +175,7 @@ class RoleProcesses:
                     process = self.running.get((assignment.role, assignment.rank, assignment.incarnation))
                     if process is None:
                         continue
-                report.address = process.address
+                report.address, report.pid = process.address, process.proc.pid
             reports.append(report)
         return reports
 

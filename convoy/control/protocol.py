@@ -141,6 +141,7 @@ class RoleReport(BaseModel):
     incarnation: Rank
     state: Literal["started", "exited"]
     address: str = Field(default="", max_length=300)
+    pid: int = Field(default=0, ge=0, le=2**31, description="the started process's pid on its node (0: not known)")
     exitcode: Optional[int] = Field(default=None, ge=-(2**31), le=2**31)
     signal: Optional[str] = Field(default=None, max_length=64)
     start_failed: bool = False

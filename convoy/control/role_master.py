@@ -119,7 +119,9 @@ class RoleMaster:
             if port.isdigit():
                 placed.port = int(port)
                 self.homes[(report.role, report.rank)] = (report.node_id, placed.port)
-            return self.roles.started(report.role, report.rank, report.incarnation, report.address) + self.advance()
+            return self.roles.started(report.role, report.rank, report.incarnation, report.address,
+                                      f"{report.node_id}, pid {report.pid}" if report.pid else report.node_id) + \
+                self.advance()
         outbox.stops.pop(key, None)
         self.placed.pop(key, None)
         what = f"{report.role} {report.rank} (incarnation {report.incarnation}) {report.describe()}"

@@ -106,13 +106,14 @@ class Roles:
                                                  f"{state.spec.failure_policy}"))
         return decisions, events
 
-    def started(self, role: str, rank: int, incarnation: int, address: str = "") -> list[Event]:
+    def started(self, role: str, rank: int, incarnation: int, address: str = "", process: str = "") -> list[Event]:
+        """``process``: where it runs, as ``NODE, pid N`` (or the node alone)."""
         member = self._current(role, rank, incarnation)
         if member is None or member.state == FINISHED or (member.state, member.address) == (RUNNING, address):
             return []  # not the rank's process, or a late repeat of a report already taken
         member.state, member.address = RUNNING, address
         where = f" at {address}" if address else ""
-        return [Event("role_started", f"{role} {rank} is running{where}")]
+        return [Event("role_started", f"{role} {rank} is running{where}" + (f" ({process})" if process else ""))]
 
     def finished(self, role: str, rank: int, incarnation: int) -> tuple[list[Decision], list[Event]]:
         """A process exited 0. When every process of the non-service roles has, the services are stopped."""

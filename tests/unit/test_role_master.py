@@ -222,3 +222,13 @@ def test_a_repeated_started_report_records_nothing_new() -> None:
     started(master, node, ps, 5000)
     assert master.report(p.RoleReport(node_id=node, role="ps", rank=0, incarnation=ps.incarnation, state="started",
                                       address="127.0.0.1:5000")) == []
+
+
+def test_a_started_process_is_named_with_its_node_and_pid() -> None:
+    master = ps_job()
+    master.advance()
+    node, (ps,) = next((node, found) for node, found in deliver_all(master).items() if found)
+    events = master.report(p.RoleReport(node_id=node, role="ps", rank=0, incarnation=ps.incarnation, state="started",
+                                        address="127.0.0.1:5000", pid=4242))
+    assert [e.message for e in events if e.kind == "role_started"] == [f"ps 0 is running at 127.0.0.1:5000 ({node}, "
+                                                                       "pid 4242)"]
