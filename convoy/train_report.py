@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import collections
 import math
+import operator
 import os
 import sys
 import threading
@@ -128,8 +129,7 @@ def report(step: int, loss: Any = None, *, samples: int | None = None, grad_norm
     if where is not None:
         if _reporter is None:
             _reporter = Reporter(where)
-        if type(step) is not int or not 0 <= step <= MAX_STEP:  # noqa: E721 (a bool is no step)
-            raise ConfigError(f"convoy.report: step={step!r} is not a whole number from 0 to 2**62")
+        step = _step(step)
         step_time = now - _last_report if _last_report is not None else None
         value = _number(loss, "loss")
         speed = samples / step_time if samples and step_time else None
@@ -151,6 +151,17 @@ def report(step: int, loss: Any = None, *, samples: int | None = None, grad_norm
 Point = tuple[int, float, "float | None", "float | None", "float | None", "float | None", "dict[str, float] | None"]
 """One ``report``: step, wall time, loss, step time, samples per second, gradient norm, other metrics."""
 MAX_STEP = 2**62
+
+
+def _step(step: Any) -> int:
+    """``step`` as an int (a numpy or 0-d tensor integer too); a ConfigError naming it otherwise."""
+    try:
+        whole = operator.index(step) if not isinstance(step, bool) else None
+    except TypeError:
+        whole = None
+    if whole is None or not 0 <= whole <= MAX_STEP:
+        raise ConfigError(f"convoy.report: step={step!r} is not a whole number from 0 to 2**62")
+    return whole
 
 
 def _status_point(point: Point) -> tp.StatusPoint:

@@ -66,10 +66,22 @@ def test_points_reach_the_master_with_their_metrics_in_few_sends(reporting: JobM
     assert reporter.sends < 10, f"{reporter.sends} sends for 30 steps: the points are not batched"
 
 
+def test_a_numpy_or_tensor_integer_is_a_step(reporting: JobMaster) -> None:
+    import numpy
+    import torch
+
+    train_report.report(numpy.int64(0), loss=numpy.float32(0.5))
+    train_report.report(torch.tensor(1), loss=torch.tensor(0.25))
+    reporter = train_report._reporter
+    assert reporter is not None and reporter.flush(10)
+    assert [(row["step"], row["loss"]) for row in rows(reporting, 2)] == [(0, 0.5), (1, 0.25)]
+
+
 @pytest.mark.parametrize(("args", "kwargs", "words"), [
     ((-1,), {}, "step=-1 is not a whole number"),
     ((True,), {}, "step=True is not a whole number"),
     ((2.0,), {}, "step=2.0 is not a whole number"),
+    ((2**63,), {}, "step=9223372036854775808 is not a whole number from 0 to 2..62"),
     ((3,), {"loss": "low"}, "loss='low' is not a number"),
     ((3,), {"lr": [0.1]}, r"lr=\[0.1\] is not a number"),
     ((3,), {f"m{i}": i for i in range(33)}, "33 metrics given; at most 32"),
