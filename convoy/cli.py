@@ -190,6 +190,10 @@ def _agent(args: argparse.Namespace) -> int:
             start_fork_server(workers, address, args.job_id, args.node_id)
     group = WorkerGroup(workers, run_dir, host=address)
     if not roles:
+        if args.fork_server:  # the launcher's: its import of torch began before this agent started
+            from convoy.agent.forked import ForkServer
+
+            group.adopt(ForkServer.adopt(args.fork_server, args.job_id or ""))
         group.fill_standbys()  # start importing torch before anything else (a job of roles forks its processes)
     from convoy.agent.agent import Agent, AgentConfig
     from convoy.agent.agent_config import default_node_id

@@ -54,7 +54,10 @@ def main() -> int:
         os.set_blocking(fd, False)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)
     signal.set_wakeup_fd(wake_write)
-    send(sock, {"ready": True, "pid": os.getpid()})
+    try:
+        send(sock, {"ready": True, "pid": os.getpid()})
+    except OSError:  # its launcher or agent was gone before it had preloaded (a refused join): nothing to serve
+        return 0
     children: set[int] = set()
     try:
         while True:

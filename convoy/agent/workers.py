@@ -106,6 +106,14 @@ class WorkerGroup:
         self.failures = Failures()
         """The first failure of the running round (the workers failing after it get a line each)."""
 
+    def adopt(self, forks: ForkServer) -> None:
+        """Fork the workers from ``forks``, which the launcher started before this agent; closed at once where the
+        workers are not forked (``--no-python``, an empty ``--preload``)."""
+        if self._forking and self._forks is None:
+            self._forks = forks
+        else:
+            forks.close()
+
     def fill_standbys(self) -> None:
         """Start the fork server, or standbys until there is one per local worker (call from the main thread)."""
         if self._forking and self._forks is None:

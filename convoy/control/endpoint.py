@@ -77,14 +77,22 @@ def run_endpoint_job(config: JobConfig, endpoint: tuple[str, int], token: str, t
     try:
         if listener is not None:
             return _serve(config, listener, shared, token, (node_id, node_rank), relaunch, console)
-        if token:
-            private = run_dir / "nodes" / f"token-{node_id}"
-            private.parent.mkdir(mode=0o700, exist_ok=True)
-            private.unlink(missing_ok=True)  # a predecessor's, killed before it could remove it
-            write_token(private, token)
-        else:
-            _wait_for_token(shared, config.master.rendezvous.join_timeout_s, endpoint)
-        return _join(config, endpoint, private or shared, (node_id, node_rank), relaunch, console)
+        private = run_dir / "nodes" / f"token-{node_id}" if token else None
+        scheduler = LocalScheduler(config, private or shared, port, master_host=host, agent_host=None)
+        fork_server = scheduler.start_fork_servers([node_id]).get(node_id)  # imports torch while the token comes
+        try:
+            if private is not None:
+                private.parent.mkdir(mode=0o700, exist_ok=True)
+                private.unlink(missing_ok=True)  # a predecessor's, killed before it could remove it
+                write_token(private, token)
+            else:
+                _wait_for_token(shared, config.master.rendezvous.join_timeout_s, endpoint)
+        except BaseException:
+            if fork_server is not None:
+                fork_server.close()
+            scheduler.stop(CHILD_EXIT_GRACE_S)
+            raise
+        return _join(config, scheduler, fork_server, endpoint, (node_id, node_rank), relaunch, console)
     except Interrupted as exc:
         return exc.exit_code
     finally:
@@ -107,6 +115,7 @@ def _serve(config: JobConfig, listener: socket.socket, token_path: Path, token: 
     master.job_id = master.job_id or secrets.token_hex(4)
     job_token = write_token(token_path, token or None)
     scheduler = LocalScheduler(config, token_path, port, master_host=host, listener=listener, agent_host=None)
+    fork_server = scheduler.start_fork_servers([node_id]).get(node_id)  # its import of torch first
     started = time.monotonic()
     rdzv = master.rendezvous
     console(f"convoy: job {master.job_id}: this host claimed {host}:{port} and serves the master there; "
@@ -118,7 +127,7 @@ def _serve(config: JobConfig, listener: socket.socket, token_path: Path, token: 
     client = MasterClient(host, port, job_token, give_up_after_s=2.0)
     try:
         scheduler.start_master(resume=False)
-        scheduler.start_node(node_id, node_rank=node_rank)
+        scheduler.start_node(node_id, fork_server, node_rank=node_rank)
         code = supervise(scheduler, client, relaunch, 0, console)  # the other nodes are not this launcher's
         if not scheduler.wait(config.workers.stop_grace_s + CHILD_EXIT_GRACE_S):
             scheduler.stop(CHILD_EXIT_GRACE_S)
@@ -135,19 +144,19 @@ def _serve(config: JobConfig, listener: socket.socket, token_path: Path, token: 
         remove_segments(master.job_id)
 
 
-def _join(config: JobConfig, endpoint: tuple[str, int], token_path: Path, node: tuple[str, int], relaunch: bool,
-          console: Callable[[str], None]) -> int:
-    """Another process serves the endpoint: run this host's agent until the job ends for it."""
+def _join(config: JobConfig, scheduler: LocalScheduler, fork_server: socket.socket | None,
+          endpoint: tuple[str, int], node: tuple[str, int], relaunch: bool, console: Callable[[str], None]) -> int:
+    """Another process serves the endpoint: run this host's agent (``fork_server``: the one started for it) until
+    the job ends for it."""
     from convoy.agent.client import MasterClient
 
     node_id, node_rank = node
     host, port = endpoint
-    scheduler = LocalScheduler(config, token_path, port, master_host=host, agent_host=None)
-    client = MasterClient(host, port, read_token(token_path), give_up_after_s=2.0)
+    client = MasterClient(host, port, read_token(scheduler.token_file), give_up_after_s=2.0)
     console(f"convoy: joining the master at {host}:{port} as node {node_id} ({config.workers.nproc_per_node} "
             f"workers), run dir {config.master.run_dir}")
     try:
-        scheduler.start_node(node_id, node_rank=node_rank)
+        scheduler.start_node(node_id, fork_server, node_rank=node_rank)
         return _follow(scheduler, client, node_id, relaunch, console)
     except Interrupted:
         scheduler.stop(config.workers.stop_grace_s + CHILD_EXIT_GRACE_S)  # the agent leaves the job as it stops

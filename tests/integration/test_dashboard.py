@@ -157,8 +157,8 @@ def test_a_killed_worker_shows_as_a_new_round_within_2_s(job: Job, page: Any) ->
     page.click("#tab-overview")
     assert page.inner_text("#job-round") == "1"
     agent, = [proc for proc in psutil.Process(job.launched.pid).children() if "local1" in proc.cmdline()]
-    workers = [proc for server in agent.children() if "convoy.agent.forkserver" in server.cmdline()
-               for proc in server.children()]  # the node's workers are forked from its fork server
+    server = int(agent.cmdline()[agent.cmdline().index("--fork-server") + 1].partition(":")[2])
+    workers = psutil.Process(server).children()  # forked from the fork server the launcher started for the node
     assert workers, "no worker process found"
     killed = time.monotonic()
     os.kill(workers[0].pid, signal.SIGKILL)

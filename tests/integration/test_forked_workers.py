@@ -1,5 +1,6 @@
-"""A node's workers are forked from its fork server: every round's (a restart's too) from the same server, with
-the environment a worker started on its own would have; a killed fork server takes its workers with it, and the
+"""A node's workers are forked from its fork server, which the launcher starts before the master and the agent
+(the agent takes it over): every round's (a restart's too) from the same server, with the environment a worker
+started on its own would have; a killed fork server takes its workers with it, and the
 job goes on, each worker then a standby of its own; ``--preload ''`` keeps standbys from the start."""
 
 from __future__ import annotations
@@ -45,7 +46,12 @@ def test_every_rounds_workers_are_forked_from_the_nodes_one_server(procs: Proces
     assert len(servers) == 1, "both workers have one parent"
     server = psutil.Process(servers.pop())
     assert "convoy.agent.forkserver" in " ".join(server.cmdline())
-    assert "agent" in psutil.Process(server.ppid()).cmdline(), "the server is the agent's child"
+    launcher = psutil.Process(server.ppid())
+    assert launcher.pid == job.pid, "the launcher started the server, before the master and the agent"
+    agent = next(child for child in launcher.children() if "agent" in child.cmdline())
+    assert agent.create_time() >= server.create_time()
+    handle = agent.cmdline()[agent.cmdline().index("--fork-server") + 1]
+    assert handle.endswith(f":{server.pid}"), "the agent took the server over"
     assert all(os.getpgid(pid) == pid for pid in first), "each worker is its own process group"
     os.kill(first[1], signal.SIGKILL)
     assert {ppid for ppid, _ in parents(records, 2)} == {server.pid}, "the restart forks from the same server"

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from convoy import log
+from convoy.agent.env import spawn_env
 from convoy.agent.forked import launch_server, server_env
 from convoy.config import JobConfig
 from convoy.procs import die_with_parent
@@ -39,15 +40,24 @@ class LocalScheduler:
         """pid -> the exited agent reported for it; holding the object keeps its identity unique."""
 
     def start_fork_servers(self, node_ids: list[str]) -> dict[str, socket.socket]:
-        """A fork server for each node of a job of roles, before anything else starts (none where it cannot start:
-        the agent then starts its own); node -> the socket's end its agent takes over."""
-        if not self.config.roles:
+        """A fork server for each node, before anything else starts, so that its import of torch overlaps the start
+        of the master and the agents: a job of roles' (``role_preload``, tagged with the job and the node), else the
+        workers' (``--preload``, the environment the agent would give it; none for ``--no-python`` or an empty
+        list). None where it cannot start: the agent then starts its own. Node -> the socket's end its agent takes
+        over."""
+        workers = self.config.workers
+        if self.config.roles:
+            preload = workers.role_preload()
+        elif workers.preload and not workers.no_python:
+            preload = workers.preload
+        else:
             return {}
         ends = {}
         for node_id in node_ids:
-            env = server_env("127.0.0.1", self.config.master.job_id, node_id)
+            env = server_env("127.0.0.1", self.config.master.job_id, node_id) if self.config.roles else \
+                spawn_env(workers.nproc_per_node)
             try:
-                proc, ends[node_id] = launch_server(self.config.workers.role_preload(), env, die_with_us=False)
+                proc, ends[node_id] = launch_server(preload, env, die_with_us=False)
             except OSError:
                 continue
             self.fork_servers.append(proc)
