@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from convoy.errors import ConfigError
 from convoy.ports import free_port
+from convoy.runtime.devices import choose_backend, nccl_environment
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -51,8 +52,12 @@ def _env_int(name: str, default: int) -> int:
 
 
 def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Context:
-    """Set up the default process group (gloo on CPU, nccl on GPU) and return the job context.
+    """Set up the default process group and return the job context.
 
+    On a node with GPUs each worker takes the device of its LOCAL_RANK and the group is
+    ``cpu:gloo,cuda:nccl`` (NCCL for CUDA tensors, gloo for CPU ones), formed at once so that a
+    broken NCCL set-up fails here; elsewhere it is gloo (``devices.py`` chooses). ``timeout_s`` bounds
+    every collective: under NCCL one that outlives it (a dead peer) ends the process instead of hanging.
     Under ``convoy run`` or ``torchrun`` it uses RANK/WORLD_SIZE/MASTER_*; run as a plain
     ``python script.py`` it becomes a one-process job, so the same script works on a laptop.
     """
@@ -61,13 +66,17 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Co
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port("127.0.0.1")))
     rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
-    use_cuda = torch.cuda.is_available() and backend != "gloo"
-    backend = backend or ("nccl" if use_cuda else "gloo")
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
+    cuda_devices = torch.cuda.device_count() if backend != "gloo" and torch.cuda.is_available() else 0
+    choice = choose_backend(backend, cuda_devices, local_rank, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    device = torch.device(choice.device)
+    if choice.device_index is not None:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        options: dict = {}
+        if choice.uses_nccl:
+            os.environ.update(nccl_environment(os.environ))  # read by ProcessGroupNCCL as it is made
+            options["device_id"] = device
+        dist.init_process_group(choice.backend, timeout=datetime.timedelta(seconds=timeout_s), **options)
     topology = tuple(tuple(entry) for entry in json.loads(os.environ.get("CONVOY_TOPOLOGY", "[]")))
     return Context(
         rank=rank, world_size=world_size, local_rank=local_rank,
@@ -75,5 +84,5 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Co
         num_nodes=_env_int("GROUP_WORLD_SIZE", 1), topology=topology,  # type: ignore[arg-type]
         round_id=_env_int("CONVOY_ROUND", 1), restart_count=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
         job_id=os.environ.get("CONVOY_JOB_ID", os.environ.get("TORCHELASTIC_RUN_ID", "local")),
-        run_dir=Path(os.environ.get("CONVOY_RUN_DIR", ".")), backend=backend, device=device,
+        run_dir=Path(os.environ.get("CONVOY_RUN_DIR", ".")), backend=choice.backend, device=device,
     )
