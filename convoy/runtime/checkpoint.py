@@ -123,7 +123,7 @@ class Checkpointer:
             newest_persistent=self._persistent.newest)
         self._snapshots.check_space(self.state.model_bytes())
         if optimizer is not None:
-            optimizer.register_step_pre_hook(lambda *args: self._wait_copy())
+            optimizer.register_step_pre_hook(lambda *args: self._before_change())
 
     def step(self, step: int) -> None:
         """Record that ``step`` finished: snapshot it, and persist it when due."""
@@ -157,9 +157,15 @@ class Checkpointer:
         return restored.step + 1
 
     def _wait_copy(self) -> None:
-        """Before the next step (and ``optimizer.step()``): no copy may still read or fill the live tensors."""
+        """Before the next snapshot: the last one's copy has landed (its slot may be read or marked)."""
         self._saver.wait_staged()
         self._copies.wait()
+
+    def _before_change(self) -> None:
+        """Before ``optimizer.step()``: no copy may still read or fill the live tensors (for CUDA copies on a
+        side stream the GPU waits for them, the host does not)."""
+        self._saver.wait_staged()
+        self._copies.before_change()
 
     def close(self) -> None:
         """Wait for the background copy and any persistent save in flight."""

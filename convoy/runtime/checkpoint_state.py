@@ -176,19 +176,23 @@ class TrainingState:
 
 class BackgroundCopy:
     """A copy into or out of shared memory that runs while the next step computes; ``wait`` (before
-    ``optimizer.step()`` changes what it reads or fills) joins it and raises its error in the training thread."""
+    ``optimizer.step()`` changes what it reads or fills) joins it and raises its error in the training thread.
+    A copy whose reads of live tensors are all CUDA copies on a side stream gives a ``guard`` instead: ``before_change``
+    then only makes the compute stream wait for them, and the thread is joined at the next ``wait``."""
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._guard: Callable[[], None] | None = None
 
-    def start(self, copy: Callable[[], None], name: str) -> None:
+    def start(self, copy: Callable[[], None], name: str, guard: Callable[[], None] | None = None) -> None:
         def run() -> None:
             try:
                 copy()
             except BaseException as exc:  # noqa: BLE001 (re-raised in the training thread)
                 self._error = exc
 
+        self._guard = guard
         self._thread = threading.Thread(target=run, name=name, daemon=True)
         self._thread.start()
 
@@ -200,10 +204,20 @@ class BackgroundCopy:
             return not thread.is_alive()
         return True
 
+    def before_change(self) -> None:
+        """Before the live tensors the copy reads or fills may change: the GPU waits where a guard says so,
+        else the host waits for the copy."""
+        if self._guard is not None and self._thread is not None and self._error is None:
+            guard, self._guard = self._guard, None
+            guard()
+            return
+        self.wait()
+
     def wait(self) -> None:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._guard = None
         if self._error is not None:
             error, self._error = self._error, None
             raise CheckpointError(f"in-memory snapshot failed: {error}") from error

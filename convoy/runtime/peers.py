@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from convoy import worker_events
 from convoy.runtime.checkpoint_state import BackgroundCopy, Restored, TrainingState
+from convoy.runtime.cuda_copy import has_cuda
 from convoy.runtime.slots import map_leaves
 from convoy.runtime.snapshot import RankSnapshots
 
@@ -118,17 +119,29 @@ class SnapshotRestore:
             self.state.apply({**views, **small})
             return
         saved = views["optim"].get("state", {})
-        empty = {**views["optim"], "state": map_leaves(saved, torch.Tensor, torch.empty_like)}
-        self.state.apply({"model": views["model"], "optim": empty, **small})
+        if has_cuda(self.state.model.state_dict()):
+            self.snapshots.pin_for_device()  # the model's and optimizer's copies from the segment then run by DMA
         params = self.state.optimizer_params()
+        # made where the optimizer keeps them (a GPU's moments on the GPU), so loading them moves no bytes
+        empty = {**views["optim"], "state": {
+            index: {name: torch.empty_like(value, device=params[index].device if value.dim() else value.device)
+                    if isinstance(value, torch.Tensor) else value for name, value in param_state.items()}
+            for index, param_state in saved.items()}}
+        self.state.apply({"model": views["model"], "optim": empty, **small})
         pairs = [(optimizer.state[params[index]][name], value) for index, param_state in saved.items()
                  for name, value in param_state.items() if isinstance(value, torch.Tensor)]
+        host = [(live, value) for live, value in pairs if live.device.type != "cuda"]
+        cuda = [(live, value) for live, value in pairs if live.device.type == "cuda"]
+        landed, guard = (self.snapshots.to_device([value for _, value in cuda], [live for live, _ in cuda])
+                         if cuda else (None, None))
 
         def fill() -> None:
-            for live, value in pairs:
+            for live, value in host:
                 live.copy_(value)
+            if landed is not None:
+                landed()
 
-        self._copies.start(fill, "convoy-restore")
+        self._copies.start(fill, "convoy-restore", guard=guard if not host else None)
 
     def _restore_from_peer(self, step: int, holders: list[bool]) -> Restored | None:
         """In each set of peers the lowest rank holding ``step`` whole sends model and optimizer state

@@ -110,6 +110,8 @@ class SnapshotFile:
         self._mm: mmap.mmap | None = None
         self._bytes: torch.Tensor | None = None
         self.slot_size = 0
+        self.before_unmap: list[Callable[[int, int], None]] = []
+        """Called with the mapping's address and size before it goes (CUDA unregisters its page-lock there)."""
         if path.exists():
             self._map()
 
@@ -127,6 +129,9 @@ class SnapshotFile:
         self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
 
     def close(self) -> None:
+        if self._bytes is not None:
+            for hook in self.before_unmap:
+                hook(self._bytes.data_ptr(), self._bytes.numel())
         self._bytes = None
         if self._mm is not None:
             self._mm.close()
@@ -222,16 +227,25 @@ class SnapshotFile:
         _SLOT.pack_into(self._mm, _HEADER.size + index * _SLOT.size, 0, -1, 0, 0, 0, 0)  # type: ignore[arg-type]
         return index
 
-    def write_tensors(self, index: int, tensors: list[torch.Tensor], offsets: list[int]) -> None:
-        """Copy tensors into a slot (``copy_`` runs without the GIL, so this can overlap compute)."""
+    @property
+    def segment(self) -> torch.Tensor | None:
+        """The whole mapped segment as bytes (None: not mapped)."""
+        return self._bytes
+
+    def views(self, index: int, tensors: list[torch.Tensor], offsets: list[int]) -> list[torch.Tensor]:
+        """Host views of slot ``index`` shaped like ``tensors`` at ``offsets``, each bounds-checked."""
         assert self._bytes is not None
         base = HEADER_SIZE + index * self.slot_size
         sizes = [tensor.numel() * tensor.element_size() for tensor in tensors]
         for nbytes, offset in zip(sizes, offsets, strict=True):
             self._check_bounds(offset + nbytes, f"a tensor at offset {offset}")
-        for tensor, nbytes, offset in zip(tensors, sizes, offsets, strict=True):
-            target = self._bytes[base + offset : base + offset + nbytes]
-            target.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
+        return [self._bytes[base + offset : base + offset + nbytes].view(tensor.dtype).view(tensor.shape)
+                for tensor, nbytes, offset in zip(tensors, sizes, offsets, strict=True)]
+
+    def write_tensors(self, index: int, tensors: list[torch.Tensor], offsets: list[int]) -> None:
+        """Copy tensors into a slot (``copy_`` runs without the GIL, so this can overlap compute)."""
+        for tensor, target in zip(tensors, self.views(index, tensors, offsets), strict=True):
+            target.copy_(tensor.detach())
 
     def commit(self, index: int, seq: int, step: int, skeleton: Any, offsets: list[int], data_len: int,
                pending: frozenset[int] = frozenset()) -> None:

@@ -6,7 +6,8 @@ copy, after which it is marked complete. The round fence is asked once, before t
 committed: the copy then completes a step the round committed, even if the round ends meanwhile.
 When shared memory cannot hold the slots, snapshots are turned off, said once with what still
 protects progress, and training goes on. The segment's format is ``slots.py``; choosing and
-loading a step at restore is ``peers.py``.
+loading a step at restore is ``peers.py``. CUDA tensors go by DMA on a side stream (``cuda_copy.py``):
+``optimizer.step()`` then makes the GPU wait for those copies, not the host.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from convoy import worker_events
 from convoy.errors import CheckpointError
 from convoy.runtime.checkpoint_state import BackgroundCopy
+from convoy.runtime.cuda_copy import CudaCopies, split_by_device
 from convoy.runtime.fence import Fence
 from convoy.runtime.slots import HEADER_SIZE, SnapshotFile, SnapshotNoSpace, encode_meta, flatten, free_bytes, layout
 
@@ -39,6 +41,7 @@ class RankSnapshots:
         self.file, self.rank, self.fallback, self.background = file, rank, fallback, background
         self._capture, self._stable, self._copies, self._fence, self._say = capture, stable, copies, fence, say
         self._seq = max((slot[0] for slot in file.slots()), default=0) if file is not None else 0
+        self._cuda: CudaCopies | None = None  # made on the first snapshot holding CUDA tensors
 
     @property
     def enabled(self) -> bool:
@@ -63,28 +66,74 @@ class RankSnapshots:
         offsets, data_len = layout(tensors)
         stable = self._stable()
         later = [i for i, t in enumerate(tensors) if self.background and t.data_ptr() in stable]
-        meta = encode_meta(skeleton, offsets, frozenset(later))
+        later_set = set(later)
+        host_now, cuda_now = split_by_device(tensors, [i for i in range(len(tensors)) if i not in later_set])
+        host_later, cuda_later = split_by_device(tensors, later)
+        pending = frozenset(later) | (frozenset(cuda_now) if self.background else frozenset())
+        meta = encode_meta(skeleton, offsets, pending)
         if not self.file.fits(data_len, len(meta)) and not self._grow(data_len + 2 * len(meta) + SLACK):
             return
         file = self.file
         self._seq += 1
         index = file.begin(self._seq)
-        later_set = set(later)
-        now = [i for i in range(len(tensors)) if i not in later_set]
+        landings: list[Callable[[], None]] = []
+        guard = None
         try:
-            file.write_tensors(index, [tensors[i] for i in now], [offsets[i] for i in now])
+            file.write_tensors(index, [tensors[i] for i in host_now], [offsets[i] for i in host_now])
+            if cuda_now:  # what the next forward may change: the compute stream waits for these copies at once
+                event, landed = self._to_host(file, index, tensors, offsets, cuda_now)
+                if self.background:
+                    CudaCopies.guard(event)()
+                    landings.append(landed)
+                else:
+                    landed()
+            if cuda_later:  # parameters and optimizer state: optimizer.step() waits for these, the host does not
+                event, landed = self._to_host(file, index, tensors, offsets, cuda_later)
+                landings.append(landed)
+                guard = CudaCopies.guard(event) if not host_later else None
             # partial until the background copy lands: this rank's own part of ``step`` is in place
-            file.commit_meta(index, self._seq, step, meta, data_len, complete=not later)
+            file.commit_meta(index, self._seq, step, meta, data_len, complete=not pending)
         except OSError as exc:
             raise CheckpointError(f"in-memory snapshot failed: {exc}") from exc
-        if not later:
+        if not pending:
             return
 
         def finish() -> None:  # completes a step this round committed, even if the round has ended since
-            file.write_tensors(index, [tensors[i] for i in later], [offsets[i] for i in later])
+            file.write_tensors(index, [tensors[i] for i in host_later], [offsets[i] for i in host_later])
+            for landed in landings:
+                landed()
             file.mark_complete(index)
 
-        self._copies.start(finish, "convoy-snapshot")
+        self._copies.start(finish, "convoy-snapshot", guard=guard)
+
+    def _device_copies(self) -> CudaCopies:
+        """The CUDA copier, made on the first snapshot that holds CUDA tensors."""
+        if self._cuda is None:
+            self._cuda = CudaCopies(self._say)
+        return self._cuda
+
+    def _to_host(self, file: SnapshotFile, index: int, tensors: list[torch.Tensor], offsets: list[int],
+                 chosen: list[int]) -> tuple[torch.cuda.Event, Callable[[], None]]:
+        """Start the CUDA tensors ``chosen`` on their way into slot ``index``: the event and the landing."""
+        copies = self.pin_for_device()
+        assert file.segment is not None
+        targets = file.views(index, [tensors[i] for i in chosen], [offsets[i] for i in chosen])
+        return copies.to_host([tensors[i] for i in chosen], targets, copies.pinned(file.segment))
+
+    def pin_for_device(self) -> CudaCopies:
+        """Page-lock the segment for CUDA (once), so copies between it and a GPU run by DMA; the copier."""
+        assert self.file is not None and self.file.segment is not None
+        copies = self._device_copies()
+        if copies.pin(self.file.segment) and copies.unpin not in self.file.before_unmap:
+            self.file.before_unmap.append(copies.unpin)
+        return copies
+
+    def to_device(self, sources: list[torch.Tensor],
+                  targets: list[torch.Tensor]) -> tuple[Callable[[], None], Callable[[], None]]:
+        """Start copying views of this segment into CUDA ``targets`` (a restore); returns ``(landed, guard)``:
+        ``landed`` waits for the copies (off the training thread), ``guard`` makes the compute stream wait."""
+        event = self.pin_for_device().to_device(sources, targets)
+        return event.synchronize, CudaCopies.guard(event)
 
     def _grow(self, slot_size: int) -> bool:
         """Make room for a larger snapshot; False (snapshots now off) when shared memory cannot hold it."""

@@ -94,7 +94,7 @@ def test_a_copy_killed_before_it_landed_leaves_the_slot_partial(tmp_path: Path) 
     live = Weights()
 
     class Killed(BackgroundCopy):
-        def start(self, copy: object, name: str) -> None:
+        def start(self, copy: object, name: str, guard: object = None) -> None:
             pass  # the worker died before the copy ran
 
     snapshots = _snapshots(tmp_path / "segment", live, copies=Killed())

@@ -37,10 +37,10 @@ class CopiesLost(BackgroundCopy):
         super().__init__()
         self.lost, self.started = set(lost), 0
 
-    def start(self, copy: Callable[[], None], name: str) -> None:
+    def start(self, copy: Callable[[], None], name: str, guard: Callable[[], None] | None = None) -> None:
         self.started += 1
         if self.started - 1 not in self.lost:
-            super().start(copy, name)
+            super().start(copy, name, guard)
 
 
 def _trained(width: int = 8, steps: int = 2) -> TrainingState:
