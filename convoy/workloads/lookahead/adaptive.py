@@ -18,6 +18,15 @@ from typing import Sequence
 from convoy.workloads.lookahead.draft import DraftTree
 
 SIZES = (0, 2, 4, 8, 16, 32, 64)
+# The extra cost of one draft token relative to a plain pass, per device type, until a size has been timed. A CPU
+# pays a large share of a pass per token; a GPU runs a pass of up to ~64 tokens in about the time of one.
+PRIOR_COST_SLOPES = {"cpu": 1 / 16, "cuda": 1 / 512}
+
+
+def prior_cost_slope(device_type: str) -> float:
+    """The ``DraftSizer.cost_slope`` prior for a model on ``device_type`` (``torch.device.type``); a type not
+    listed gets the CPU's, the cautious guess (one timed pass corrects either)."""
+    return PRIOR_COST_SLOPES.get(device_type, PRIOR_COST_SLOPES["cpu"])
 
 
 @dataclass
@@ -34,7 +43,7 @@ class _Pending:
 @dataclass
 class DraftSizer:
     """Chooses the draft size per pass. ``cost_slope`` is the prior extra cost of one draft token relative to a
-    plain pass (on a CPU a draft token costs a large share of a pass), used until a size has been timed;
+    plain pass (the default is the CPU's; see :func:`prior_cost_slope`), used until a size has been timed;
     ``settle_after``: see :meth:`observe`. One sizer serves one batch size (the cost of a pass depends on it);
     the rows of a batch share the acceptance estimates."""
 

@@ -19,6 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "Hugging Face model directory")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (default 128)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--device", default="cpu",
+                        help="where the model runs: cpu (default), cuda or cuda:N (float32 either way; weights are "
+                             "packed for oneDNN on cpu only)")
     parser.add_argument("--decoding-length", type=int, default=64, help="most draft tokens per pass (default 64)")
     parser.add_argument("--branch-length", type=int, default=16, help="deepest draft branch (default 16)")
     parser.add_argument("--fixed", action="store_true",
@@ -71,9 +74,10 @@ def run(args: argparse.Namespace) -> int:
     from convoy.workloads.lookahead.model import load_model
 
     started = time.perf_counter()
-    model, tokenizer = load_model(args.model, args.threads)
+    model, tokenizer = load_model(args.model, args.threads, device=args.device)
+    device = next(model.parameters()).device
     print(f"convoy decode: model {args.model} loaded in {time.perf_counter() - started:.1f} s, "
-          f"{torch.get_num_threads()} threads", flush=True)
+          f"{torch.get_num_threads()} threads{'' if device.type == 'cpu' else f', on {device}'}", flush=True)
     generator = LookaheadGenerator(model, tokenizer, decoding_length=args.decoding_length,
                                    branch_length=args.branch_length, adaptive=not args.fixed,
                                    pack_weights=False if args.stock_kernels else None)
@@ -109,7 +113,7 @@ def _check(model, group: list[list[int]], result, max_new_tokens: int) -> int:
 
     mismatches, seconds = 0, 0.0
     for row, tokens in zip(group, result.tokens, strict=True):
-        ids = torch.tensor([row])
+        ids = torch.tensor([row], device=next(model.parameters()).device)
         started = time.perf_counter()
         reference = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                    do_sample=False)[0, len(row):].tolist()

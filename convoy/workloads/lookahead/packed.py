@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from convoy.workloads.lookahead.errors import DecodingError
+
 
 def packing_available() -> bool:
     """Whether this torch build has oneDNN's packed linear (CPU builds with mkldnn do)."""
@@ -36,6 +38,20 @@ def packable(module: torch.nn.Module) -> bool:
     weight = getattr(module, "weight", None)
     return (isinstance(module, torch.nn.Linear) and isinstance(weight, torch.Tensor)
             and weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2)
+
+
+def use_packing(requested: bool | None, device: torch.device) -> bool:
+    """Whether a generator of a model on ``device`` decodes on packed weights: ``requested`` (None: wherever this
+    torch build can, on CPU). Packing is oneDNN's, for CPU float32 weights; asking for it elsewhere is an error."""
+    if device.type != "cpu":
+        if requested:
+            raise DecodingError(f"pack_weights=True, but the model is on {device}: packing is for CPU float32 "
+                                "weights; leave pack_weights unset or False for a model on another device")
+        return False
+    if requested and not packing_available():
+        raise DecodingError("pack_weights=True needs a torch build with oneDNN (torch.backends.mkldnn); "
+                            "leave pack_weights unset to use packed weights only where they are available")
+    return packing_available() if requested is None else bool(requested)
 
 
 class PackedLinears:

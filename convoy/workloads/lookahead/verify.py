@@ -3,6 +3,10 @@ KV cache cut back to what was accepted.
 
 The batch layout: row ``b`` of the KV cache holds its ``cache_lens[b]`` tokens in slots ``0..cache_lens[b]-1``; the
 slots after that are stale and masked out. A pass appends ``1 + max draft`` slots to every row.
+
+Inputs are put together on the host and sent to the model's device once per pass, without waiting for it (a
+host-to-device copy that does not synchronise); the additive mask is made on the device from a boolean one (one
+byte an entry crosses, not four). The one wait a pass needs is for the argmax of its logits (``.tolist()``).
 """
 
 from __future__ import annotations
@@ -37,6 +41,13 @@ def new_cache(model: torch.nn.Module) -> Any:
         return DynamicCache()
 
 
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where the model takes its inputs: the device of its first parameter (CPU for a model with none)."""
+    parameters = getattr(model, "parameters", None)
+    first = next(iter(parameters()), None) if callable(parameters) else None
+    return first.device if first is not None else torch.device("cpu")
+
+
 def cache_tensors(cache: Any) -> list[tuple[Any, str]]:
     """Every (holder, attribute) pair that holds a [batch, heads, slots, dim] key or value tensor of ``cache``."""
     if not hasattr(cache, "layers"):
@@ -60,10 +71,30 @@ class PassInputs:
     attention_mask: torch.Tensor | None  # [batch, 1, 1 + width, slots + 1 + width], additive; None: plain causal
 
 
+def prefill_inputs(prompts: Sequence[Sequence[int]], dtype: torch.dtype,
+                   device: torch.device | None = None) -> PassInputs:
+    """Inputs for the prompts' pass, right-padded on ``device``: a 4-D additive mask only when lengths differ
+    (padding sees no real token of its row and no real token sees padding)."""
+    longest = max(len(prompt) for prompt in prompts)
+    ids = torch.zeros(len(prompts), longest, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, :len(prompt)] = torch.tensor(prompt)
+    positions = torch.arange(longest, device=device).expand(len(prompts), longest)
+    mask = None
+    if any(len(prompt) < longest for prompt in prompts):
+        causal = torch.ones(longest, longest, dtype=torch.bool).tril()
+        allowed = causal.expand(len(prompts), longest, longest).clone()
+        for row, prompt in enumerate(prompts):
+            allowed[row, :, len(prompt):] = False
+            allowed[row, len(prompt):, 0] = True  # padding queries see one slot; their output is ignored
+        mask = additive_mask(allowed, dtype, device)[:, None]
+    return PassInputs(_to(ids, device), positions, mask)
+
+
 def pass_inputs(roots: Sequence[int], trees: Sequence[DraftTree], cache_lens: Sequence[int], slots: int,
-                dtype: torch.dtype) -> PassInputs:
-    """Inputs for one pass: each row's root, then its draft tree; each token sees the row's cached tokens, the
-    root and its own ancestors, at position ``cache_len + depth``."""
+                dtype: torch.dtype, device: torch.device | None = None) -> PassInputs:
+    """Inputs for one pass, on ``device``: each row's root, then its draft tree; each token sees the row's cached
+    tokens, the root and its own ancestors, at position ``cache_len + depth``."""
     width = max(len(tree) for tree in trees)
     batch = len(roots)
     ids = torch.zeros(batch, 1 + width, dtype=torch.long)
@@ -72,7 +103,7 @@ def pass_inputs(roots: Sequence[int], trees: Sequence[DraftTree], cache_lens: Se
     if plain:  # one token per row over full rows: the model's own causal mask is exact (and the fastest path)
         ids[:, 0] = torch.tensor(list(roots))
         positions[:, 0] = torch.tensor(list(cache_lens))
-        return PassInputs(ids, positions, None)
+        return PassInputs(_to(ids, device), _to(positions, device), None)
     allowed = torch.zeros(batch, 1 + width, slots + 1 + width, dtype=torch.bool)
     for row, (root, tree, length) in enumerate(zip(roots, trees, cache_lens, strict=True)):
         ids[row, 0] = root
@@ -87,8 +118,20 @@ def pass_inputs(roots: Sequence[int], trees: Sequence[DraftTree], cache_lens: Se
         for pad in range(1 + len(tree), 1 + width):  # unused tail: sees only itself (its output is ignored)
             allowed[row, pad, :] = False
             allowed[row, pad, slots + pad] = True
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
-    return PassInputs(ids, positions, mask.unsqueeze(1))
+    mask = additive_mask(allowed, dtype, device)
+    return PassInputs(_to(ids, device), _to(positions, device), mask.unsqueeze(1))
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    """0 where ``allowed`` (a host boolean tensor), the dtype's lowest value elsewhere, made on ``device``."""
+    allowed = _to(allowed, device)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def _to(tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """``tensor`` (on the host) on ``device``, copied without waiting for the device; itself when already there."""
+    return tensor if device is None else tensor.to(device, non_blocking=True)
 
 
 def split_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
@@ -101,7 +144,7 @@ def split_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module
         return None
     if decoder is model or not isinstance(head, torch.nn.Linear):
         return None
-    probe = torch.arange(3).view(1, 3) % head.out_features
+    probe = torch.arange(3, device=model_device(model)).view(1, 3) % head.out_features
     with torch.inference_mode():
         full = model(input_ids=probe, use_cache=False).logits
         hidden = decoder(input_ids=probe, use_cache=False).last_hidden_state
@@ -171,16 +214,20 @@ def keep_accepted(cache: Any, rows: Sequence[int], cache_lens: Sequence[int], pa
     contiguous = (list(rows) == list(range(len(cache_lens)))
                   and all(cache_lens[row] == slots and list(paths[row]) == list(range(len(paths[row])))
                           for row in rows))
+    if contiguous:  # the common single-sequence case: the accepted entries already follow the old ones
+        for holder, name in holders:
+            setattr(holder, name, getattr(holder, name)[:, :, :new_slots])
+        return new_lens
+    sources = [torch.tensor([slots] + [slots + 1 + node for node in paths[row]]) for row in rows]
+    on_device: dict[torch.device, list[torch.Tensor]] = {}  # the slot indices, sent once to each cache device
     for holder, name in holders:
         tensor = getattr(holder, name)
-        if contiguous:  # the common single-sequence case: the accepted entries already follow the old ones
-            setattr(holder, name, tensor[:, :, :new_slots])
-            continue
+        if tensor.device not in on_device:
+            on_device[tensor.device] = [_to(source, tensor.device) for source in sources]
         kept = tensor.new_zeros(len(rows), tensor.shape[1], new_slots, tensor.shape[3])  # stale slots: finite
-        for out, row in enumerate(rows):
+        for out, (row, source) in enumerate(zip(rows, on_device[tensor.device], strict=True)):
             length = cache_lens[row]
             kept[out, :, :length] = tensor[row, :, :length]
-            source = [slots] + [slots + 1 + node for node in paths[row]]
             kept[out, :, length:length + len(source)] = tensor[row, :, source]
         setattr(holder, name, kept)
     return new_lens
