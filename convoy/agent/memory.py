@@ -103,13 +103,16 @@ class TreeSampler:
     """Samples a process tree on a thread of its own and keeps the peak of each measure.
 
     ``window()`` returns the peak since the last call and starts a new window, so the agent can measure
-    exactly one iteration: call it when the iteration starts and again when it ends.
+    exactly one iteration: call it when the iteration starts and again when it ends. A sample reads
+    ``smaps_rollup`` (milliseconds for a process that imported torch, under the process's memory-map lock),
+    so the agent samples often only while it measures (``set_interval``).
     """
 
     def __init__(self, root_pid: int, interval_s: float = SAMPLE_INTERVAL_S) -> None:
         self.root_pid, self.interval_s = root_pid, interval_s
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self.latest = TreeMemory()
         self._reset_window()
@@ -126,7 +129,13 @@ class TreeSampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             self.sample_once()
-            self._stop.wait(self.interval_s)
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+
+    def set_interval(self, interval_s: float) -> None:
+        """Sample every ``interval_s`` from now on (the next sample at once)."""
+        self.interval_s = interval_s
+        self._wake.set()
 
     def sample_once(self) -> TreeMemory:
         """Take one sample now (the thread calls this; a caller may too, e.g. right before reading a peak)."""
@@ -156,6 +165,7 @@ class TreeSampler:
 
     def stop(self) -> MemoryPeak:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join()
         return self.peak()

@@ -1,7 +1,7 @@
 """The memory of a node's role processes: each one's limit enforced, its peak sampled, its measuring iteration.
 
-Every role process gets a ``TreeSampler`` from its start (every few ms for the one that measures its role's
-iteration, less often for the rest) and, when its assignment carries a limit, a ``MemoryLimit`` (a cgroup, else
+Every role process gets a ``TreeSampler`` from its start (every few ms while one measures its role's iteration,
+less often otherwise) and, when its assignment carries a limit, a ``MemoryLimit`` (a cgroup, else
 the RSS watchdog, with one warning). The measuring iteration is marked by the script's worker events
 (``convoy.measure``), taken on the log pump's thread as the line arrives, so the sampling window opens and closes
 with the iteration. ``report`` builds what the agent sends the master: the node's free memory, each process's
@@ -29,7 +29,8 @@ from convoy.errors import ConfigError, ConvoyError, MasterUnreachableError
 from convoy.measure import BASELINE, BEGIN, END
 
 MEASURE_INTERVAL_S = 0.005
-"""How often the measuring process is sampled."""
+"""How often the measuring process is sampled during its measured iteration (a sample costs a few ms of CPU,
+so before and after it every role process is sampled at ``PEAK_INTERVAL_S``)."""
 PEAK_INTERVAL_S = 0.05
 """How often every other role process is sampled (its peak for status and the margin)."""
 REPORT_S = 1.0
@@ -119,8 +120,8 @@ class RoleMemory:
         key = (assignment.role, assignment.rank, assignment.incarnation)
         if limit is not None:
             limit.add(pid)
-        interval = MEASURE_INTERVAL_S if assignment.measure else PEAK_INTERVAL_S
-        watched = Watched(key, TreeSampler(pid, interval).start(), limit, assignment.measure)
+        # the measuring process too: it is sampled every few ms only between its iteration's begin and end
+        watched = Watched(key, TreeSampler(pid, PEAK_INTERVAL_S).start(), limit, assignment.measure)
         with self._lock:
             self.watched[key] = watched
             self._news = True
@@ -143,8 +144,11 @@ class RoleMemory:
                 watched.shape = _shape(message)
                 watched.sampler.window()
                 watched.measuring = bool(watched.shape)
+                if watched.measuring:
+                    watched.sampler.set_interval(MEASURE_INTERVAL_S)
             elif kind == END and watched.measuring:
                 peak, watched.measuring = watched.sampler.window(), False
+                watched.sampler.set_interval(PEAK_INTERVAL_S)
                 watched.measured = _measured(watched.shape, watched.baseline or TreeMemory(), peak, message)
             self._news = True
 

@@ -124,3 +124,20 @@ def test_a_gone_process_reads_as_empty() -> None:
     sampler = TreeSampler(proc.pid, interval_s=0.001).start()
     time.sleep(0.05)
     assert sampler.stop().num_samples == 0, "samples of nothing are not counted"
+
+
+def test_a_sampler_samples_often_only_while_asked_and_at_once_when_asked() -> None:
+    with TreeSampler(os.getpid(), interval_s=30.0) as sampler:
+        time.sleep(0.2)
+        assert sampler.peak().num_samples == 1, "a 30 s interval took more than its first sample"
+        sampler.set_interval(0.005)
+        time.sleep(0.3)
+        fine = sampler.peak().num_samples
+        assert fine >= 5, fine
+        sampler.set_interval(30.0)
+        time.sleep(0.1)
+        settled = sampler.peak().num_samples
+        time.sleep(0.3)
+        assert sampler.peak().num_samples == settled, "it went on sampling every few ms"
+        began = time.monotonic()
+    assert time.monotonic() - began < 5, "stop waited out the 30 s interval"
