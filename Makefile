@@ -4,7 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BENCHES := launch checkpoint faults allreduce pipeline local_sgd embedding lookahead gbdt confidential sequence ps \
-	ps_transport api_load live_config hf_trainer dashboard lightning_trainer torchrun_lines
+	ps_transport api_load live_config hf_trainer dashboard lightning_trainer torchrun_lines strategy
+# benchmarks/gpu.py needs a CUDA device: run it on a GPU machine (python3 benchmarks/gpu.py), or --quick --device cpu
 SHELL := /bin/bash
 
 .PHONY: setup demo test bench clean
