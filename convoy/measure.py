@@ -3,12 +3,14 @@
 A role whose count or memory is ``auto`` is sized from its rank 0's one iteration: this module tells the agent
 (by worker events on stderr, which its log pump reads at once) when that iteration begins and ends and what it
 is made of; the agent samples the process tree and reports the peak. Outside a measured process (another rank,
-plain ``python``) the calls only print their marked lines. Torch-free: a model is only asked for its parameters.
+plain ``python``) the calls only print their marked lines. Torch-free: a model is only asked for its
+parameters, and on a GPU ``torch.cuda`` (where the script imported torch) for the iteration's reserved peak.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from types import TracebackType
 from typing import Any
 
@@ -52,11 +54,16 @@ class measure_iteration:  # noqa: N801 (used as a function: ``with convoy.measur
         self.activation_bytes = activation_bytes
 
     def begin(self) -> measure_iteration:
+        cuda = _cuda_in_use()
+        if cuda is not None:
+            cuda.reset_peak_memory_stats()
         emit(BEGIN, json.dumps(self.shape))
         return self
 
     def end(self) -> None:
-        emit(END, json.dumps({"activation_bytes": self.activation_bytes}))
+        cuda = _cuda_in_use()
+        gpu_peak = int(cuda.max_memory_reserved()) if cuda is not None else None
+        emit(END, json.dumps({"activation_bytes": self.activation_bytes, "gpu_peak_bytes": gpu_peak}))
 
     def __enter__(self) -> measure_iteration:
         return self.begin()
@@ -65,3 +72,13 @@ class measure_iteration:  # noqa: N801 (used as a function: ``with convoy.measur
                  trace: TracebackType | None) -> None:
         if kind is None:
             self.end()
+
+
+def _cuda_in_use() -> Any:
+    """``torch.cuda`` where the script already uses a GPU (torch imported, CUDA initialised), else None: the
+    measuring iteration's GPU peak is then what the caching allocator reserved (``max_memory_reserved``)."""
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    if cuda is None or not cuda.is_available() or not cuda.is_initialized():
+        return None
+    return cuda

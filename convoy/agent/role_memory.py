@@ -239,7 +239,8 @@ def join_memory() -> dict[str, int]:
 
 def _measured(shape: dict[str, int], baseline: TreeMemory, peak: MemoryPeak, message: str) -> p.MeasuredIterationReport:
     return p.MeasuredIterationReport(
-        **shape, activation_bytes=_activation(message), peak_rss_bytes=peak.rss_bytes,
+        **shape, activation_bytes=_end_figure(message, "activation_bytes"),
+        gpu_peak_bytes=_end_figure(message, "gpu_peak_bytes"), peak_rss_bytes=peak.rss_bytes,
         peak_uss_bytes=peak.uss_bytes, baseline_rss_bytes=min(baseline.rss_bytes, peak.rss_bytes),
         baseline_uss_bytes=min(baseline.uss_bytes, peak.uss_bytes), duration_s=peak.duration_s,
         num_samples=peak.num_samples)
@@ -256,12 +257,13 @@ def _shape(message: str) -> dict[str, int]:
     return shape if valid and max(shape.values()) < 2**50 else {}
 
 
-def _activation(message: str) -> int | None:
+def _end_figure(message: str, name: str) -> int | None:
+    """A byte count the end event carries (``activation_bytes``, ``gpu_peak_bytes``); None where absent or bad."""
     try:
-        value = json.loads(message).get("activation_bytes")
+        value = json.loads(message).get(name)
     except (ValueError, AttributeError):
         return None
-    return int(value) if isinstance(value, (int, float)) and value >= 0 else None
+    return int(value) if isinstance(value, (int, float)) and 0 <= value < 2**60 else None
 
 
 def _meminfo(name: str) -> int:

@@ -175,6 +175,8 @@ class MeasuredIterationReport(BaseModel):
     baseline_uss_bytes: int = Field(ge=0, le=2**60)
     duration_s: float = Field(ge=0)
     num_samples: int = Field(ge=0)
+    gpu_peak_bytes: Optional[int] = Field(default=None, ge=0, le=2**60)
+    """On a GPU: what the caching allocator reserved at most during the iteration (None: no GPU in use)."""
 
 
 class ProcessMemory(BaseModel):

@@ -168,6 +168,8 @@ class RoleSizing:
         what = (f"predicted {_mib(prediction.rss_bytes)} per process from the measuring iteration (peak "
                 f"{_mib(figures.peak_rss_bytes)} RSS over {figures.duration_s:.2f} s, batch {figures.batch_size}), "
                 f"limit {_mib(limit)} (margin {self.margin.margin():.1%})")
+        if figures.gpu_peak_bytes is not None:  # the same batch on every process: the same GPU memory each
+            what += f"; GPU memory {_mib(figures.gpu_peak_bytes)} per process (the iteration's reserved peak)"
         if sized.spec.count.auto:
             room = self._room(free, limit, running, sized.spec)
             homes = _spread(room, 1)

@@ -4,6 +4,7 @@ carry, an iteration that raises left open, and the model state counted from a mo
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -41,7 +42,39 @@ def test_the_iteration_is_marked_with_its_shape_begin_and_end(capsys: pytest.Cap
     seen = events(capsys.readouterr().err)
     assert [kind for kind, _ in seen] == [BASELINE, BEGIN, END]
     assert json.loads(seen[1][1]) == {"batch_size": 64, "sample_bytes": 512, "state_bytes": 4096}
-    assert json.loads(seen[2][1]) == {"activation_bytes": 777}
+    assert json.loads(seen[2][1]) == {"activation_bytes": 777, "gpu_peak_bytes": None}, "no GPU in use here"
+
+
+class FakeCuda:
+    """What ``torch.cuda`` answers on a GPU process (this machine has none): the allocator's peak, reset on demand."""
+
+    def __init__(self) -> None:
+        self.peak, self.resets = 5 * 2**30, 0
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def reset_peak_memory_stats(self) -> None:
+        self.resets += 1
+        self.peak = 0
+
+    def max_memory_reserved(self) -> int:
+        return self.peak
+
+
+def test_on_a_gpu_the_iteration_reports_the_allocators_reserved_peak_of_that_iteration(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    cuda = FakeCuda()
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    with convoy.measure_iteration(batch_size=8, sample_bytes=16):
+        cuda.peak = 3 * 2**30  # what this iteration reserved, after the reset at its start
+    seen = events(capsys.readouterr().err)
+    assert cuda.resets == 1 and json.loads(seen[-1][1])["gpu_peak_bytes"] == 3 * 2**30
 
 
 def test_an_iteration_that_raises_is_not_ended(capsys: pytest.CaptureFixture[str]) -> None:

@@ -84,6 +84,14 @@ def test_auto_workers_start_the_chief_alone_then_as_many_as_the_free_memory_and_
     assert master.roles.world_size("worker") == 1 + len(started)
 
 
+def test_a_measured_gpu_peak_is_said_with_the_prediction() -> None:
+    master = job_of({"n0": (10 * 1024 * MIB, 2), "n1": (10 * 1024 * MIB, 2)})
+    chief_node, _ = chief_running(master)
+    events = measure(master, chief_node, FIGURES.model_copy(update={"gpu_peak_bytes": 3 * 1024 * MIB}))
+    predicted = [e.message for e in events if e.kind == "role_predicted"]
+    assert predicted and "GPU memory 3072.0 MiB per process" in predicted[0], predicted
+
+
 def test_memory_auto_holds_the_requested_ranks_until_measured_then_places_them_with_the_limit() -> None:
     master = job_of({"n0": (2048 * MIB, 4), "n1": (4096 * MIB, 4)}, workers="3", memory_auto=True)
     chief_node, _ = chief_running(master)
