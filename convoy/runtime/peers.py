@@ -123,9 +123,13 @@ class SnapshotRestore:
             self.snapshots.pin_for_device()  # the model's and optimizer's copies from the segment then run by DMA
         params = self.state.optimizer_params()
         # made where the optimizer keeps them (a GPU's moments on the GPU), so loading them moves no bytes
+        def empty_for(index: int, value: Any) -> Any:
+            device = params[index].device
+            return map_leaves(value, torch.Tensor,
+                              lambda t: torch.empty_like(t, device=device if t.dim() else t.device))
+
         empty = {**views["optim"], "state": {
-            index: {name: torch.empty_like(value, device=params[index].device if value.dim() else value.device)
-                    if isinstance(value, torch.Tensor) else value for name, value in param_state.items()}
+            index: {name: empty_for(index, value) for name, value in param_state.items()}
             for index, param_state in saved.items()}}
         self.state.apply({"model": views["model"], "optim": empty, **small})
         pairs = [(optimizer.state[params[index]][name], value) for index, param_state in saved.items()
