@@ -222,6 +222,19 @@ def lookahead(args: argparse.Namespace, device: torch.device) -> dict[str, float
     return {method: statistics.median(values) for method, values in speed.items()} | {"same": float(same)}
 
 
+def shm_problem(args: argparse.Namespace) -> str | None:
+    """Why ``/dev/shm`` cannot hold the two snapshot slots of this model (parameters and both Adam moments in
+    float32, in two slots), or None; the Checkpointer would turn snapshots off, so the run says so instead."""
+    params = args.layers * (8 * args.hidden ** 2 + 5 * args.hidden)
+    needed = 2 * 3 * 4 * params + (64 << 20)
+    free = shutil.disk_usage("/dev/shm").free
+    if free >= needed:
+        return None
+    return (f"two snapshots of this model need {needed / 1e9:.1f} GB in /dev/shm, which has {free / 1e9:.1f} GB "
+            "free: give it more room (a container's --shm-size, or mount -o remount,size=64G /dev/shm), or a "
+            "smaller --layers")
+
+
 def line(name: str, measured: str, goal: str, met: bool) -> str:
     return f"target {name}: {measured} (goal {goal}) {'met' if met else 'missed'}"
 
@@ -255,31 +268,41 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch "
           f"{torch.__version__}", flush=True)
-    try:
-        worker_env(args.job_id)
-        print("(1) step time: no saves, convoy's snapshot every step, dcp.async_save every step", flush=True)
-        times = overhead(args, device)
-        print("(2) restore from shared memory after a SIGKILL", flush=True)
-        restored = restores(args)
-    finally:
-        for job_id in (args.job_id, f"{args.job_id}-restore"):
-            segment_path(job_id, f"{NODE_ID}-local0").unlink(missing_ok=True)
+    room = shm_problem(args)
+    times: dict[str, list[float]] | None = None
+    restored: list[float] = []
+    if room is None:
+        try:
+            worker_env(args.job_id)
+            print("(1) step time: no saves, convoy's snapshot every step, dcp.async_save every step", flush=True)
+            times = overhead(args, device)
+            print("(2) restore from shared memory after a SIGKILL", flush=True)
+            restored = restores(args)
+        finally:
+            for job_id in (args.job_id, f"{args.job_id}-restore"):
+                segment_path(job_id, f"{NODE_ID}-local0").unlink(missing_ok=True)
+    else:
+        print(f"(1) and (2) not run: {room}", flush=True)
     print("(3) lookahead decoding, retrieval prompts" if not args.skip_lookahead else "(3) lookahead: skipped")
     decoded = lookahead(args, device) if not args.skip_lookahead else "skipped (--skip-lookahead)"
-    none, snap, dcp_time = (statistics.median(times[k]) for k in ("none", "convoy", "dcp"))
-    state = times["state_bytes"][0]
-    print(f"\nstep time (median of {args.reps} blocks): none {none * 1e3:.1f} ms, convoy snapshot {snap * 1e3:.1f} ms "
-          f"(+{(snap / none - 1) * 100:.1f}%), dcp.async_save {dcp_time * 1e3:.1f} ms "
-          f"(+{(dcp_time / none - 1) * 100:.1f}%)")
     on_gpu = device.type == "cuda"
-    big = state >= GOAL_STATE_BYTES
-    why = "" if on_gpu and big else f" [{'not on a GPU' if not on_gpu else f'state {state / 1e9:.1f} GB < 10 GB'}]"
-    print(line("snapshot_overhead", f"+{(snap / none - 1) * 100:.1f}% a step, state {state / 1e9:.1f} GB on "
-               f"{device}; dcp.async_save +{(dcp_time / none - 1) * 100:.1f}%{why}", "<= 5%, state >= 10 GB on a GPU",
-               on_gpu and big and snap / none - 1 <= GOAL_OVERHEAD))
-    worst = max(restored)
-    print(line("restore", f"{statistics.median(restored):.2f} s median, {worst:.2f} s worst over {len(restored)}{why}",
-               "<= 3 s", on_gpu and big and worst <= GOAL_RESTORE_S))
+    if times is None:
+        print(line("snapshot_overhead", f"not run: {room}", "<= 5%, state >= 10 GB on a GPU", False))
+        print(line("restore", f"not run: {room}", "<= 3 s", False))
+    else:
+        none, snap, dcp_time = (statistics.median(times[k]) for k in ("none", "convoy", "dcp"))
+        state = times["state_bytes"][0]
+        print(f"\nstep time (median of {args.reps} blocks): none {none * 1e3:.1f} ms, convoy snapshot "
+              f"{snap * 1e3:.1f} ms (+{(snap / none - 1) * 100:.1f}%), dcp.async_save {dcp_time * 1e3:.1f} ms "
+              f"(+{(dcp_time / none - 1) * 100:.1f}%)")
+        big = state >= GOAL_STATE_BYTES
+        why = "" if on_gpu and big else f" [{'not on a GPU' if not on_gpu else f'state {state / 1e9:.1f} GB < 10 GB'}]"
+        print(line("snapshot_overhead", f"+{(snap / none - 1) * 100:.1f}% a step, state {state / 1e9:.1f} GB on "
+                   f"{device}; dcp.async_save +{(dcp_time / none - 1) * 100:.1f}%{why}",
+                   "<= 5%, state >= 10 GB on a GPU", on_gpu and big and snap / none - 1 <= GOAL_OVERHEAD))
+        worst = max(restored)
+        print(line("restore", f"{statistics.median(restored):.2f} s median, {worst:.2f} s worst over "
+                   f"{len(restored)}{why}", "<= 3 s", on_gpu and big and worst <= GOAL_RESTORE_S))
     if isinstance(decoded, str):
         for name in ("lookahead_vs_greedy", "lookahead_vs_prompt_lookup"):
             print(line(name, f"not run: {decoded}", f">= {GOAL_VS_GREEDY}x, >= {GOAL_VS_LOOKUP}x", False))

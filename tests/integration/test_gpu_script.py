@@ -40,3 +40,13 @@ def test_a_cuda_run_without_a_gpu_is_refused_in_one_line() -> None:
                             text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "torch sees no CUDA device here" in result.stderr and "--device cpu" in result.stderr
+
+
+def test_a_dev_shm_too_small_for_the_snapshots_is_said_and_their_targets_missed() -> None:
+    result = subprocess.run([sys.executable, "benchmarks/gpu.py", "--device", "cpu", "--skip-lookahead",
+                             "--layers", "100000", "--hidden", "4096"], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    targets = [line for line in result.stdout.splitlines() if line.startswith("target ")]
+    assert targets[0].startswith("target snapshot_overhead: not run: two snapshots of this model need"), targets
+    assert "GB in /dev/shm" in targets[1] and all(line.endswith("missed") for line in targets), targets
