@@ -1,12 +1,12 @@
 """Snapshots of CUDA tensors: copied into the shared-memory segment on a side stream, overlapped with compute.
 
-The segment (an mmap of ``/dev/shm``) is page-locked once with ``cudaHostRegister``, so device-to-host copies
-land in it directly by DMA without holding up the host. Where registration is refused (a driver that will not
-pin a shared mapping, a locked-memory limit), a pinned staging buffer as large as the CUDA part of the state
-takes the copies and the background thread moves them into the segment (said once). Each batch of copies ends
-in an event: the compute stream waits on it (``guard``) before it may change what the copies read, and the host
-waits on it only off the training thread, to mark a slot complete. Which tensor goes which way
-(``split_by_device``) is pure and apart from the CUDA calls.
+The segment (an mmap of ``/dev/shm``) is page-locked once with ``cudaHostRegister``, so device-to-host copies land
+in it directly by DMA without holding up the host. Where registration is refused (a driver that will not pin a
+shared mapping, a locked-memory limit), a pinned staging buffer laid out as the slot (each tensor at its slot
+offset) takes the copies and the background thread moves them into the segment (said once). Each batch of copies
+ends in an event: the compute stream waits on it (``guard``) before it may change what the copies read, and the host
+waits on it only off the training thread, to mark a slot complete. Which tensor goes which way (``split_by_device``)
+is pure and apart from the CUDA calls.
 """
 
 from __future__ import annotations
@@ -16,9 +16,6 @@ from typing import Any, Callable
 
 import torch
 
-from convoy.runtime.slots import layout
-
-
 def split_by_device(tensors: Sequence[torch.Tensor], indices: Sequence[int]) -> tuple[list[int], list[int]]:
     """``indices`` of tensors in host memory and of tensors on a CUDA device, in their order."""
     host = [i for i in indices if tensors[i].device.type != "cuda"]
@@ -26,9 +23,11 @@ def split_by_device(tensors: Sequence[torch.Tensor], indices: Sequence[int]) -> 
     return host, cuda
 
 
-def staging_bytes(tensors: Sequence[torch.Tensor]) -> int:
-    """Bytes a pinned staging buffer needs to hold ``tensors`` at the segment's alignment."""
-    return layout(list(tensors))[1]
+def staging_extent(sources: Sequence[torch.Tensor], offsets: Sequence[int]) -> int:
+    """Bytes a staging buffer needs to hold ``sources`` at their slot ``offsets``. Staged where they will land in
+    the slot, the batches of one snapshot (buffers now, parameters later) never overwrite each other."""
+    return max((offset + source.numel() * source.element_size() for source, offset in zip(sources, offsets,
+                                                                                         strict=True)), default=0)
 
 
 class CudaCopies:
@@ -71,10 +70,12 @@ class CudaCopies:
             torch.cuda.cudart().cudaHostUnregister(pointer)
 
     def to_host(self, sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
-                pinned: bool) -> tuple[torch.cuda.Event, Callable[[], None]]:
+                staged_at: Sequence[int] | None) -> tuple[torch.cuda.Event, Callable[[], None]]:
         """Start copying CUDA ``sources`` into the host ``targets`` (views into the segment) after the work queued
         so far; returns the event that ends the copies and ``landed``, which waits for it (off the training
-        thread) and, where the segment is not ``pinned``, moves the staged bytes into it."""
+        thread). ``staged_at`` (the targets' slot offsets; None where the segment is page-locked): the copies go
+        to a pinned buffer at those offsets first, and ``landed`` moves them into the segment."""
+        pinned = staged_at is None
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream())
         if pinned:
@@ -84,7 +85,8 @@ class CudaCopies:
                     target.copy_(source.detach(), non_blocking=True)
             event = stream.record_event()
             return event, event.synchronize
-        staged = self._stage(sources)
+        assert staged_at is not None
+        staged = self._stage(sources, staged_at)
         with torch.cuda.stream(stream):
             for source, buffer in zip(sources, staged, strict=True):
                 source.record_stream(stream)
@@ -113,18 +115,14 @@ class CudaCopies:
         """What runs before ``optimizer.step()``: the compute stream waits for the copies; the host does not."""
         return lambda: torch.cuda.current_stream().wait_event(event)
 
-    def _stage(self, sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Views of a pinned staging buffer shaped like ``sources`` (the buffer is kept and grown as needed)."""
-        offsets, total = layout(list(sources))
-        if self._staging is None or self._staging.numel() < total:
-            self._staging = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    def _stage(self, sources: Sequence[torch.Tensor], offsets: Sequence[int]) -> list[torch.Tensor]:
+        """Views of the pinned staging buffer shaped like ``sources`` at ``offsets`` (kept, grown as needed: views
+        handed out before still hold the buffer they point into)."""
+        extent = staging_extent(sources, offsets)
+        if self._staging is None or self._staging.numel() < extent:
+            self._staging = torch.empty(extent, dtype=torch.uint8, pin_memory=True)
         return [self._staging[offset:offset + source.numel() * source.element_size()]
                 .view(source.dtype).view(source.shape) for source, offset in zip(sources, offsets, strict=True)]
-
-    def close(self) -> None:
-        """Unregister what is still page-locked (the segment is about to go)."""
-        for pointer, size in list(self._registered.items()):
-            self.unpin(pointer, size)
 
 
 def has_cuda(state: Any) -> bool:

@@ -118,7 +118,8 @@ class RankSnapshots:
         copies = self.pin_for_device()
         assert file.segment is not None
         targets = file.views(index, [tensors[i] for i in chosen], [offsets[i] for i in chosen])
-        return copies.to_host([tensors[i] for i in chosen], targets, copies.pinned(file.segment))
+        staged_at = None if copies.pinned(file.segment) else [offsets[i] for i in chosen]
+        return copies.to_host([tensors[i] for i in chosen], targets, staged_at)
 
     def pin_for_device(self) -> CudaCopies:
         """Page-lock the segment for CUDA (once), so copies between it and a GPU run by DMA; the copier."""

@@ -11,8 +11,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from convoy.errors import ConfigError
 from convoy.runtime.checkpoint_state import BackgroundCopy
-from convoy.runtime.cuda_copy import has_cuda, split_by_device, staging_bytes
+from convoy.runtime.cuda_copy import has_cuda, split_by_device, staging_extent
 from convoy.runtime.devices import CUDA_BACKEND, BackendChoice, choose_backend, nccl_environment
+from convoy.runtime.slots import layout
 
 
 @pytest.mark.parametrize(("requested", "gpus", "local_rank", "expected"), [
@@ -69,7 +70,10 @@ def test_snapshot_tensors_on_a_gpu_are_told_apart_from_host_ones() -> None:
     assert split_by_device(tensors, [3, 2]) == ([2], [3])
     assert has_cuda({"model": {"w": host[0]}, "optim": [(1, on_gpu[1])]})
     assert not has_cuda({"model": {"w": host[0]}, "step": 3, "rng": [host[1]]})
-    assert staging_bytes(on_gpu) == 64 + 64  # 60 and 14 bytes, each at the segment's 64-byte alignment
+    offsets, _ = layout(tensors)  # where each lands in a slot; the staging buffer mirrors it
+    assert staging_extent([on_gpu[0]], [offsets[1]]) == offsets[1] + 60
+    assert staging_extent([on_gpu[1]], [offsets[3]]) == offsets[3] + 14, "the later batch needs the farther end"
+    assert offsets[1] + 60 <= offsets[3], "two batches of one snapshot, staged at their slot offsets, never overlap"
 
 
 def test_a_guarded_copy_lets_the_gpu_wait_and_the_host_joins_it_later() -> None:
