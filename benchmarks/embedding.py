@@ -17,8 +17,11 @@ together under DDP (gloo) with every rank holding all the rows:
   step time is the only difference. (``SparseAdam`` for the table would be an optimizer convoy's
   run does not use.)
 
-All runs start from the same rows. Measured per run: per-rank table memory (rows, and rows plus
-the table's gradient: dense, or the largest sparse one seen), peak RSS, and the median step time
+All runs start from the same rows. Per run: per-rank table memory as sizes (rows, and rows plus
+the table's gradient: dense, or the largest sparse one seen), and as measured: peak RSS, and how
+much the anonymous resident memory (``RssAnon``, no shared-library pages) grew from just before
+the model was built to its largest after a step, gradients still held (the busiest rank): what
+the memory target compares; and the median step time
 (first 2 steps left out); the loss of every step is compared with one process training the same
 model on all ranks' batches put together. The step-time target and the headline ratio are
 against the better (faster) peer at each size; the dense peer's ratio is printed beside it.
@@ -51,6 +54,7 @@ from ranks import rank_env, run_ranks  # noqa: E402
 WORKER = REPO / "benchmarks" / "scripts" / "embedding_worker.py"
 WORLD, DIM = 4, 64
 MEMORY_GOAL, SPEED_GOAL, SPEED_AT, LOSS_TOL = 0.25, 2.0, 10_000_000, 1e-5
+MEMORY_SLACK = 1.1  # "~1/4": the shard's gradient rows and the exchange's buffers come on top of 1/4 of the rows
 GB = 1e9
 
 
@@ -131,7 +135,8 @@ def main() -> int:
     print(f"\n{WORLD} ranks, one table of rows x {DIM} (fp32), bags of 20 ids, 512 samples per rank, plain SGD "
           f"(lr 0.05) everywhere; step = median of steps 3-{args.steps}")
     print(f"{'rows':>11}  {'run':<20}{'ranks':>6}{'table MB/rank':>15}{'+grad MB':>10}{'rows ratio':>12}"
-          f"{'peak RSS GB':>13}{'step ms':>10}{'x convoy':>10}{'max |loss - single|':>21}{'load':>6}")
+          f"{'peak RSS GB':>13}{'anon grew GB':>13}{'grew ratio':>12}{'step ms':>10}{'x convoy':>10}"
+          f"{'max |loss - single|':>21}{'load':>6}")
     memory_ratios, speedups, loss_gaps = [], {}, []
     for rows, sharded, peers, single, _ in results:
         best = min(PEERS, key=lambda m: peers[m]["step_s"])
@@ -140,14 +145,16 @@ def main() -> int:
         gap = loss_gap(sharded, single)
         if gap is not None:
             loss_gaps.append(gap)
-        memory_ratios.append(max(sharded["rows_bytes"] / peers[m]["rows_bytes"] for m in PEERS))
+        memory_ratios.append((max(sharded["anon_grown"] / peers[m]["anon_grown"] for m in PEERS), rows))
         for name, result in [("convoy, row-sharded", sharded)] + [(PEERS[m], peers[m]) for m in PEERS]:
             ratio = result["rows_bytes"] / peers["replicated"]["rows_bytes"]
             gap = loss_gap(result, single)
             gap_text = f"{gap:.1e}" if gap is not None else "not run" if single is None else "n/a"
             print(f"{rows:>11}  {name:<20}{result['world']:>6}{result['rows_bytes'] / 1e6:>15.1f}"
                   f"{(result['rows_bytes'] + result['grad_bytes']) / 1e6:>10.1f}{ratio:>12.3f}"
-                  f"{result['peak_rss'] / GB:>13.2f}{result['step_s'] * 1e3:>10.1f}"
+                  f"{result['peak_rss'] / GB:>13.2f}{result['anon_grown'] / GB:>13.2f}"
+                  f"{result['anon_grown'] / peers['replicated-sparse']['anon_grown']:>12.3f}"
+                  f"{result['step_s'] * 1e3:>10.1f}"
                   f"{result['step_s'] / sharded['step_s']:>9.1f}x{gap_text:>21}{result['load']:>6.1f}")
     for rows, _, peers, _, needs in results:
         for mode in PEERS:
@@ -155,6 +162,8 @@ def main() -> int:
                 print(f"  {rows} rows: {PEERS[mode]} needs about {needs[mode] / GB:.1f} GB for {WORLD} ranks, "
                       f"{available_bytes() / GB:.1f} GB available: it ran on {peers[mode]['world']} ranks (a lower "
                       "bound on its step time)")
+    print("  anon grew: RssAnon after a step (gradients held) less RssAnon before the model was built, largest "
+          f"step, busiest rank; grew ratio: against {PEERS['replicated-sparse']}'s")
     print("  load: the 1-minute load average when the run ended (2 cores, shared with other work); "
           "max |loss - single| is n/a for a run on fewer ranks (fewer batches per step)")
     print(f"  loss per step (sharded, 4 ranks): {[round(x, 5) for x in results[0][1]['losses']]}")
@@ -164,9 +173,11 @@ def main() -> int:
             f"{speedups[rows][m][0]:.1f}x faster than {PEERS[m]}" for m in PEERS))
 
     print()
-    worst = max(memory_ratios)
-    print(f"target table_memory: per-rank rows / replicated rows, worst {worst:.3f} (goal ~{MEMORY_GOAL}) "
-          f"{'met' if worst <= MEMORY_GOAL * 1.02 else 'missed'}")
+    worst, at = max(memory_ratios)
+    print(f"target table_memory: measured per-rank memory (RssAnon growth from before the model, busiest "
+          f"rank) sharded / replicated, worst {worst:.3f} (at {at} rows, against the peer that used less) "
+          f"(goal ~{MEMORY_GOAL}: <= {MEMORY_GOAL * MEMORY_SLACK:.3f}) "
+          f"{'met' if worst <= MEMORY_GOAL * MEMORY_SLACK else 'missed'}")
     if SPEED_AT in speedups:
         best = speedups[SPEED_AT]["best"]
         speedup, world = speedups[SPEED_AT][best]

@@ -7,10 +7,13 @@ An 8-block MLP cut into 4 stages (8 for interleaved and two-group). Four jobs:
 on a tiny width, so the schedule, not the 2-core CPU, is measured), ``real`` (width 384, real
 matmuls, 4 processes on however many cores there are) and ``overhead`` (width 16, nothing to
 compute: what each runtime itself costs). Per configuration: median step time
-(between barriers), convoy's measured bubble against the simulator's prediction for the
-measured per-action costs and message times, and peak activation memory (saved-for-backward
-bytes, the busiest rank). The bubble, measured or simulated, is 1 - W / (ranks x makespan),
-with W the compute one step needs (micro-batches x measured forward+backward of the model).
+(between barriers), convoy's measured bubble against the simulator's prediction, and peak
+activation memory (saved-for-backward bytes, the busiest rank). The bubble is 1 - W / (ranks x
+makespan), with W the compute one step needs (micro-batches x forward+backward of the model).
+Measured: W and the makespan from the configuration's own timed steps. Predicted: the simulator
+is given only the costs of the calibration run that precedes the timed steps (3 steps of 1F1B,
+a ping-pong for the message time, split forwards for the fills), never the configuration's own
+timings, so the prediction is checked against steps it has not seen.
 """
 
 from __future__ import annotations
@@ -59,8 +62,8 @@ def planning(found: dict) -> dict:
 
 
 def measured_costs(entry: dict, schedule: plans.Schedule, planned: Costs) -> Costs:
-    """The costs this configuration's own steps show: median unsplit forward and backward of a
-    stage (times the stage count), messages and fills as calibrated."""
+    """The compute this configuration's own steps show (for the measured bubble's W): median
+    unsplit forward and backward of a stage, times the stage count."""
     fwd = statistics.median(end - start for _, kind, _, _, peer, start, end in entry["spans"]
                             if kind == "F" and peer is None)
     bwd = statistics.median(end - start for _, kind, _, _, _, start, end in entry["spans"] if kind == "B")
@@ -72,14 +75,17 @@ def report(data: dict, png_dir: Path | None) -> dict[str, float]:
     m, found = data["microbatches"], data["costs"]
     costs = Costs(**planning(found))
     contended = data["mode"] == "overhead" or (data["mode"] == "real" and (os.cpu_count() or 1) < WORLD)
-    print(f"\n{data['mode']}, {WORLD} ranks, {m} micro-batches; measured forward {costs.forward * 1e3:.1f} ms and "
-          f"backward {costs.backward * 1e3:.1f} ms per micro-batch (whole model), message {costs.comm * 1e3:.2f} ms, "
+    print(f"\n{data['mode']}, {WORLD} ranks, {m} micro-batches; calibration run: forward {costs.forward * 1e3:.1f} "
+          f"ms and backward {costs.backward * 1e3:.1f} ms per micro-batch (whole model), message "
+          f"{costs.comm * 1e3:.2f} ms, "
           f"split forward of a stage {found['split_forward'] * 1e3:.1f} ms (fill message "
           f"{costs.fill_comm * 1e3:.2f} ms, parameter shard {costs.fill_params * 1e3:.2f} ms)")
     if contended:
         why = ("nothing to compute" if data["mode"] == "overhead" else
                f"{WORLD} ranks share {os.cpu_count()} cores, so a rank's idle time is mostly another rank computing")
         print(f"(bubble not shown: {why}; the emulated jobs measure the schedule)")
+    else:
+        print("(bubble sim.: the simulator given the calibration run's costs above, not the timed steps')")
     print(f"{'configuration':<32}{'step ms':>9}{'bubble meas.':>14}{'bubble sim.':>13}{'rel. diff':>11}"
           f"{'peak act. KiB':>15}{'loss[0]':>10}")
     numbers: dict[str, float] = {}
@@ -89,10 +95,9 @@ def report(data: dict, png_dir: Path | None) -> dict[str, float]:
         meas = sim = diff = None
         if "schedule" in entry and not contended:
             schedule, planned = convoy_schedule(entry["schedule"]["name"], m, found)
+            sim = 1 - m * (planned.forward + planned.backward) / (WORLD * simulate(schedule, planned).makespan)
             actual = measured_costs(entry, schedule, planned)
-            work = m * (actual.forward + actual.backward)
-            sim = 1 - work / (WORLD * simulate(schedule, actual).makespan)
-            meas = 1 - work / (WORLD * statistics.median(entry["makespans"]))
+            meas = 1 - m * (actual.forward + actual.backward) / (WORLD * statistics.median(entry["makespans"]))
             diff = abs(meas - sim) / sim
             numbers[f"bubble {name}"], numbers[f"diff {name}"] = meas, diff
             if png_dir is not None:

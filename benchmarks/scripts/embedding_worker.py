@@ -13,9 +13,12 @@ only), DDP allreduces it as a sparse tensor (gloo gathers every rank's indices a
 rate as convoy's ``SparseSGD`` and dense SGD, so all three take the same steps. ``single``: one
 process on all ranks' batches put together (``--world`` of them), the reference for the loss.
 Every mode starts from the same rows (``init_rows``). Rank 0 writes per-step losses, step times
-and memory as JSON; the table's gradient bytes are the dense gradient's size, or for
-``replicated-sparse`` the largest sparse gradient (indices and values, after DDP's allreduce)
-seen in any step.
+and memory as JSON. Memory is measured: each rank's anonymous resident memory (``RssAnon``) just
+before the model is built (torch and torch._dynamo imported, the process group up) and after every step, while
+the step's gradients are still held; the busiest rank's largest growth is what the table, its
+gradients, its optimizer and the collectives' buffers took. The table's gradient bytes are the
+dense gradient's size, or for ``replicated-sparse`` the largest sparse gradient (indices and
+values, after DDP's allreduce) seen in any step.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import sys
 import time
 
 import torch
+import torch._dynamo  # noqa: F401  (DDP imports it when built: loaded here, its ~70 MB of modules fall in the base)
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -81,6 +85,16 @@ class Replicated(nn.Module):
         return self.head(self.table(bags.ids, bags.offsets))
 
 
+def anonymous_bytes() -> int:
+    """This process's anonymous resident memory now (``RssAnon``: its heap, not the pages of the
+    shared libraries that a first forward and backward touch)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no RssAnon line")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", choices=["sharded", "replicated", "replicated-sparse", "single"], required=True)
@@ -97,11 +111,14 @@ def main() -> int:
     loss_fn = nn.BCEWithLogitsLoss()
     if args.mode == "single":
         rank, world = 0, 1
+        base_anon = anonymous_bytes()
         model = Replicated(spec)
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     else:
         dist.init_process_group("gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
+        dist.barrier()  # gloo's pairs are made, so their buffers count in the base
+        base_anon = anonymous_bytes()
     if args.mode == "sharded":
         tables = ShardedEmbeddingBagCollection([spec])
         head = DistributedDataParallel(mlp(args.dim))
@@ -117,7 +134,7 @@ def main() -> int:
         rows_bytes = grad_bytes = args.rows * args.dim * 4  # the rows and their dense gradient
     if args.mode == "replicated-sparse":
         grad_bytes = 0  # the largest sparse gradient, measured below
-    losses, times = [], []
+    losses, times, grown = [], [], 0
     for step in range(args.steps):
         if args.mode == "single":
             parts = [batch(r, step, args) for r in range(args.world)]
@@ -147,6 +164,7 @@ def main() -> int:
             loss.backward()
             optimizer.step()
         times.append(time.perf_counter() - began)
+        grown = max(grown, anonymous_bytes() - base_anon)  # the gradients are still held here
         if args.mode == "replicated-sparse":
             grad_bytes = max(grad_bytes, sparse_bytes(model.module.table.weight.grad))
         total = loss.detach().clone()
@@ -156,12 +174,13 @@ def main() -> int:
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if world > 1:
         peaks: list = [None] * world
-        dist.all_gather_object(peaks, peak_rss)
-        peak_rss = max(peaks)
+        dist.all_gather_object(peaks, (peak_rss, grown))
+        peak_rss, grown = max(p[0] for p in peaks), max(p[1] for p in peaks)
     if rank == 0:
         with open(args.out, "w") as out:
             json.dump({"mode": args.mode, "rows": args.rows, "world": world, "losses": losses, "times": times,
-                       "rows_bytes": rows_bytes, "grad_bytes": grad_bytes, "peak_rss": peak_rss}, out)
+                       "rows_bytes": rows_bytes, "grad_bytes": grad_bytes, "peak_rss": peak_rss,
+                       "anon_grown": grown}, out)
     if world > 1:
         dist.barrier()
     convoy.exit_without_teardown()
