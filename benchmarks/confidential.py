@@ -8,6 +8,12 @@ data.py), a test set drawn from all of them. For each task (linear least squares
 a torch MLP) in data mode:
 
 - pooled: the same solver on all providers' rows in one process, in plaintext (the quality peer);
+- reference (linear and logistic): scikit-learn's own solver on the pooled rows (``LinearRegression``;
+  ``LogisticRegression`` with the same L2 penalty, Newton-Cholesky, tolerance 1e-14), an implementation
+  convoy's code does not share, which the exactness targets compare the shared model with (the gap to
+  the same solver run in plaintext is printed beside it: it is zero unless the transport is broken);
+- other seeds (MLP): the pooled plaintext MLP trained with 3 other seeds (median accuracy), which the
+  MLP's quality target compares with, so that it measures training, not the same seed run twice;
 - local: each provider's own rows only;
 - shared: the model each provider decrypts after the enclave process trained on the sealed rows;
 - secure end to end: start the enclave (``unshare -n``), attest and open three sessions, send sealed rows,
@@ -96,23 +102,42 @@ def max_relative_gap(shared: dict, pooled: dict) -> float:
                for name in pooled)
 
 
+def reference_fit(config: EnclaveConfig, x: np.ndarray, y: np.ndarray) -> dict | None:
+    """scikit-learn's fit of the pooled rows, as convoy's coefficients (intercept last); none for the MLP."""
+    from sklearn.linear_model import LinearRegression, LogisticRegression
+
+    if config.task == "linear":
+        model = LinearRegression().fit(x, y)
+    elif config.task == "logistic":  # convoy minimises sum(log loss) + l2/2 |w|^2, sklearn C sum(log loss) + |w|^2/2
+        model = LogisticRegression(C=1 / config.l2, solver="newton-cholesky", tol=1e-14, max_iter=200).fit(x, y)
+    else:
+        return None
+    return {"coef": np.append(np.ravel(model.coef_), np.ravel(model.intercept_))}
+
+
 def bench_task(task: str, args: argparse.Namespace) -> dict:
     datasets, (test_x, test_y) = make_providers(task, 3, args.rows, args.features, seed=args.seed,
                                                 test_rows=max(3000, args.rows))
     providers = [Provider(f"provider-{index}", x, y) for index, (x, y) in enumerate(datasets)]
     config = EnclaveConfig(task=task, features=args.features, epochs=args.epochs, seed=args.seed,
                            parties=tuple(Party(p.name, p.identity_key) for p in providers)).validate()
-    pooled = fit(config, *pool(datasets))
-    result = {"task": task, "pooled": quality(config, pooled, test_x, test_y),
+    pooled_rows = pool(datasets)
+    pooled, reference = fit(config, *pooled_rows), reference_fit(config, *pooled_rows)
+    others = [quality(config, fit(replace(config, seed=config.seed + k), *pooled_rows), test_x, test_y)
+              for k in (1, 2, 3)] if task == "mlp" else []
+    result = {"task": task, "pooled": quality(config, pooled, test_x, test_y), "other_seeds": others,
               "local": [quality(config, p.local_model(config), test_x, test_y) for p in providers]}
-    secure_total, secure_session, plain_total, plain_session, gaps, shared_quality = [], [], [], [], [], []
+    secure_total, secure_session, plain_total, plain_session = [], [], [], []
+    gaps, same, shared_quality = [], [], []
     crypto = [crypto_seconds(providers, config, pooled) for _ in range(args.repeats)]
     for _ in range(args.repeats):
         models, total, session = timed_run(config, providers, secure=True)
         secure_total.append(total)
         secure_session.append(session)
         for model in models.values():
-            gaps.append(max_relative_gap(model, pooled))
+            same.append(max_relative_gap(model, pooled))
+            if reference is not None:
+                gaps.append(max_relative_gap(model, reference))
             shared_quality.append(quality(config, model, test_x, test_y))
         _, total, session = timed_run(config, providers, secure=False)
         plain_total.append(total)
@@ -121,8 +146,8 @@ def bench_task(task: str, args: argparse.Namespace) -> dict:
                               epochs=max(1, args.epochs // args.mlp_rounds) if task == "mlp" else args.epochs)
     averaged, _, _ = timed_run(averaged_config, providers, secure=True)
     result.update(
-        shared=min(shared_quality), gap=max(gaps), averaged=quality(averaged_config, averaged[providers[0].name],
-                                                                     test_x, test_y),
+        shared=min(shared_quality), gap=max(gaps, default=None), same=max(same),
+        averaged=quality(averaged_config, averaged[providers[0].name], test_x, test_y),
         secure_total=statistics.median(secure_total), plain_total=statistics.median(plain_total),
         secure_session=statistics.median(secure_session), plain_session=statistics.median(plain_session),
         crypto=statistics.median(crypto),
@@ -153,18 +178,23 @@ def main() -> int:
     print(f"\n3 providers x {args.rows} rows x {args.features} features; quality on {max(3000, args.rows)} test rows "
           "from all providers (R^2 for linear, accuracy otherwise); simulated attestation; medians of "
           f"{args.repeats} runs")
-    print(f"{'task':<9}{'local (each)':>22}{'pooled':>9}{'shared':>9}{'max rel gap':>13}{'averaged':>10}"
+    print(f"{'task':<9}{'local (each)':>22}{'pooled':>9}{'shared':>9}{'gap sklearn':>13}{'gap same':>10}"
+          f"{'averaged':>10}"
           f"{'data MB':>9}{'secure s':>10}{'plain s':>9}{'ratio':>7}{'session s':>11}{'plain s':>9}{'ratio':>7}"
           f"{'crypto s':>10}{'plain+crypto':>14}")
     for r in results:
         local = " ".join(f"{q:.3f}" for q in r["local"])
-        print(f"{r['task']:<9}{local:>22}{r['pooled']:>9.4f}{r['shared']:>9.4f}{r['gap']:>13.1e}{r['averaged']:>10.4f}"
+        gap = f"{r['gap']:.1e}" if r["gap"] is not None else "-"
+        print(f"{r['task']:<9}{local:>22}{r['pooled']:>9.4f}{r['shared']:>9.4f}{gap:>13}{r['same']:>10.1e}"
+              f"{r['averaged']:>10.4f}"
               f"{r['data_mb']:>9.1f}{r['secure_total']:>10.3f}{r['plain_total']:>9.3f}"
               f"{r['secure_total'] / r['plain_total']:>6.2f}x{r['secure_session']:>11.3f}{r['plain_session']:>9.3f}"
               f"{r['secure_session'] / r['plain_session']:>6.2f}x{r['crypto']:>10.3f}"
               f"{(r['plain_total'] + r['crypto']) / r['plain_total']:>13.2f}x")
-    print("  shared: the worst of the models the providers decrypted over all runs; max rel gap: the largest "
-          "|shared - pooled| / max(1, |pooled|) over parameters; averaged: model-sharing mode (weighted average "
+    print("  shared: the worst of the models the providers decrypted over all runs; gap sklearn: the largest "
+          "|shared - reference| / max(1, |reference|) over parameters, reference scikit-learn's fit of the pooled "
+          "rows; gap same: the same against convoy's solver run on the pooled rows in plaintext; averaged: "
+          "model-sharing mode (weighted average "
           f"of local models; the MLP over {args.mlp_rounds} rounds); session: without the enclave's start; "
           "crypto s: attestation, key derivation, sealing and opening of one run timed alone in this process, "
           "and plain+crypto the end-to-end ratio it implies (less noisy than the measured ratio on a busy machine)")
@@ -173,11 +203,15 @@ def main() -> int:
     by_task = {r["task"]: r for r in results}
     for task in ("linear", "logistic"):
         gap = by_task[task]["gap"]
-        print(f"target {task}_equals_pooled: max relative parameter gap {gap:.1e} (goal <= {EXACT_TOL:g}) "
+        print(f"target {task}_equals_pooled: max relative parameter gap to scikit-learn's fit of the pooled rows "
+              f"{gap:.1e} (goal <= {EXACT_TOL:g}) "
               f"{'met' if gap <= EXACT_TOL else 'missed'}")
     mlp = by_task["mlp"]
-    mlp_gap = abs(mlp["shared"] - mlp["pooled"]) / mlp["pooled"]
-    print(f"target mlp_within_1pct: |shared - pooled| / pooled accuracy {mlp_gap:.2%} (goal <= {MLP_TOL:.0%}) "
+    others = statistics.median(mlp["other_seeds"])
+    print(f"  MLP pooled in plaintext with 3 other seeds: accuracy {', '.join(f'{q:.4f}' for q in mlp['other_seeds'])}")
+    mlp_gap = abs(mlp["shared"] - others) / others
+    print(f"target mlp_within_1pct: |shared - pooled| / pooled accuracy, pooled the median of 3 other seeds, "
+          f"{mlp_gap:.2%} (goal <= {MLP_TOL:.0%}) "
           f"{'met' if mlp_gap <= MLP_TOL else 'missed'}")
     margin = min(r["shared"] - max(r["local"]) for r in results)
     print(f"target shared_beats_local: smallest margin of the shared model over the best local model, all tasks, "
