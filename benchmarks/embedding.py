@@ -26,7 +26,9 @@ the memory target compares; and the median step time
 model on all ranks' batches put together. The step-time target and the headline ratio are
 against the better (faster) peer at each size; the dense peer's ratio is printed beside it.
 TorchRec, the other peer, is run only if ``import torchrec`` works; otherwise one line says why
-not (this benchmark installs nothing).
+not (this benchmark installs nothing). Tried by hand on 2026-12-04: the newest on the package
+index, torchrec 1.9.2 with fbgemm-gpu-cpu 1.9.0, fails to load against torch 2.13
+(``fbgemm_gpu_tbe_index_select.so: undefined symbol``), so no TorchRec run exists here.
 
 A replicated 10M x 64 table needs its rows, its gradient and a gradient being accumulated,
 about 7.7 GB per rank with dense gradients: 4 ranks do not fit this 24 GB machine. Where a peer
