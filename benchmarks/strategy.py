@@ -4,13 +4,17 @@
 
 Four cases of examples/train_strategy.py's transformer: (a) ~20 M parameters on 4 ranks, 1.5 GB per rank;
 (b) a model plain DDP does not fit (200 MB per rank, 4 ranks); (c) two hosts of 2 ranks joined by a
-shaped link (network namespaces, ``tc``: 1 Gbit/s, 0.5 ms), where a hierarchical allreduce should win;
-(d) a long sequence (512 tokens) on 2 ranks whose whole batch does not fit without checkpointing.
+shaped link (network namespaces, ``tc``: 1 Gbit/s, 0.5 ms), where a hierarchical allreduce or local SGD
+should win; (d) a long sequence (512 tokens) on 2 ranks whose whole batch does not fit without
+checkpointing.
 Each case runs the search (profile, cost model, successive halving over the top 4) and then measures
-every feasible candidate the same way (1 warm-up + N timed steps), in the same ranks.
+every feasible candidate the way an exhaustive tuner would (ATorch dry-runs 10 warm-up and 15 profiled
+steps a candidate): ``--grid-rounds`` rounds, each candidate built anew in every round with 1 warm-up
+and ``--grid-steps`` timed steps, the rounds in rotated order so that a drift of this shared machine's
+speed falls on all candidates alike; a candidate's time is the median of all its timed steps.
 
-Sizing (2 CPU cores): steps of 0.1-2 s, about 8 feasible candidates a case, 3 timed steps in the grid,
-so the whole run takes about 10 minutes; ``--quick`` shrinks the models (under 3 minutes).
+Sizing (2 CPU cores): steps of 0.1-2 s, about 8 feasible candidates a case, 3 rounds of 4 timed steps
+in the grid; ``--quick`` shrinks the models.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ def key(strategy: dict) -> Strategy:
     return Strategy.from_dict(strategy)
 
 
-def run_case(name: str, hardware: Hardware, args: list[str], grid_steps: int) -> dict:
+def run_case(name: str, hardware: Hardware, args: list[str], grid_steps: int, grid_rounds: int) -> dict:
     place = None
     net = None
     if hardware.nodes > 1:
@@ -76,8 +80,8 @@ def run_case(name: str, hardware: Hardware, args: list[str], grid_steps: int) ->
                 return net.exec_prefix(host), {"MASTER_ADDR": net.host_address(0),
                                                "GLOO_SOCKET_IFNAME": net.host_link(host)}
     try:
-        result = run_search(EXAMPLE, args, hardware, exhaustive_steps=grid_steps, keep=4, first_steps=1,
-                            place=place)
+        result = run_search(EXAMPLE, args, hardware, exhaustive_steps=grid_steps, exhaustive_rounds=grid_rounds,
+                            keep=4, first_steps=1, place=place)
     finally:
         if net is not None:
             net.__exit__(None, None, None)
@@ -88,7 +92,8 @@ def summarize(name: str, hardware: Hardware, result: dict) -> dict:
     features = ModelFeatures.from_dict(result["features"])
     grid = {key(g["strategy"]): g for g in result.get("exhaustive", [])}
     errors = memory_errors(result)
-    peaks = [run[2] for e in result.get("measured", []) for run in e["runs"]] + [g["peak"] for g in grid.values()]
+    peaks = [run[2] for e in result.get("measured", []) for run in e["runs"]]
+    peaks += [peak for g in grid.values() for peak in g.get("peaks", [g["peak"]])]
     pick = key(result["winner"])
     best = min(grid.values(), key=lambda g: g["seconds"])
     plain = plain_ddp(features)
@@ -108,7 +113,8 @@ def summarize(name: str, hardware: Hardware, result: dict) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small models, for a smoke test")
-    parser.add_argument("--grid-steps", type=int, default=3, help="timed steps per candidate in the grid")
+    parser.add_argument("--grid-steps", type=int, default=4, help="timed steps per candidate and round in the grid")
+    parser.add_argument("--grid-rounds", type=int, default=3, help="rounds of the grid (each candidate built anew)")
     parser.add_argument("--only", default="", help="run only the cases whose name starts with these letters")
     args = parser.parse_args()
     summaries = []
@@ -117,7 +123,7 @@ def main() -> int:
             continue
         case_args = quick_args(case_args) if args.quick else case_args
         print(f"\n== case {name} ({' '.join(case_args)})", flush=True)
-        result = run_case(name, hardware, case_args, args.grid_steps)
+        result = run_case(name, hardware, case_args, args.grid_steps, args.grid_rounds)
         for note in result["notes"]:
             print(f"note: {note}")
         print(table(result, show_dropped=False))

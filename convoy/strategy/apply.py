@@ -1,9 +1,10 @@
 """``convoy.accelerate``: wrap a model and its optimizer as a strategy says; ``convoy.train_step`` runs one step.
 
 ``accelerate`` returns the wrapped model (DDP or FSDP2) and a new optimizer of the same class and
-settings over the wrapped parameters; ``train_step`` splits a rank's batch into micro-batches
-(gradients synchronised on the last only, for DDP), runs them under autocast where the strategy
-says, and steps the optimizer.
+settings over the wrapped parameters (``local``: DDP over the node's ranks, and the optimizer's steps
+followed by local SGD's averaging over all ranks every ``sync_every`` of them); ``train_step`` splits
+a rank's batch into micro-batches (gradients synchronised on the last only, for DDP), runs them under
+autocast where the strategy says, and steps the optimizer.
 """
 
 from __future__ import annotations
@@ -55,6 +56,43 @@ def _checkpoint_blocks(model: nn.Module) -> None:
         checkpoint(block)
 
 
+_NODE_GROUPS: dict[tuple[int, int], tuple[Any, Any]] = {}
+"""(the world group, ranks per node) -> (this rank's node group, local SGD's groups), made once: every
+rank makes the same groups in the same order, however many candidates a dry run builds."""
+
+
+def _local_sgd(model: nn.Module, optimizer: torch.optim.Optimizer, chosen: Strategy) -> nn.Module:
+    """DDP over this node's ranks; after each ``optimizer.step()``, local SGD over all ranks (a node's
+    ranks hold the same replica, so all ranks' average is the nodes' average)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from convoy.parallel.local_sgd import Layout, LocalSGD, make_groups
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if per_node < 1 or world % per_node:
+        raise ConfigError(f"the local strategy needs the same ranks on every node: WORLD_SIZE {world} is not a "
+                          f"multiple of LOCAL_WORLD_SIZE {per_node}")
+    key = (id(dist.group.WORLD), per_node)  # a new process group (a new round) makes its own
+    if key not in _NODE_GROUPS:
+        node_groups = [dist.new_group(list(range(start, start + per_node)), backend="gloo")
+                       for start in range(0, world, per_node)]
+        _NODE_GROUPS[key] = (node_groups[rank // per_node], make_groups(Layout(world, 1)))
+    node_group, groups = _NODE_GROUPS[key]
+    with torch.no_grad():  # one start for every replica, as DDP's constructor gives its group
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor, 0)
+    wrapped = model
+    if per_node > 1:
+        wrapped = DistributedDataParallel(model, process_group=node_group, bucket_cap_mb=chosen.bucket_mb,
+                                          gradient_as_bucket_view=True)
+    averaging = LocalSGD(model.parameters(), groups, chosen.sync_every)
+    steps = iter(range(2 ** 62))
+    optimizer.register_step_post_hook(lambda *_: averaging.step(next(steps)))
+    wrapped.convoy_local_sgd = averaging
+    return wrapped
+
+
 def _rebuilt(optimizer: torch.optim.Optimizer, params: Any) -> torch.optim.Optimizer:
     if len(optimizer.param_groups) != 1:
         raise ConfigError(f"convoy.accelerate rebuilds the optimizer over the wrapped parameters and takes one "
@@ -75,6 +113,8 @@ def accelerate(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: Str
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
         wrapped, new_optimizer = model, optimizer
+    elif chosen.kind == "local":
+        wrapped, new_optimizer = _local_sgd(model, optimizer, chosen), optimizer
     elif chosen.kind == "fsdp":
         from torch.distributed.fsdp import fully_shard
 

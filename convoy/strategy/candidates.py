@@ -4,7 +4,8 @@ Only combinations that make sense together: FSDP's own reduce-scatter has no all
 hierarchical allreduces only where nodes hold several ranks; checkpointing only where it lets a larger
 micro-batch fit than without it; bfloat16 only where the calibration step did not find it slower, or
 where nothing fits without it; intra-op threads only up to the cores a rank has; bucket sizes only
-for plain DDP at its largest micro-batch.
+for plain DDP at its largest micro-batch; local SGD (averaging every ``LOCAL_SGD_EVERY`` steps) only
+where there are several nodes, whose links are the slow ones.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ MICRO_BATCHES_KEPT = 2
 """The largest feasible micro-batches kept per combination (a smaller one can run faster from cache)."""
 SLOWER_BF16 = 1.5
 """bfloat16 measured this many times slower than float32 in the calibration step: not a candidate."""
+LOCAL_SGD_EVERY = 8
+"""Steps between local SGD's averagings (the held-out loss stayed within 1% of DDP's at 8 in
+``benchmarks/local_sgd.py``)."""
 
 
 @dataclass(frozen=True)
@@ -70,11 +74,12 @@ def micro_batches(batch: int) -> list[int]:
 def _combinations(features: ModelFeatures, hardware: Hardware) -> list[tuple[str, str, bool, int]]:
     world = hardware.world_size
     kinds = ["ddp"] + (["zero"] if world > 1 else []) + (["fsdp"] if world > 1 and features.has_blocks else [])
+    kinds += ["local"] * (hardware.nodes > 1)
     hierarchical = hardware.nodes > 1 and hardware.nproc_per_node > 1
     threads = sorted({1, *(t for t in (2, 4, 8) if t <= hardware.cores_per_rank)})
     combos = []
     for kind in kinds:
-        for allreduce in ["gloo"] + (["leader", "reduce_scatter"] if hierarchical and kind != "fsdp" else []):
+        for allreduce in ["gloo"] + (["leader", "reduce_scatter"] if hierarchical and kind in ("ddp", "zero") else []):
             for bf16 in (False, True):
                 for thread_count in threads:
                     combos.append((kind, allreduce, bf16, thread_count))
@@ -92,7 +97,7 @@ def generate(features: ModelFeatures, hardware: Hardware) -> list[Candidate]:
         for checkpointing in (False, True) if features.has_blocks else (False,):
             for micro in micro_batches(features.batch):
                 strategy = Strategy(kind, allreduce, checkpointing, bf16, micro, features.batch // micro,
-                                    threads=threads)
+                                    threads=threads, sync_every=LOCAL_SGD_EVERY if kind == "local" else 1)
                 memory = predict(features, strategy, world)
                 if memory.peak > limit:
                     rows.append(Candidate(strategy, memory, f"over the limit: needs {memory.peak / 1e6:.0f} MB"))

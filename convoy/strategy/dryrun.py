@@ -26,16 +26,20 @@ Placement = Callable[[int], tuple[list[str], dict[str, str]]]
 
 
 def run_search(script: str, args: Sequence[str], hardware: Hardware, *, exhaustive_steps: int = 0,
-               keep: int = 4, first_steps: int = 2, place: Placement | None = None,
+               exhaustive_rounds: int = 1, keep: int = 4, first_steps: int = 2, place: Placement | None = None,
                timeout_s: float = 1800.0) -> dict[str, Any]:
-    """Run the dry runs of ``script`` on ``hardware.world_size`` local processes; their results."""
+    """Run the dry runs of ``script`` on ``hardware.world_size`` local processes; their results.
+
+    ``exhaustive_steps`` > 0 also measures every feasible candidate after the search (a benchmark's
+    grid), ``exhaustive_rounds`` times in rotated order, ``exhaustive_steps`` timed steps each time."""
     with tempfile.TemporaryDirectory(prefix="convoy-plan-") as tmp:
         out = Path(tmp) / "result.json"
         spec = Path(tmp) / "spec.json"
         spec.write_text(json.dumps({
             "script": str(Path(script).resolve()), "args": list(args), "nodes": hardware.nodes,
             "nproc_per_node": hardware.nproc_per_node, "memory": hardware.memory_limit, "cores": hardware.cores,
-            "keep": keep, "first_steps": first_steps, "exhaustive_steps": exhaustive_steps, "out": str(out)}))
+            "keep": keep, "first_steps": first_steps, "exhaustive_steps": exhaustive_steps,
+            "exhaustive_rounds": exhaustive_rounds, "out": str(out)}))
         port = str(free_port())
         procs = []
         logs = []

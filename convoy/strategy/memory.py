@@ -114,6 +114,8 @@ def predict(features: ModelFeatures, strategy: Strategy, world_size: int) -> Mem
         static = params * share * (1 + features.optimizer_state_ratio) + features.buffer_bytes
         step = params * share * (1 + features.optimizer_step_ratio)
         return MemoryEstimate(static, activations + gathered, step)
+    # ddp, zero, and local (DDP within the node; its averaging's flat copy of the parameters comes after
+    # the optimizer step, so it is no more than the gradient buckets' copy below)
     state_share = 1.0 / world_size if strategy.kind == "zero" else 1.0
     static = 2 * params + features.buffer_bytes + params * state_share * features.optimizer_state_ratio
     step = params * state_share * features.optimizer_step_ratio

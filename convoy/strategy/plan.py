@@ -15,10 +15,14 @@ from pathlib import Path
 
 from convoy.errors import ConfigError
 
-KINDS = ("ddp", "zero", "fsdp")
+KINDS = ("ddp", "zero", "fsdp", "local")
 """``ddp``: every rank holds everything, gradients allreduced. ``zero``: DDP gradients, optimizer state
 sharded over the ranks (``ZeroRedundancyOptimizer``). ``fsdp``: FSDP2 ``fully_shard`` per block and the
-root (parameters, gradients and optimizer state sharded, ZeRO-3)."""
+root (parameters, gradients and optimizer state sharded, ZeRO-3). ``local``: local SGD for slow links
+between nodes: a node's ranks train one replica under DDP (gradients allreduced within the node every
+step), and every ``sync_every`` steps the parameters are averaged over all ranks, so the links between
+nodes carry 1/``sync_every`` of DDP's traffic (``parallel/local_sgd.py``). It is not the same
+optimization as DDP's: the replicas drift apart between averagings."""
 ALLREDUCES = ("gloo", "leader", "reduce_scatter")
 """``gloo``: DDP's own allreduce (one flat ring). ``leader`` and ``reduce_scatter``: convoy's hierarchical
 allreduce (``parallel/allreduce``) as DDP's communication hook, for ranks grouped by node."""
@@ -45,17 +49,25 @@ class Strategy:
     """DDP's gradient bucket size, MB (``ddp`` and ``zero``)."""
     threads: int = 1
     """``torch.set_num_threads`` for each rank."""
+    sync_every: int = 1
+    """``local`` only: optimizer steps between averagings of the parameters over all ranks (>= 2)."""
 
     def validate(self) -> Strategy:
         if self.kind not in KINDS:
             raise ConfigError(f"strategy kind {self.kind!r} is not one of {', '.join(KINDS)}")
         if self.allreduce not in ALLREDUCES:
             raise ConfigError(f"strategy allreduce {self.allreduce!r} is not one of {', '.join(ALLREDUCES)}")
-        if self.kind == "fsdp" and self.allreduce != "gloo":
-            raise ConfigError(f"strategy allreduce {self.allreduce!r} needs kind ddp or zero (fsdp reduce-scatters)")
-        for name in ("micro_batch", "accumulation", "bucket_mb", "threads"):
+        if self.kind in ("fsdp", "local") and self.allreduce != "gloo":
+            raise ConfigError(f"strategy allreduce {self.allreduce!r} needs kind ddp or zero ({self.kind} "
+                              "reduces on its own)")
+        for name in ("micro_batch", "accumulation", "bucket_mb", "threads", "sync_every"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"strategy {name} must be a whole number >= 1 (got {getattr(self, name)!r})")
+        if self.kind == "local" and self.sync_every < 2:
+            raise ConfigError(f"strategy kind local needs sync_every >= 2 steps between averagings (got "
+                              f"{self.sync_every}); sync_every 1 is kind ddp")
+        if self.kind != "local" and self.sync_every != 1:
+            raise ConfigError(f"strategy sync_every {self.sync_every} is for kind local only (this is {self.kind})")
         return self
 
     @property
@@ -65,6 +77,7 @@ class Strategy:
     def name(self) -> str:
         """A short label for tables: ``fsdp ckpt bf16 mb4x2 t1``."""
         parts = [self.kind if self.allreduce == "gloo" else f"{self.kind}/{self.allreduce}"]
+        parts += [f"H{self.sync_every}"] * (self.kind == "local")
         parts += ["ckpt"] * self.checkpointing + ["bf16"] * self.bf16
         parts.append(f"mb{self.micro_batch}x{self.accumulation}")
         if self.kind != "fsdp" and self.bucket_mb != 25:

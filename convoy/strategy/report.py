@@ -59,5 +59,6 @@ def memory_errors(result: dict[str, Any]) -> list[float]:
     predicted = {_key(r["strategy"]): r["memory"] for r in result["rows"]}
     errors = [(predicted[_key(e["strategy"])] - run[2]) / run[2] for e in result.get("measured", [])
               for run in e["runs"]]
-    errors += [(predicted[_key(g["strategy"])] - g["peak"]) / g["peak"] for g in result.get("exhaustive", [])]
+    errors += [(predicted[_key(g["strategy"])] - peak) / peak for g in result.get("exhaustive", [])
+               for peak in g.get("peaks", [g["peak"]])]
     return errors

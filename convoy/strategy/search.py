@@ -28,7 +28,8 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class CommCosts:
-    """Measured allreduce time lines (fixed + per byte) over all ranks, by algorithm (``gloo`` = DDP's)."""
+    """Measured allreduce time lines (fixed + per byte) over all ranks, by algorithm (``gloo`` = DDP's;
+    ``node``: over one node's ranks only, where nodes hold several)."""
 
     lines: Mapping[str, Link] = field(default_factory=dict)
 
@@ -66,7 +67,11 @@ def predict_time(features: ModelFeatures, strategy: Strategy, hardware: Hardware
     params = float(features.param_bytes)
     if world == 1:
         return (compute + optimizer) / speed
-    if strategy.kind == "fsdp":  # gather forward, gather backward, reduce-scatter: 1.5 allreduces, per micro-step
+    if strategy.kind == "local":  # DDP within the node each step; all ranks average every sync_every steps
+        buckets = max(1, math.ceil(params / (strategy.bucket_mb * 2 ** 20)))
+        within = comm.allreduce("node", params, buckets) if hardware.nproc_per_node > 1 else 0.0
+        traffic = within + comm.allreduce("gloo", params) / strategy.sync_every
+    elif strategy.kind == "fsdp":  # gather forward, gather backward, reduce-scatter: 1.5 allreduces, per micro-step
         units = len(features.block_param_bytes) + 1
         traffic = strategy.accumulation * 1.5 * comm.allreduce("gloo", params, 3 * units)
     else:

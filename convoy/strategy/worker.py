@@ -37,20 +37,31 @@ def _shared(value: Any) -> Any:
     return box[0]
 
 
-def measure_comm(topology: Topology, comm: Any) -> CommCosts:
-    """DDP's flat allreduce timed at two sizes; convoy's hierarchical ones from its own cost model."""
+def _allreduce_line(group: Any = None) -> Link:
+    """An allreduce over ``group`` (all ranks: None) timed at 1 and 16 MB, as a line."""
     points = []
     for nbytes in (1 << 20, 16 << 20):
         buffer = torch.ones(nbytes // 4)
-        dist.all_reduce(buffer)
+        dist.all_reduce(buffer, group=group)
         times = []
         for _ in range(3):
             dist.barrier()
             start = time.perf_counter()
-            dist.all_reduce(buffer)
+            dist.all_reduce(buffer, group=group)
             times.append(time.perf_counter() - start)
         points.append((float(nbytes), statistics.median(times)))
-    lines = {"gloo": Link.fit_line(points[0], points[1])}
+    return Link.fit_line(points[0], points[1])
+
+
+def measure_comm(topology: Topology, comm: Any, per_node: int) -> CommCosts:
+    """DDP's flat allreduce and, where nodes hold several ranks, one within a node, each timed at two
+    sizes; convoy's hierarchical ones from its own cost model."""
+    lines = {"gloo": _allreduce_line()}
+    world = dist.get_world_size()
+    if per_node > 1 and world > per_node:
+        groups = [dist.new_group(list(range(start, start + per_node)), backend="gloo")
+                  for start in range(0, world, per_node)]
+        lines["node"] = _allreduce_line(groups[dist.get_rank() // per_node])
     if comm is not None:
         model = comm.cost_model()
         for algorithm in ("leader", "reduce_scatter"):
@@ -61,9 +72,12 @@ def measure_comm(topology: Topology, comm: Any) -> CommCosts:
 
 
 def run_candidate(workload: Workload, strategy: Strategy, steps: int, comm: Any,
-                  warmup: int = WARMUP) -> tuple[float, float]:
-    """(median step seconds of the slowest rank, the highest rank's peak bytes above its baseline)."""
+                  warmup: int = WARMUP) -> tuple[list[float], float]:
+    """(each timed step's seconds on the slowest rank, the highest rank's peak bytes above its baseline)."""
     rank = dist.get_rank()
+    # local SGD's steps are timed in windows of sync_every (each holds one averaging); a window's mean
+    # is one of its times
+    window = strategy.sync_every if strategy.kind == "local" else 1
     gc.collect()
     before = rss()
     model = workload.model()
@@ -77,8 +91,9 @@ def run_candidate(workload: Workload, strategy: Strategy, steps: int, comm: Any,
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        train_step(model, optimizer, workload.loss, inputs, targets)
-        times.append(time.perf_counter() - start)
+        for _ in range(window):
+            train_step(model, optimizer, workload.loss, inputs, targets)
+        times.append((time.perf_counter() - start) / window)
     peak = float(peak_rss() - before)
     per_step = torch.tensor([*times, peak], dtype=torch.float64)
     dist.all_reduce(per_step, op=dist.ReduceOp.MAX)
@@ -86,7 +101,22 @@ def run_candidate(workload: Workload, strategy: Strategy, steps: int, comm: Any,
     gc.collect()
     torch.set_num_threads(1)
     dist.barrier()
-    return statistics.median(per_step[:-1].tolist()), float(per_step[-1])
+    return per_step[:-1].tolist(), float(per_step[-1])
+
+
+def exhaustive(workload: Workload, feasible: list[Strategy], steps: int, rounds: int, comm: Any) -> list[dict]:
+    """Every feasible candidate measured in ``rounds`` rounds of ``steps`` timed steps, each round in
+    another order (a drift of the machine's speed falls on all alike): the median of all its steps."""
+    times: dict[Strategy, list[float]] = {s: [] for s in feasible}
+    peaks: dict[Strategy, list[float]] = {s: [] for s in feasible}
+    for round_index in range(rounds):
+        shift = round_index * max(1, len(feasible) // rounds)
+        for strategy in feasible[shift:] + feasible[:shift]:
+            found, peak = run_candidate(workload, strategy, steps, comm)
+            times[strategy] += found
+            peaks[strategy].append(peak)
+    return [{"strategy": s.to_dict(), "seconds": statistics.median(times[s]), "peak": max(peaks[s]),
+             "peaks": peaks[s]} for s in feasible]
 
 
 def _preload() -> None:
@@ -119,7 +149,7 @@ def main(spec_path: str) -> int:
         from convoy.parallel.allreduce.collectives import HierarchicalAllreduce
 
         comm = HierarchicalAllreduce(topology, host_memory=False, tune=False)
-    costs = CommCosts.from_dict(_shared(measure_comm(topology, comm).to_dict()))
+    costs = CommCosts.from_dict(_shared(measure_comm(topology, comm, hardware.nproc_per_node).to_dict()))
     rows = cands.generate(features, hardware)
     predicted = {c.strategy: predict_time(features, c.strategy, hardware, costs) for c in rows}
     result: dict[str, Any] = {"features": features.to_dict(), "notes": notes, "comm": costs.to_dict(),
@@ -134,21 +164,27 @@ def main(spec_path: str) -> int:
         measured: dict[Strategy, list] = {}
 
         def measure(strategy: Strategy, steps: int) -> float:
-            seconds, peak = run_candidate(workload, strategy, steps, comm)
-            measured.setdefault(strategy, []).append([steps, seconds, peak])
-            return seconds
+            times, peak = run_candidate(workload, strategy, steps, comm)
+            measured.setdefault(strategy, []).append([steps, statistics.median(times), peak])
+            return statistics.median(times)
 
+        # first runs, not recorded, one per way of communicating among those to be measured: the process's
+        # one-time allocations (autograd's threads, gloo's pairs and buffers, the hierarchical allreduce's
+        # staging buffers, local SGD's groups, lazily loaded kernels) would otherwise count as the memory of
+        # the first candidate measured with each
+        primed = set()
+        for strategy in ranked[:spec["keep"]]:
+            if (strategy.kind, strategy.allreduce) not in primed:
+                primed.add((strategy.kind, strategy.allreduce))
+                run_candidate(workload, strategy, 1, comm)
         winner, _ = successive_halving(ranked, measure, keep=spec["keep"], first_steps=spec["first_steps"])
         result["search_s"] = time.perf_counter() - started
         result["winner"] = winner.to_dict()
         result["measured"] = [{"strategy": s.to_dict(), "runs": runs} for s, runs in measured.items()]
         if spec["exhaustive_steps"]:
             start = time.perf_counter()
-            grid = []
-            for strategy in feasible:
-                seconds, peak = run_candidate(workload, strategy, spec["exhaustive_steps"], comm)
-                grid.append({"strategy": strategy.to_dict(), "seconds": seconds, "peak": peak})
-            result["exhaustive"] = grid
+            result["exhaustive"] = exhaustive(workload, feasible, spec["exhaustive_steps"],
+                                              spec.get("exhaustive_rounds", 1), comm)
             result["exhaustive_s"] = time.perf_counter() - start
     if comm is not None:
         comm.close()

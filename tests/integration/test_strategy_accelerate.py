@@ -1,5 +1,6 @@
 """convoy.accelerate applying each strategy kind on 2 real gloo ranks (tests/fixtures/strategy_accelerate.py:
-DDP, ZeRO's sharded optimizer, FSDP2 shards, checkpointing, micro-batches; each equal to one process), and
+DDP, ZeRO's sharded optimizer, FSDP2 shards, checkpointing, micro-batches; each equal to one process; local
+SGD equal to averaged replicas), and
 convoy plan end to end: the table, the strategy file a job then runs with, a limit nothing fits (a file from
 another model is refused in tests/unit/test_strategy_search.py)."""
 
@@ -23,7 +24,9 @@ def test_every_strategy_kind_wraps_for_real_and_trains_like_one_process(procs: P
     for rank, output in enumerate(outputs):
         for name in ("ddp mb8x1", "zero mb4x2", "fsdp mb8x1", "fsdp ckpt mb4x2", "ddp ckpt mb4x2"):
             assert f"rank {rank}: {name} t1 ok" in output, output
-        assert f"rank {rank}: ok (13 checks)" in output, output
+        for nodes in (2, 1):
+            assert f"rank {rank}: local H3 mb8x1 t1 on {nodes} node(s) ok" in output, output
+        assert f"rank {rank}: ok (15 checks)" in output, output
     assert procs.wait_no_leftovers() == []
 
 

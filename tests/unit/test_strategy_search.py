@@ -42,6 +42,7 @@ def test_memory_model_shares_what_each_kind_shards() -> None:
     ddp, zero, fsdp = (predict(f, Strategy(kind, micro_batch=8), 4).peak for kind in ("ddp", "zero", "fsdp"))
     assert ddp == pytest.approx(100 * MB * (2 + 2 + 1))  # params, grads (buckets), Adam's state, gloo's copy
     assert zero < ddp and fsdp < zero
+    assert predict(f, Strategy("local", micro_batch=8, sync_every=8), 4).peak == ddp  # averaging after the step
     acts = features(params_mb=0.001)
     whole = predict(acts, Strategy(micro_batch=8), 1).peak
     assert predict(acts, Strategy(micro_batch=4, accumulation=2), 1).peak == pytest.approx(whole / 2, rel=1e-3)
@@ -54,8 +55,11 @@ def test_only_sensible_combinations() -> None:
     assert not any(s.kind == "fsdp" and s.allreduce != "gloo" for s in strategies)
     assert {s.allreduce for s in strategies if s.kind == "ddp"} == {"gloo", "leader", "reduce_scatter"}
     assert {s.threads for s in strategies} == {1, 2, 4}  # 8 cores over 2 ranks of a node
+    assert {(s.allreduce, s.sync_every) for s in strategies if s.kind == "local"} == {("gloo", 8)}
+    assert all(s.sync_every == 1 for s in strategies if s.kind != "local")
     one_node = generate(features(), Hardware(1, 4, 10e9, 2))
     assert {c.strategy.allreduce for c in one_node} == {"gloo"}
+    assert "local" not in {c.strategy.kind for c in one_node}  # no slow links between nodes to save
     assert {c.strategy.threads for c in one_node} == {1}
     with_room = kept(rows)
     assert not any(s.strategy.checkpointing for s in with_room)  # everything fits without: no reason to recompute
@@ -113,6 +117,32 @@ def test_successive_halving_picks_the_fastest_of_the_top_few() -> None:
     assert sorted(calls[4:]) == [("b", 4), ("d", 4)]
     assert "e" not in {name for name, _ in calls}
     assert successive_halving(["x"], lambda n, s: 1.0)[0] == "x"
+
+
+def test_cost_model_prefers_local_sgd_where_the_link_between_nodes_is_very_slow() -> None:
+    f = features()
+    hardware = Hardware(2, 2, 10e9, 8)
+    costs = CommCosts({"gloo": Link(1e-3, 1e-7), "leader": Link(1e-3, 5e-8), "node": Link(1e-4, 1e-9)})
+    local = Strategy("local", micro_batch=8, sync_every=8)
+    times = {s.name(): predict_time(f, s, hardware, costs) for s in (local, Strategy("ddp", "leader", micro_batch=8),
+                                                                    Strategy(micro_batch=8))}
+    assert times["local H8 mb8x1 t1"] < times["ddp/leader mb8x1 t1"] < times["ddp mb8x1 t1"]
+    # each step: the node's allreduce; every 8th: all ranks'
+    compute = (f.micro_step_s + f.sample_s * 8 + f.optimizer_s) / 1
+    params = f.param_bytes
+    buckets = -(-params // (25 * 2 ** 20))
+    assert times["local H8 mb8x1 t1"] == pytest.approx(compute + buckets * 1e-4 + params * 1e-9
+                                                        + (1e-3 + params * 1e-7) / 8)
+
+
+def test_local_sgd_strategy_is_checked_and_named() -> None:
+    assert Strategy("local", micro_batch=4, accumulation=2, sync_every=16).validate().name() == "local H16 mb4x2 t1"
+    with pytest.raises(ConfigError, match="kind local needs sync_every >= 2"):
+        Strategy("local").validate()
+    with pytest.raises(ConfigError, match="sync_every 8 is for kind local only"):
+        Strategy("ddp", sync_every=8).validate()
+    with pytest.raises(ConfigError, match="allreduce 'leader' needs kind ddp or zero"):
+        Strategy("local", "leader", sync_every=8).validate()
 
 
 def test_strategy_file_round_trip_and_another_model_is_refused(tmp_path: Path) -> None:
