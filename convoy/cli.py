@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn, Sequence
 
-from convoy.config import STATE_FILE, MasterConfig, check_run_dir, parse_address, resolve_address
+from convoy.config import STATE_FILE, JobConfig, MasterConfig, check_run_dir, parse_address, resolve_address
 from convoy.control.sanitize import safe_host, safe_name
 from convoy import __version__, log
 from convoy.errors import ConfigError, ConvoyError
@@ -107,6 +107,8 @@ def _run(args: argparse.Namespace, run_argv: Sequence[str]) -> int:
     from convoy.control.launcher import run_local_job
 
     config, args = job_config(args, run_argv)
+    if args.strategy:
+        _prepare_strategy(args, config)
     if args.endpoint:
         from convoy.control.endpoint import run_endpoint_job
 
@@ -117,6 +119,41 @@ def _run(args: argparse.Namespace, run_argv: Sequence[str]) -> int:
         raise ConfigError("--join-token, --token-file and --node-rank are for a job of several hosts: give --endpoint "
                           "HOST:PORT (torchrun's --rdzv-endpoint) too")
     return run_local_job(config, relaunch=args.relaunch, console=_console)
+
+
+def _prepare_strategy(args: argparse.Namespace, config: JobConfig) -> None:
+    """``--strategy``: plan first (auto) or check the file; the workers find it through the environment."""
+    from convoy.strategy.apply import STRATEGY_ENV
+
+    config.validate()  # a job that cannot start is said before any planning
+    if args.strategy != "auto":
+        from convoy.strategy.plan import StrategyFile
+
+        planned = StrategyFile.load(args.strategy)  # a missing or mangled file is said now, before anything starts
+        world = config.master.rendezvous.max_nodes * args.nproc_per_node
+        if planned.world_size != world and config.master.rendezvous.min_nodes == config.master.rendezvous.max_nodes:
+            raise ConfigError(f"--strategy {args.strategy} was planned for {planned.world_size} ranks; this job has "
+                              f"{world}: plan again with convoy plan --nodes and --nproc-per-node as this job has")
+        os.environ[STRATEGY_ENV] = str(Path(args.strategy).resolve())
+        return
+    rendezvous = config.master.rendezvous
+    why = ("the job runs on several hosts (--endpoint): plan once with convoy plan and give each host --strategy PATH"
+           if args.endpoint else "the job has roles; it plans one training script" if config.roles else
+           f"--nnodes {args.nnodes} is elastic; it plans for one world size (give --nnodes N)"
+           if rendezvous.min_nodes != rendezvous.max_nodes else
+           "the script is not a python file (-m or --no-python)" if args.module or args.no_python else "")
+    if why:
+        raise ConfigError(f"--strategy auto cannot plan this job: {why}")
+    from convoy.strategy.candidates import Hardware
+    from convoy.strategy.cli import plan_file
+    from convoy.strategy.report import parse_bytes
+
+    check_run_dir(config.master.run_dir)
+    memory = parse_bytes(args.strategy_memory, "--strategy-memory")
+    hardware = Hardware(rendezvous.max_nodes, args.nproc_per_node, memory, os.cpu_count() or 1).validate()
+    out = config.master.run_dir / "convoy-strategy.json"
+    plan_file(args.script, list(args.args), hardware, out)
+    os.environ[STRATEGY_ENV] = str(out)
 
 
 def _master(args: argparse.Namespace) -> int:

@@ -121,6 +121,13 @@ def add_run_options(parser: Options) -> None:
                              "iteration needs)")
     parser.add_argument("--role", action="append", default=[], metavar="NAME=COUNT",
                         help="a role and its count (N, MIN:MAX or auto), e.g. --role actor=4; repeatable")
+    parser.add_argument("--strategy", default="", metavar="auto|PATH",
+                        help="auto: search SCRIPT's training strategy for this job's nodes and ranks first (convoy "
+                             "plan), then run with it; PATH: a strategy file convoy plan wrote. The workers' "
+                             "convoy.accelerate(strategy='auto') finds it through $CONVOY_STRATEGY_FILE")
+    parser.add_argument("--strategy-memory", default="2GB", metavar="SIZE",
+                        help="with --strategy auto: the memory a rank may use for training, e.g. 1.5GB (default "
+                             "%(default)s)")
     add_worker_options(parser)
 
 

@@ -26,30 +26,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from convoy.errors import ConfigError
-    from convoy.strategy.candidates import Hardware, require_feasible
-    from convoy.strategy.dryrun import run_search
-    from convoy.strategy.memory import ModelFeatures
-    from convoy.strategy.plan import Strategy, StrategyFile
-    from convoy.strategy.report import parse_bytes, table
+    from convoy.strategy.candidates import Hardware
+    from convoy.strategy.report import parse_bytes
 
     if args.keep < 1 or args.first_steps < 1:
         raise ConfigError(f"--keep and --first-steps must be >= 1 (got {args.keep} and {args.first_steps})")
     hardware = Hardware(args.nodes, args.nproc_per_node, parse_bytes(args.memory), args.cores).validate()
-    print(f"planning {args.script} for {args.nodes} node(s) x {args.nproc_per_node} rank(s), "
+    plan_file(args.script, args.script_args, hardware, args.out, keep=args.keep, first_steps=args.first_steps)
+    return 0
+
+
+def plan_file(script: str, script_args: list[str], hardware: object, out: str | os.PathLike, *, keep: int = 4,
+              first_steps: int = 2) -> object:
+    """Search ``script``'s strategy on ``hardware`` (a ``Hardware``), print the table, write the strategy file
+    ``out``; the winning ``Strategy``. A limit nothing fits raises a ``ConfigError`` naming the smallest need."""
+    from convoy.strategy.candidates import Candidate, require_feasible
+    from convoy.strategy.dryrun import run_search
+    from convoy.strategy.memory import MemoryEstimate, ModelFeatures
+    from convoy.strategy.plan import Strategy, StrategyFile
+    from convoy.strategy.report import table
+
+    print(f"planning {script} for {hardware.nodes} node(s) x {hardware.nproc_per_node} rank(s), "
           f"{hardware.memory_limit / 1e6:.0f} MB per rank", flush=True)
-    result = run_search(args.script, args.script_args, hardware, keep=args.keep, first_steps=args.first_steps)
+    result = run_search(script, script_args, hardware, keep=keep, first_steps=first_steps)
     features = ModelFeatures.from_dict(result["features"])
     for note in result["notes"]:
         print(f"note: {note}")
     print(table(result))
-    from convoy.strategy.candidates import Candidate
-    from convoy.strategy.memory import MemoryEstimate
-
     rows = [Candidate(Strategy.from_dict(r["strategy"]), MemoryEstimate(r["memory"], 0, 0), r["dropped"])
             for r in result["rows"]]
     require_feasible(rows, features, hardware)  # raises, naming the smallest need
     winner = Strategy.from_dict(result["winner"])
-    StrategyFile(winner, features.fingerprint, features.summary, hardware.world_size, features.batch).save(args.out)
-    print(f"picked {winner.name()} (search {result['search_s']:.1f} s); wrote {args.out}")
+    StrategyFile(winner, features.fingerprint, features.summary, hardware.world_size, features.batch).save(out)
+    print(f"picked {winner.name()} (search {result['search_s']:.1f} s); wrote {out}")
     sys.stdout.flush()
-    return 0
+    return winner

@@ -10,11 +10,11 @@ from convoy.errors import ConfigError
 UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30}
 
 
-def parse_bytes(text: str) -> float:
+def parse_bytes(text: str, flag: str = "--memory") -> float:
     """``1.5GB`` -> 1.5e9; ``512MiB``, ``2e9`` too."""
     found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     if not found or found.group(2).lower() not in UNITS:
-        raise ConfigError(f"--memory {text!r} is not a size; write e.g. 1.5GB, 800MB or 2GiB")
+        raise ConfigError(f"{flag} {text!r} is not a size; write e.g. 1.5GB, 800MB or 2GiB")
     return float(found.group(1)) * UNITS[found.group(2).lower()]
 
 

@@ -1,8 +1,8 @@
 """convoy.accelerate applying each strategy kind on 2 real gloo ranks (tests/fixtures/strategy_accelerate.py:
 DDP, ZeRO's sharded optimizer, FSDP2 shards, checkpointing, micro-batches; each equal to one process; local
-SGD equal to averaged replicas), and
-convoy plan end to end: the table, the strategy file a job then runs with, a limit nothing fits (a file from
-another model is refused in tests/unit/test_strategy_search.py)."""
+SGD equal to averaged replicas), and convoy plan end to end: the table, the strategy file a job then runs
+with, convoy run --strategy auto planning first, a limit nothing fits (a file from another model is refused
+in tests/unit/test_strategy_search.py)."""
 
 from __future__ import annotations
 
@@ -43,6 +43,19 @@ def test_plan_writes_the_strategy_and_the_script_runs_with_it(procs: ProcessScop
                        "--steps", 2, "--strategy", out]).wait()
     assert job.returncode == 0, job.explain()
     assert "strategy: " in job.stdout and "step 1 loss" in job.stdout, job.stdout
+    assert procs.wait_no_leftovers() == []
+
+
+def test_run_with_strategy_auto_plans_first_and_the_workers_train_with_the_pick(procs: ProcessScope,
+                                                                               tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    job = procs.start(["run", "--nproc-per-node", 2, "--run-dir", run_dir, "--strategy", "auto", "--strategy-memory",
+                       "1GB", EXAMPLE, *TINY, "--steps", 2]).wait()
+    assert job.returncode == 0, job.explain()
+    picked = re.search(r"^picked (.+) \(search [\d.]+ s\); wrote (.+)$", job.stdout, re.MULTILINE)
+    assert picked and Path(picked.group(2)) == run_dir / "convoy-strategy.json", job.stdout
+    assert f"strategy: {picked.group(1)}" in job.stdout and "step 1 loss" in job.stdout, job.stdout
+    assert json.loads((run_dir / "convoy-strategy.json").read_text())["world_size"] == 2
     assert procs.wait_no_leftovers() == []
 
 

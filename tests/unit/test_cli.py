@@ -157,3 +157,24 @@ def test_the_run_help_tells_how_to_give_a_job_file(capsys: pytest.CaptureFixture
         main(["run", "--help"])
     out = capsys.readouterr().out
     assert "JOB.toml" in out and "[roles.NAME]" in out and "--workers" in out and "--role" in out
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--nnodes", "1:2", "--strategy", "auto"], "--strategy auto cannot plan this job: --nnodes 1:2 is elastic"),
+    (["--strategy", "auto", "--endpoint", "127.0.0.1:29400"], "several hosts (--endpoint): plan once with convoy plan"),
+    (["--strategy", "auto", "--strategy-memory", "lots"], "--strategy-memory 'lots' is not a size"),
+    (["--strategy", "{tmp}/none.json"], "cannot read strategy file {tmp}/none.json"),
+    (["--nproc-per-node", "2", "--strategy", "{tmp}/four.json"], "was planned for 4 ranks; this job has 2"),
+])
+def test_bad_strategy_flags_are_one_line_and_nothing_is_planned(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                                flags: list[str], expected: str) -> None:
+    from convoy.strategy.plan import Strategy, StrategyFile
+
+    script = tmp_path / "s.py"
+    script.write_text("")
+    StrategyFile(Strategy(micro_batch=8), "f", "Net of 1.00 M parameters", 4, 8).save(tmp_path / "four.json")
+    flags = [flag.format(tmp=tmp_path) for flag in flags]
+    assert main(["run", "--run-dir", str(tmp_path / "r"), *flags, str(script)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expected.format(tmp=tmp_path) in err, err
+    assert not (tmp_path / "r" / "convoy-strategy.json").exists()
