@@ -22,6 +22,9 @@ MICRO_BATCHES_KEPT = 2
 """The largest feasible micro-batches kept per combination (a smaller one can run faster from cache)."""
 SLOWER_BF16 = 1.5
 """bfloat16 measured this many times slower than float32 in the calibration step: not a candidate."""
+HEADROOM = 0.95
+"""A candidate fits when its predicted peak is at most this share of the limit: the memory model is within
+about 10% of what runs measure (most within 5%), and a run over the limit is what the search must not cause."""
 LOCAL_SGD_EVERY = 8
 """Steps between local SGD's averagings (the held-out loss stayed within 1% of DDP's at 8 in
 ``benchmarks/local_sgd.py``)."""
@@ -89,7 +92,7 @@ def _combinations(features: ModelFeatures, hardware: Hardware) -> list[tuple[str
 def generate(features: ModelFeatures, hardware: Hardware) -> list[Candidate]:
     """Every candidate considered, in a stable order; ``dropped`` says why one is not measured."""
     hardware.validate()
-    world, limit = hardware.world_size, hardware.memory_limit
+    world, limit = hardware.world_size, hardware.memory_limit * HEADROOM
     rows: list[Candidate] = []
     for kind, allreduce, bf16, threads in _combinations(features, hardware):
         fitting: list[Candidate] = []
@@ -100,7 +103,7 @@ def generate(features: ModelFeatures, hardware: Hardware) -> list[Candidate]:
                                     threads=threads, sync_every=LOCAL_SGD_EVERY if kind == "local" else 1)
                 memory = predict(features, strategy, world)
                 if memory.peak > limit:
-                    rows.append(Candidate(strategy, memory, f"over the limit: needs {memory.peak / 1e6:.0f} MB"))
+                    rows.append(Candidate(strategy, memory, over_the_limit(memory.peak, limit)))
                 elif checkpointing and micro <= largest_plain:
                     rows.append(Candidate(strategy, memory, f"checkpointing without a larger micro-batch than "
                                                             f"{largest_plain} without it"))
@@ -136,8 +139,12 @@ def _add_buckets(rows: list[Candidate], features: ModelFeatures, world: int, lim
                 other = replace(s, bucket_mb=bucket)
                 memory = predict(features, other, world)
                 extra.append(Candidate(other, memory, "" if memory.peak <= limit else
-                                       f"over the limit: needs {memory.peak / 1e6:.0f} MB"))
+                                       over_the_limit(memory.peak, limit)))
     return rows + extra
+
+
+def over_the_limit(peak: float, usable: float) -> str:
+    return f"over the limit: needs {peak / 1e6:.0f} MB of the {usable / 1e6:.0f} MB usable ({HEADROOM:.0%} of it)"
 
 
 def kept(rows: list[Candidate]) -> list[Candidate]:
@@ -150,7 +157,8 @@ def require_feasible(rows: list[Candidate], features: ModelFeatures, hardware: H
     if not found:
         best, need = smallest_need(features, [c.strategy for c in rows], hardware.world_size)
         raise ConfigError(f"no candidate fits {megabytes(hardware.memory_limit)} per rank: the smallest need is "
-                          f"{megabytes(need)} ({best.name()}); raise --memory to at least that, or use more ranks")
+                          f"{megabytes(need)} ({best.name()}), and {HEADROOM:.0%} of the limit is usable; raise "
+                          f"--memory to at least {megabytes(need / HEADROOM)}, or use more ranks")
     return found
 
 

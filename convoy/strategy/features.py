@@ -183,12 +183,16 @@ def profile(workload: Workload, budget: float = 512e6) -> tuple[ModelFeatures, l
     sample_s = (full_s - one_s) / (samples - 1) if samples > 1 else full_s
     micro_s = max(full_s - sample_s * samples, 0.0)
 
-    def bf16_step() -> None:  # one sample: bfloat16 can be many times slower on a CPU without it
+    def bf16_step(x: Any = inputs, y: torch.Tensor = targets) -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = workload.loss(call(model, small_in), small_targets)
+            loss = workload.loss(call(model, x), y)
         loss.backward()
 
-    bf16_factor = _timed(bf16_step, 1) / one_s
+    # one sample first, untimed: the first bfloat16 step pays one-time costs (kernels, autocast's caches),
+    # and a CPU without bfloat16 shows it many times slower at little cost; then the calibration batch, as
+    # the fp32 time it is compared with (autocast's casts of the weights are a fixed cost a batch dilutes)
+    bf16_step(small_in, small_targets)
+    bf16_factor = _timed(bf16_step, 1) / full_s
     checkpoint_factor = 1.0
     if blocks:
         from torch.distributed._composable import checkpoint

@@ -80,6 +80,10 @@ def test_feasibility_drops_what_does_not_fit_and_keeps_checkpointing_that_helps(
     assert Strategy("ddp", micro_batch=8) not in feasible
     assert Strategy("ddp", checkpointing=True, micro_batch=8) in feasible  # fits only with recomputation
     assert Strategy("ddp", micro_batch=4, accumulation=2) in feasible
+    near = {c.strategy: c for c in generate(f, Hardware(1, 4, 820 * MB, 2))}  # 800 MB is within 5% of 820
+    assert near[Strategy("ddp", micro_batch=8)].memory.peak == pytest.approx(800 * MB)
+    dropped = near[Strategy("ddp", micro_batch=8)].dropped
+    assert dropped == "over the limit: needs 800 MB of the 779 MB usable (95% of it)", dropped
 
 
 def test_a_limit_nothing_fits_names_the_smallest_need() -> None:
