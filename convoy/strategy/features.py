@@ -126,6 +126,15 @@ def _timed(run: Callable[[], None], repeats: int = 2) -> float:
     return statistics.median(times)
 
 
+def _timed_peak(run: Callable[[], None]) -> tuple[float, float]:
+    """(seconds of one call, the most resident bytes it added above what was resident before it)."""
+    gc.collect()
+    reset_peak()
+    before = rss()
+    seconds = _timed(run, 1)
+    return seconds, float(peak_rss() - before)
+
+
 def calibrate_batch(workload: Workload, acts: Activations, budget: float) -> int:
     """The calibration micro-step's samples: the rank's batch, fewer if its activations would pass ``budget``."""
     samples = workload.batch_size
@@ -192,14 +201,21 @@ def profile(workload: Workload, budget: float = 512e6) -> tuple[ModelFeatures, l
     # and a CPU without bfloat16 shows it many times slower at little cost; then the calibration batch, as
     # the fp32 time it is compared with (autocast's casts of the weights are a fixed cost a batch dilutes)
     bf16_step(small_in, small_targets)
-    bf16_factor = _timed(bf16_step, 1) / full_s
+    bf16_s, bf16_peak = _timed_peak(bf16_step)
+    bf16_factor = bf16_s / full_s
+    memory_factors = {"bf16_activation_factor": bf16_peak / max(acts_bytes(bf16, samples), 1.0)}
     checkpoint_factor = 1.0
-    if blocks:
+    if blocks:  # the same micro-step with each block checkpointed, in float32 and in bfloat16
         from torch.distributed._composable import checkpoint
 
         for _, block in blocks:
             checkpoint(block)
-        checkpoint_factor = _timed(step, 1) / full_s
+        checkpoint_s, checkpoint_peak = _timed_peak(step)
+        checkpoint_factor = checkpoint_s / full_s
+        _, checkpoint_bf16_peak = _timed_peak(bf16_step)
+        memory_factors["checkpoint_activation_factor"] = checkpoint_peak / max(checkpointed_bytes(fp32, samples), 1.0)
+        memory_factors["checkpoint_bf16_activation_factor"] = (checkpoint_bf16_peak
+                                                               / max(checkpointed_bytes(bf16, samples), 1.0))
     features = ModelFeatures(
         fingerprint=identity, summary=summary, param_bytes=param_bytes,
         buffer_bytes=sum(tensor_bytes(b) for b in model.buffers()), root_param_bytes=param_bytes - sum(block_bytes),
@@ -207,11 +223,19 @@ def profile(workload: Workload, budget: float = 512e6) -> tuple[ModelFeatures, l
         activation_factor=measured / max(traced, 1.0), optimizer_state_ratio=state / param_bytes,
         optimizer_step_ratio=max(optimizer_peak, 0) / param_bytes, sample_s=sample_s, micro_step_s=micro_s,
         bf16_time_factor=bf16_factor, checkpoint_time_factor=checkpoint_factor, optimizer_s=optimizer_s,
-        batch=workload.batch_size, has_blocks=bool(blocks))
+        batch=workload.batch_size, has_blocks=bool(blocks), **memory_factors)
     notes.append(f"calibrated on one real micro-step of {samples} sample(s): measured activations "
-                 f"{measured / 1e6:.1f} MB, traced {traced / 1e6:.1f} MB (factor {features.activation_factor:.2f})")
+                 f"{measured / 1e6:.1f} MB, traced {traced / 1e6:.1f} MB (factor {features.activation_factor:.2f}; "
+                 + ", ".join(f"{name.removesuffix('_activation_factor').replace('_', ' ')} {value:.2f}"
+                             for name, value in memory_factors.items()) + ")")
     return features, notes
 
 
 def acts_bytes(acts: Activations, samples: int) -> float:
     return acts.per_sample * samples + acts.fixed
+
+
+def checkpointed_bytes(acts: Activations, samples: int) -> float:
+    """What a micro-step with checkpointed blocks saves at its peak: block inputs and what is outside them,
+    and one block's own activations being recomputed."""
+    return (acts.checkpointed_per_sample + acts.block_per_sample) * samples + acts.fixed

@@ -61,6 +61,18 @@ class ModelFeatures:
     batch: int
     """Samples per rank per optimizer step."""
     has_blocks: bool
+    bf16_activation_factor: float = 0.0
+    """``activation_factor`` of a bfloat16 micro-step (0: not measured, the float32 one is used)."""
+    checkpoint_activation_factor: float = 0.0
+    """The same with checkpointed blocks (recomputation's transients are a larger share of less saved)."""
+    checkpoint_bf16_activation_factor: float = 0.0
+    """The same with checkpointed blocks under bfloat16."""
+
+    def activation_factor_for(self, checkpointing: bool, bf16: bool) -> float:
+        """Measured / traced activation bytes of a micro-step run this way (the float32 one where not measured)."""
+        found = {(False, True): self.bf16_activation_factor, (True, False): self.checkpoint_activation_factor,
+                 (True, True): self.checkpoint_bf16_activation_factor}.get((checkpointing, bf16), 0.0)
+        return found or self.activation_factor
 
     def to_dict(self) -> dict:
         from dataclasses import asdict
@@ -95,7 +107,8 @@ def activation_bytes(features: ModelFeatures, strategy: Strategy) -> float:
         per_sample = acts.checkpointed_per_sample + acts.block_per_sample
     else:
         per_sample = acts.per_sample
-    return features.activation_factor * (per_sample * strategy.micro_batch + acts.fixed)
+    factor = features.activation_factor_for(strategy.checkpointing, strategy.bf16)
+    return factor * (per_sample * strategy.micro_batch + acts.fixed)
 
 
 def predict(features: ModelFeatures, strategy: Strategy, world_size: int) -> MemoryEstimate:

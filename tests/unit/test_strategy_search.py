@@ -49,6 +49,20 @@ def test_memory_model_shares_what_each_kind_shards() -> None:
     assert predict(acts, Strategy(micro_batch=8, checkpointing=True), 1).peak == pytest.approx(whole / 5, rel=1e-3)
 
 
+def test_each_way_of_running_a_micro_step_has_its_own_measured_activation_factor() -> None:
+    from dataclasses import replace
+
+    f = features(params_mb=0.001)
+    plain, ckpt = Strategy(micro_batch=8), Strategy(micro_batch=8, checkpointing=True)
+    base = {s: predict(f, s, 1).forward_backward for s in (plain, ckpt)}
+    measured = replace(f, checkpoint_activation_factor=2.0, bf16_activation_factor=0.0)
+    assert predict(measured, ckpt, 1).forward_backward == pytest.approx(2 * base[ckpt])
+    assert predict(measured, plain, 1).forward_backward == pytest.approx(base[plain])  # its own: 1.0
+    bf16 = Strategy(micro_batch=8, bf16=True)
+    assert predict(measured, bf16, 1).forward_backward == pytest.approx(predict(f, bf16, 1).forward_backward)
+    assert measured.activation_factor_for(True, True) == f.activation_factor  # not measured: float32's
+
+
 def test_only_sensible_combinations() -> None:
     rows = generate(features(), Hardware(2, 2, 10e9, 8))
     strategies = [c.strategy for c in rows]
