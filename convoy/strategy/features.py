@@ -1,5 +1,6 @@
 """A model's features for the strategy search: sizes per module, activations traced on fake tensors,
-and the factors one real micro-step measures (activation memory, time per sample, optimizer step).
+and the factors real micro-steps measure (activation memory in float32, bfloat16 and with checkpointed
+blocks; time per sample, bfloat16's and checkpointing's time; the optimizer step).
 
 The trace runs the forward under ``FakeTensorMode`` (no memory, no compute) and counts what autograd
 saves for the backward, per block; a model that cannot run on fake tensors is traced on real ones

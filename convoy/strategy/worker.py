@@ -1,9 +1,10 @@
 """One rank of the strategy search's dry runs: ``python -m convoy.strategy.worker SPEC.json`` (torchrun env).
 
-Rank 0 profiles the model (trace + one real micro-step) while the others wait; every rank then
+Rank 0 profiles the model (trace + real micro-steps) while the others wait; every rank then
 measures the allreduce lines, generates and ranks the same candidates, and runs each measured
-candidate for real (warm-up, then timed steps; the step time is the slowest rank's, the memory the
-highest rank's peak above its baseline). Rank 0 writes the results JSON the planner prints.
+candidate for real (warm-up, then timed steps; the step time is the slowest rank's, local SGD's over
+windows that hold one averaging; the memory the highest rank's peak above its baseline), after one
+unrecorded run per way of communicating. Rank 0 writes the results JSON the planner prints.
 """
 
 from __future__ import annotations
