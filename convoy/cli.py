@@ -126,17 +126,17 @@ def _prepare_strategy(args: argparse.Namespace, config: JobConfig) -> None:
     from convoy.strategy.apply import STRATEGY_ENV
 
     config.validate()  # a job that cannot start is said before any planning
+    rendezvous = config.master.rendezvous
     if args.strategy != "auto":
         from convoy.strategy.plan import StrategyFile
 
         planned = StrategyFile.load(args.strategy)  # a missing or mangled file is said now, before anything starts
-        world = config.master.rendezvous.max_nodes * args.nproc_per_node
-        if planned.world_size != world and config.master.rendezvous.min_nodes == config.master.rendezvous.max_nodes:
+        world = rendezvous.max_nodes * args.nproc_per_node
+        if planned.world_size != world and rendezvous.min_nodes == rendezvous.max_nodes:
             raise ConfigError(f"--strategy {args.strategy} was planned for {planned.world_size} ranks; this job has "
                               f"{world}: plan again with convoy plan --nodes and --nproc-per-node as this job has")
         os.environ[STRATEGY_ENV] = str(Path(args.strategy).resolve())
         return
-    rendezvous = config.master.rendezvous
     why = ("the job runs on several hosts (--endpoint): plan once with convoy plan and give each host --strategy PATH"
            if args.endpoint else "the job has roles; it plans one training script" if config.roles else
            f"--nnodes {args.nnodes} is elastic; it plans for one world size (give --nnodes N)"

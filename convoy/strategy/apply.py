@@ -61,24 +61,32 @@ _NODE_GROUPS: dict[tuple[int, int], tuple[Any, Any]] = {}
 rank makes the same groups in the same order, however many candidates a dry run builds."""
 
 
-def _local_sgd(model: nn.Module, optimizer: torch.optim.Optimizer, chosen: Strategy) -> nn.Module:
-    """DDP over this node's ranks; after each ``optimizer.step()``, local SGD over all ranks (a node's
-    ranks hold the same replica, so all ranks' average is the nodes' average)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    from convoy.parallel.local_sgd import Layout, LocalSGD, make_groups
+def node_groups(per_node: int) -> tuple[Any, Any]:
+    """(this rank's group of the ranks on its node, local SGD's groups over all ranks), made on first use
+    (every rank must call this at the same point) and kept for the process group's life."""
+    from convoy.parallel.local_sgd import Layout, make_groups
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if per_node < 1 or world % per_node:
         raise ConfigError(f"the local strategy needs the same ranks on every node: WORLD_SIZE {world} is not a "
                           f"multiple of LOCAL_WORLD_SIZE {per_node}")
     key = (id(dist.group.WORLD), per_node)  # a new process group (a new round) makes its own
     if key not in _NODE_GROUPS:
-        node_groups = [dist.new_group(list(range(start, start + per_node)), backend="gloo")
-                       for start in range(0, world, per_node)]
-        _NODE_GROUPS[key] = (node_groups[rank // per_node], make_groups(Layout(world, 1)))
-    node_group, groups = _NODE_GROUPS[key]
+        nodes = [dist.new_group(list(range(start, start + per_node)), backend="gloo")
+                 for start in range(0, world, per_node)]
+        _NODE_GROUPS[key] = (nodes[rank // per_node], make_groups(Layout(world, 1)))
+    return _NODE_GROUPS[key]
+
+
+def _local_sgd(model: nn.Module, optimizer: torch.optim.Optimizer, chosen: Strategy) -> nn.Module:
+    """DDP over this node's ranks; after each ``optimizer.step()``, local SGD over all ranks (a node's
+    ranks hold the same replica, so all ranks' average is the nodes' average)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from convoy.parallel.local_sgd import LocalSGD
+
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    node_group, groups = node_groups(per_node)
     with torch.no_grad():  # one start for every replica, as DDP's constructor gives its group
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor, 0)

@@ -2,7 +2,8 @@
 
 Every rank runs ``convoy.strategy.worker`` with torchrun's variables; ``place(rank)`` may put a rank
 in another network namespace (a command prefix and environment), as the benchmark's two-tier network
-does. A rank that fails stops the others, and the error carries the end of its output.
+does. A rank that fails stops the others, and the error carries the end of its output; a rank's
+``ConfigError`` (a script without ``workload()``, say) is raised again as it is, one line.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from convoy.errors import ConvoyError
+from convoy.errors import ConfigError, ConvoyError
 from convoy.ports import free_port
 from convoy.strategy.candidates import Hardware
 from convoy.strategy.workload import MMAP_THRESHOLD
 
 Placement = Callable[[int], tuple[list[str], dict[str, str]]]
+CONFIG_ERROR = "convoy-plan-config-error: "
+"""Starts the line a rank prints for a ``ConfigError`` before it exits 2; ``run_search`` raises it again."""
 
 
 def run_search(script: str, args: Sequence[str], hardware: Hardware, *, exhaustive_steps: int = 0,
@@ -62,8 +65,11 @@ def run_search(script: str, args: Sequence[str], hardware: Hardware, *, exhausti
                     proc.wait()
         if failed is not None:
             logs[failed].seek(0)
-            tail = logs[failed].read()[-1500:]
-            raise ConvoyError(f"dry-run rank {failed} failed (exit {procs[failed].returncode}):\n{tail}")
+            output = logs[failed].read()
+            for line in output.splitlines():  # the script or the plan is wrong: said as the rank said it
+                if line.startswith(CONFIG_ERROR):
+                    raise ConfigError(line.removeprefix(CONFIG_ERROR))
+            raise ConvoyError(f"dry-run rank {failed} failed (exit {procs[failed].returncode}):\n{output[-1500:]}")
         for log in logs:
             log.close()
         return json.loads(out.read_text())

@@ -20,9 +20,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from convoy.errors import ConfigError
 from convoy.parallel.topology import Link, Topology
 from convoy.strategy import candidates as cands
-from convoy.strategy.apply import accelerate, train_step
+from convoy.strategy.apply import accelerate, node_groups, train_step
+from convoy.strategy.dryrun import CONFIG_ERROR
 from convoy.strategy.features import profile
 from convoy.strategy.memory import ModelFeatures
 from convoy.strategy.plan import Strategy
@@ -60,9 +62,7 @@ def measure_comm(topology: Topology, comm: Any, per_node: int) -> CommCosts:
     lines = {"gloo": _allreduce_line()}
     world = dist.get_world_size()
     if per_node > 1 and world > per_node:
-        groups = [dist.new_group(list(range(start, start + per_node)), backend="gloo")
-                  for start in range(0, world, per_node)]
-        lines["node"] = _allreduce_line(groups[dist.get_rank() // per_node])
+        lines["node"] = _allreduce_line(node_groups(per_node)[0])
     if comm is not None:
         model = comm.cost_model()
         for algorithm in ("leader", "reduce_scatter"):
@@ -197,4 +197,8 @@ def main(spec_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    try:
+        sys.exit(main(sys.argv[1]))
+    except ConfigError as exc:  # the script or the plan is wrong: one line the planner shows as it is
+        print(f"{CONFIG_ERROR}{exc}", flush=True)
+        sys.exit(2)

@@ -59,6 +59,18 @@ def test_run_with_strategy_auto_plans_first_and_the_workers_train_with_the_pick(
     assert procs.wait_no_leftovers() == []
 
 
+def test_a_script_the_search_cannot_build_is_one_line_and_the_job_never_starts(procs: ProcessScope,
+                                                                               tmp_path: Path) -> None:
+    script = tmp_path / "plain.py"
+    script.write_text("print('training')\n")  # no workload(): the dry-run ranks refuse it
+    job = procs.start(["run", "--nproc-per-node", 2, "--run-dir", tmp_path / "run", "--strategy", "auto",
+                       script]).wait()
+    assert job.returncode == 2, job.explain()
+    assert job.stderr.count("\n") == 1 and "has no workload() function; define one" in job.stderr, job.stderr
+    assert "training" not in job.stdout and not (tmp_path / "run" / "convoy-strategy.json").exists()
+    assert procs.wait_no_leftovers() == []
+
+
 def test_plan_with_a_limit_nothing_fits_names_the_smallest_need(procs: ProcessScope, tmp_path: Path) -> None:
     result = procs.start(["plan", "--nproc-per-node", 2, "--memory", "100KB", "--out", tmp_path / "s.json",
                           EXAMPLE, *TINY]).wait()
