@@ -79,13 +79,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5, help="runs per launcher and line (default 5)")
     parser.add_argument("--quick", action="store_true", help="one run per launcher and line")
+    parser.add_argument("--only", choices=list(lines(0)), action="append", help="run only this line (repeatable)")
     args = parser.parse_args()
     runs = 1 if args.quick else args.runs
     print(f"{runs} run(s) per launcher and line, alternating; {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}")
     results: dict[str, dict[str, list[tuple[float, float]]]] = {}
     failures = {"convoy": 0, "torchrun": 0}
     with tempfile.TemporaryDirectory(prefix="convoy-lines-") as tmp:
-        for case in lines(0):
+        for case in args.only or lines(0):
             results[case] = {"convoy": [], "torchrun": []}
             for index in range(runs):
                 order = ("convoy", "torchrun") if index % 2 == 0 else ("torchrun", "convoy")

@@ -17,12 +17,15 @@ def free_port(host: str = "", port: int = 0) -> int:
         return int(sock.getsockname()[1])
 
 
-def hold_port(host: str = "", port: int = 0) -> socket.socket:
-    """A socket bound (not listening) to a port that is free now (``port``, or any): no other bind gets that
-    port until it is closed, just before the workers start (the round's MASTER_PORT candidate)."""
+def hold_port(host: str = "", port: int = 0, listen: bool = False) -> socket.socket:
+    """A socket bound to a port that is free now (``port``, or any): no other bind gets that port until it is
+    closed, just before the workers start, or handed to the process that serves the round's store on it
+    (the round's MASTER_PORT candidate); ``listen``: it listens, so connections wait in its queue."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.bind((host, port))
+        if listen:
+            sock.listen(socket.SOMAXCONN)
     except OSError:
         sock.close()
         raise

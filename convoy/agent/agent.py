@@ -138,8 +138,11 @@ class Agent:
                   f"worker(s), ranks {member.rank_offset}..{member.rank_offset + member.nproc - 1} of "
                   f"{round_info.world_size}")
         try:
-            self._release_port()  # rank 0 binds it from now on
-            self.group.start(round_info, member, self.master_url)
+            store = None
+            if member.rank_offset == 0 and self.group.uses_round_store:
+                store, self._held_port = self._held_port, None  # rank 0 serves the round's store on it
+            self._release_port()  # else rank 0 binds it from now on
+            self.group.start(round_info, member, self.master_url, store)
         except WorkerStartError as exc:
             log.warning(f"convoy agent {self.config.node_id}: {exc}")
             report = p.WorkerExit(node_id=self.config.node_id, round_id=round_info.round_id, rank=member.rank_offset,
@@ -264,13 +267,16 @@ class Agent:
         self.client.call("/worker_exit", report, p.Ack)
 
     def _hold_port(self) -> int:
-        """Hold a fresh port for this join (the one held for an earlier join is let go)."""
+        """Hold a fresh port for this join (the one held for an earlier join is let go). Where rank 0 will serve
+        the round's store on it, it listens from now on: a rank that reaches the store before rank 0 has started
+        waits in the queue instead of being refused (``round_store.py``)."""
         self._release_port()
         wanted, self._wanted_port = self._wanted_port, 0  # --master-port: the first round's, if it is free
+        listen = not self.config.roles and self.group.uses_round_store
         try:
-            self._held_port = hold_port(port=wanted)
+            self._held_port = hold_port(port=wanted, listen=listen)
         except OSError:
-            self._held_port = hold_port()
+            self._held_port = hold_port(listen=listen)
         return int(self._held_port.getsockname()[1])
 
     def _release_port(self) -> None:

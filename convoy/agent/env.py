@@ -59,9 +59,11 @@ def spawn_env(nproc_per_node: int, base: dict[str, str] | None = None, host: str
 
 def worker_env(
     round_info: RoundInfo, member: MemberInfo, local_rank: int, run_dir: str, master_url: str, log_file: str,
-    role_name: str = DEFAULT_ROLE,
+    role_name: str = DEFAULT_ROLE, round_store: bool = True,
 ) -> dict[str, str]:
-    """The per-round variables for one worker (RANK, MASTER_PORT, ... and CONVOY_*)."""
+    """The per-round variables for one worker (RANK, MASTER_PORT, ... and CONVOY_*); ``round_store``: rank 0's
+    process serves the round's TCPStore (``round_store.py``), so every rank's ``init_process_group`` is its
+    client, as under torchrun's agent store."""
     rank = member.rank_offset + local_rank
     topology = [[m.node_rank, m.host, m.nproc] for m in round_info.members]
     restart_count = str(round_info.restart_count)
@@ -78,7 +80,7 @@ def worker_env(
         "TORCHELASTIC_RESTART_COUNT": restart_count,
         "TORCHELASTIC_MAX_RESTARTS": str(round_info.max_restarts),
         "TORCHELASTIC_RUN_ID": round_info.job_id,
-        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCHELASTIC_USE_AGENT_STORE": str(round_store),
         "CONVOY_JOB_ID": round_info.job_id,
         "CONVOY_ROUND": str(round_info.round_id),
         "CONVOY_RESTART_COUNT": restart_count,

@@ -130,9 +130,11 @@ class ForkServer:
             return self._ready and not self._dead
 
     def spawn(self, env: dict[str, str], argv: list[str], entrypoint: str, module: bool, cgroups: list[str],
-              ready_timeout: float, own_pages: bool = True) -> ForkedProcess:
+              ready_timeout: float, own_pages: bool = True, store: socket.socket | None = None) -> ForkedProcess:
         """Fork one process; WorkerStartError where the server is not there or cannot fork. ``own_pages``: it
-        takes its own copy of the memory it shares with the server (a limit or a measurement counts it)."""
+        takes its own copy of the memory it shares with the server (a limit or a measurement counts it);
+        ``store``: a listening socket the process serves the round's store on (``round_store.py``; this end
+        stays the caller's to close)."""
         if not self.wait_ready(ready_timeout):
             raise WorkerStartError("the fork server is not running" if not self.alive else
                                    f"the fork server did not finish preloading in {ready_timeout:.0f} s")
@@ -140,9 +142,10 @@ class ForkServer:
         with self._lock:
             order_id, self._next_id = self._next_id, self._next_id + 1
         order = {"id": order_id, "env": env, "argv": argv, "entrypoint": entrypoint, "module": module,
-                 "cgroups": cgroups, "own_pages": own_pages}
+                 "cgroups": cgroups, "own_pages": own_pages, "store": store is not None}
         try:
-            socket.send_fds(self.sock, [json.dumps(order).encode()], [write_end])
+            socket.send_fds(self.sock, [json.dumps(order).encode()],
+                            [write_end, *([store.fileno()] if store is not None else [])])
         except OSError as exc:
             os.close(read_end)
             raise WorkerStartError(f"cannot reach the fork server: {exc}") from exc

@@ -9,8 +9,9 @@ either: a fork server serves any number, restarts included.
 Run by the agent (or, for a local job, by the launcher, before the agent itself has started: the agent takes
 its end of the socket over) as ``python -m convoy.agent.forkserver PRELOAD SOCKET_FD``; it says
 ``{"ready": true}`` on the socket (SOCK_SEQPACKET, one JSON message per packet) once preloaded. An order is
-``{"id", "env", "argv", "entrypoint", "module", "cgroups", "own_pages"}`` with the process's output pipe as its
-one passed file descriptor; the answer ``{"id", "pid"}`` (or ``{"id", "error"}``), and
+``{"id", "env", "argv", "entrypoint", "module", "cgroups", "own_pages", "store"}`` with the process's output pipe
+as its passed file descriptor (and, with ``store``, a listening socket to serve the round's store on:
+``round_store.py``); the answer ``{"id", "pid"}`` (or ``{"id", "error"}``), and
 ``{"exited": pid, "code": c}`` (``Popen.returncode``'s form) once it ends. A child takes a session of its own,
 dies with the server (which ends once the agent's end of the socket closes, and dies with an agent that
 started it), joins its cgroups (its memory limit's among them) before anything else, then, where a limit or a
@@ -34,6 +35,7 @@ import traceback
 from typing import Any, NoReturn
 
 from convoy.agent.inherited import own_inherited_pages
+from convoy.agent.round_store import STORE_FD, serve_if_asked
 from convoy.agent.standby import keep_process_groups, preload, run_script
 from convoy.procs import die_with_parent, exit_without_teardown
 
@@ -67,7 +69,10 @@ def main() -> int:
                     pass
             _reap(sock, children)
             if sock in readable:
-                data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 1)
+                try:
+                    data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 2)
+                except ConnectionError:
+                    return 0  # the agent is gone
                 if not data:
                     return 0  # the agent is done (or gone)
                 _fork(sock, json.loads(data), fds, children, (wake_read, wake_write))
@@ -90,8 +95,11 @@ def _fork(sock: socket.socket, order: dict[str, Any], fds: list[int], children: 
         send(sock, {"id": order.get("id"), "error": f"cannot fork the process: {exc}"})
         return
     if pid == 0:
+        if order.get("store") and len(fds) > 1:
+            order["env"][STORE_FD] = str(fds[1])  # the round's store, served on this listening socket
         _become(order, output, server, [sock.fileno(), *own_fds])
-    os.close(output)
+    for fd in fds:
+        os.close(fd)
     children.add(pid)
     send(sock, {"id": order["id"], "pid": pid})
 
@@ -128,6 +136,7 @@ def _become(order: dict[str, Any], output: int, server: int, server_fds: list[in
         if numpy is not None:
             numpy.random.seed()  # a fresh process seeds numpy's global generator afresh (``random`` reseeds itself)
         _take_threads(os.environ.get("OMP_NUM_THREADS", ""))
+        serve_if_asked()
         code = run_script(str(order["entrypoint"]), bool(order["module"]))
     except BaseException:  # noqa: BLE001 (a child must end here, whatever happened)
         traceback.print_exc()

@@ -17,6 +17,7 @@ import runpy
 import sys
 import traceback
 
+from convoy.agent.round_store import serve_if_asked
 from convoy.procs import exit_without_teardown
 
 _AGENT_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -87,6 +88,7 @@ def main() -> int:
         except OSError as exc:
             print(f"convoy: cannot run {sys.argv[0]!r} (--no-python): {exc.strerror}", file=sys.stderr, flush=True)
             return 127
+    serve_if_asked()  # rank 0: the round's store (``round_store.py``), bound here
     exit_without_teardown(run_script(str(order["entrypoint"]), bool(order["module"])))
 
 

@@ -14,6 +14,7 @@ import os
 import queue
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +27,7 @@ from convoy import log
 from convoy.agent.env import spawn_env, worker_env
 from convoy.agent.forked import ForkedProcess, ForkServer
 from convoy.agent.log_pump import Failures, LogPump
+from convoy.agent.round_store import STORE_BIND, hosted_by_rank0
 from convoy.agent.reap import NodeCgroup
 from convoy.config import WorkerConfig
 from convoy.errors import WorkerStartError
@@ -160,7 +162,8 @@ class WorkerGroup:
 
     def _spawn(self) -> Worker:
         ready_read, ready_write = os.pipe()
-        command = [sys.executable, "-m", "convoy.agent.standby", ",".join(self.config.preload), str(ready_write)]
+        preload = "" if self.config.no_python else ",".join(self.config.preload)  # an exec would drop what it loaded
+        command = [sys.executable, "-m", "convoy.agent.standby", preload, str(ready_write)]
         try:
             proc = subprocess.Popen(
                 command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self._env,
@@ -196,9 +199,24 @@ class WorkerGroup:
                     *(worker.proc.pid for worker in [*self._standbys, *self.workers])]:
             cgroup.add(pid)
 
-    def start(self, round_info: RoundInfo, member: MemberInfo, master_url: str) -> None:
+    @property
+    def uses_round_store(self) -> bool:
+        """Whether rank 0's process serves the round's store before its script runs (``round_store.py``)."""
+        return hosted_by_rank0(self.config.no_python, self.config.preload)
+
+    def start(self, round_info: RoundInfo, member: MemberInfo, master_url: str,
+              store: socket.socket | None = None) -> None:
         """Fork this round's workers (else hand each standby its rank, then warm new standbys for the next one);
-        WorkerStartError where no worker process can be started."""
+        WorkerStartError where no worker process can be started. ``store``: where this node runs rank 0 and
+        ``uses_round_store``, the listening socket the node offered as MASTER_PORT; rank 0 serves the round's
+        store on it (a standby binds the port itself, once it is closed). Closed here in every case."""
+        try:
+            self._start(round_info, member, master_url, store)
+        finally:
+            if store is not None:
+                store.close()
+
+    def _start(self, round_info: RoundInfo, member: MemberInfo, master_url: str, store: socket.socket | None) -> None:
         self.fill_standbys()
         self._started_at = time.monotonic()
         self.failures.reset()
@@ -209,17 +227,22 @@ class WorkerGroup:
         for local_rank in range(member.nproc):
             log_file = log_dir / f"rank{member.rank_offset + local_rank}.log"
             env = worker_env(round_info, member, local_rank, str(self.run_dir), master_url, str(log_file),
-                             self.config.role_name)
+                             self.config.role_name, round_store=self.uses_round_store)
             if self.lease_file:
                 env["CONVOY_LEASE"] = self.lease_file
             envs.append({**env, **self.agent_env})
+        serves = member.rank_offset == 0 and self.uses_round_store  # this node's local rank 0 is rank 0
         if self._forks is not None:
             try:
-                self.workers = self._fork(envs)
+                self.workers = self._fork(envs, store if serves else None)
             except WorkerStartError as exc:
                 self._stop_forking(str(exc))
                 self.fill_standbys()
         if not self.workers:
+            if store is not None:
+                store.close()  # the standby of rank 0 binds the port itself
+            if serves:
+                envs[0][STORE_BIND] = "1"
             self.workers, self._standbys = self._standbys[: member.nproc], self._standbys[member.nproc :]
         for local_rank, (worker, env) in enumerate(zip(self.workers, envs)):
             worker.local_rank, worker.rank = local_rank, member.rank_offset + local_rank
@@ -235,16 +258,18 @@ class WorkerGroup:
             except BrokenPipeError:
                 pass  # the standby died before its order arrived; poll() reports its exit
 
-    def _fork(self, envs: list[dict[str, str]]) -> list[Worker]:
-        """One process per environment from the fork server (each already holds the preloaded modules); where
-        one cannot be forked, those forked before it are killed and WorkerStartError raised."""
+    def _fork(self, envs: list[dict[str, str]], store: socket.socket | None) -> list[Worker]:
+        """One process per environment from the fork server (each already holds the preloaded modules; the
+        first serves the round's store on ``store``, if given); where one cannot be forked, those forked before it
+        are killed and WorkerStartError raised."""
         assert self._forks is not None
         cgroups = [str(self.cgroup.path)] if self.cgroup is not None else []
         forked: list[Worker] = []
         try:
             for env in envs:
                 proc = self._forks.spawn({**self._env, **env}, self._argv(), self.config.entrypoint,
-                                         self.config.module, cgroups, FORK_READY_S, own_pages=False)
+                                         self.config.module, cgroups, FORK_READY_S, own_pages=False,
+                                         store=store if not forked else None)
                 pump = LogPump(proc.stdout, self._console, self._console_lock, self.events, self.failures)
                 pump.start()
                 forked.append(Worker(proc, pump, -1, _ready=True))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import select
 import sys
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 from helpers import ProcessScope, fixture, gone
 
-from convoy.agent.forked import ForkServer
+from convoy.agent.forked import ForkServer, launch_server
 from convoy.agent.inherited import own_inherited_pages
 from convoy.agent.memory_limits import WATCHDOG, MemoryLimiter
 from convoy.agent.role_memory import RoleMemory
@@ -184,3 +185,22 @@ if sys.platform != "linux":
 def test_a_bad_fork_server_handle_is_refused_naming_the_flag(handle: str) -> None:
     with pytest.raises(ConfigError, match="--fork-server"):
         ForkServer.adopt(handle, "j")
+
+
+def test_a_fork_server_whose_agent_is_gone_ends_quietly(tmp_path: Path) -> None:
+    """An agent that dies with the server's messages unread resets the socket (ECONNRESET, not an end of file):
+    the server ends with exit 0 and nothing on stderr, as at a clean close."""
+    saved = os.dup(2)
+    with open(tmp_path / "stderr", "wb") as err:
+        os.dup2(err.fileno(), 2)  # the server inherits this process's stderr
+        try:
+            proc, ours = launch_server(("json",), dict(os.environ), die_with_us=False)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+    deadline = time.monotonic() + 30
+    while not select.select([ours], [], [], 0.05)[0]:  # its "ready" message waits unread in our end
+        assert time.monotonic() < deadline, "the fork server never said it was ready"
+    ours.close()
+    assert proc.wait(30) == 0
+    assert (tmp_path / "stderr").read_text() == ""

@@ -77,6 +77,8 @@ def test_a_torchrun_command_line_means_the_same_under_convoy(procs: ProcessScope
                 assert {ours[name], value} <= LOOPBACK, (ours[name], value)
             elif name == "TORCHELASTIC_RUN_ID" and case not in ("rdzv",):
                 assert ours[name], "a run id is set"
+            elif name == "TORCHELASTIC_USE_AGENT_STORE" and case == "no-python":
+                assert (value, ours[name]) == ("True", "False"), "no Python process of convoy's serves the store"
             elif name == "TORCHELASTIC_MAX_RESTARTS" and case == "standalone":
                 assert (value, ours[name]) == ("0", "3"), "without --max-restarts: torchrun's 0, convoy's 3"
             else:

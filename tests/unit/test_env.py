@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from convoy.agent.env import interface_of, spawn_env, worker_env
+from convoy.agent.round_store import hosted_by_rank0
 from convoy.control.protocol import MemberInfo, RoundInfo
 
 # what torchrun (torch/distributed/elastic/agent/server/local_elastic_agent.py) gives every worker
@@ -33,7 +34,7 @@ def test_worker_env_of_the_last_rank() -> None:
         "GROUP_WORLD_SIZE": "2", "ROLE_NAME": "default", "ROLE_RANK": "3", "ROLE_WORLD_SIZE": "4",
         "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29517", "TORCHELASTIC_RESTART_COUNT": "2",
         "TORCHELASTIC_MAX_RESTARTS": "5", "TORCHELASTIC_RUN_ID": "abc123",
-        "TORCHELASTIC_USE_AGENT_STORE": "False",  # no agent store: rank 0 hosts the TCPStore itself
+        "TORCHELASTIC_USE_AGENT_STORE": "True",  # rank 0's process serves the round's store before its script
         "CONVOY_JOB_ID": "abc123", "CONVOY_ROUND": "3", "CONVOY_RESTART_COUNT": "2", "CONVOY_RUN_DIR": "/runs/r",
         "CONVOY_NODE_ID": "hostB-7", "CONVOY_NODE_RANK": "1", "CONVOY_NUM_NODES": "2",
         "CONVOY_MASTER": "10.0.0.9:4000", "CONVOY_LOG_FILE": "/runs/r/logs/round3/rank3.log",
@@ -83,3 +84,16 @@ def test_gloo_is_pointed_at_the_interface_other_nodes_reach() -> None:
     assert "GLOO_SOCKET_IFNAME" not in spawn_env(1, {}, host="192.0.2.77")  # no interface holds it
     assert "GLOO_SOCKET_IFNAME" not in spawn_env(1, {}, host="node-a.example")  # a name, not an address
     assert interface_of("not an address") is None
+
+
+def test_the_round_store_is_rank_0s_where_its_process_has_torch_preloaded_and_the_user_did_not_opt_out() -> None:
+    preload = ("torch", "torch._dynamo")
+    assert hosted_by_rank0(False, preload, {})
+    assert hosted_by_rank0(False, ("numpy", "torch.distributed"), {})
+    assert not hosted_by_rank0(True, preload, {}), "--no-python: no Python process of convoy's runs before the script"
+    assert not hosted_by_rank0(False, (), {}), "without torch preloaded, the store would delay the script's start"
+    assert not hosted_by_rank0(False, ("torchvision",), {})
+    assert not hosted_by_rank0(False, preload, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}), "torchrun's opt-out"
+    info = two_node_round()
+    env = worker_env(info, info.members[0], 0, "/r", "m:1", "/r/x.log", round_store=False)
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "False", "rank 0's init_process_group hosts the store"
