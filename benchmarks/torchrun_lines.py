@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -61,9 +62,17 @@ def one_run(launcher: str, case: str, tmp: Path) -> tuple[float, float] | None:
         else:
             command = [*CONVOY, "--run-dir", str(run_dir), *flags, SCRIPT, "--out", str(out)]
         log = open(tmp / f"{out.stem}-{len(procs)}.log", "wb")  # noqa: SIM115 (closed below)
-        procs.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+        procs.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                        env={**os.environ, "LOGLEVEL": "WARNING"}), log))
-    codes = [proc.wait(timeout=180) for proc, _ in procs]
+    deadline = time.monotonic() + 60  # a run takes a few seconds
+    codes: list[int | None] = []
+    for proc, _ in procs:
+        try:
+            codes.append(proc.wait(timeout=max(0.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:  # a launcher that hangs is a failed run, and is ended here
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            codes.append(None)
     done = time.time()
     for _, log in procs:
         log.close()

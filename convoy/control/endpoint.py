@@ -107,8 +107,6 @@ def run_endpoint_job(config: JobConfig, endpoint: tuple[str, int], token: str, t
 def _serve(config: JobConfig, listener: socket.socket, token_path: Path, token: str, node: tuple[str, int],
            relaunch: bool, console: Callable[[str], None]) -> int:
     """This launcher claimed the endpoint: the master, this host's agent, and the job's outcome."""
-    from convoy.agent.client import MasterClient
-
     node_id, node_rank = node
     master = config.master
     host, port = listener.getsockname()[:2]
@@ -116,6 +114,8 @@ def _serve(config: JobConfig, listener: socket.socket, token_path: Path, token: 
     job_token = write_token(token_path, token or None)
     scheduler = LocalScheduler(config, token_path, port, master_host=host, listener=listener, agent_host=None)
     fork_server = scheduler.start_fork_servers([node_id]).get(node_id)  # its import of torch first
+    from convoy.agent.client import MasterClient  # pydantic's models: once the server is on its way
+
     started = time.monotonic()
     rdzv = master.rendezvous
     console(f"convoy: job {master.job_id}: this host claimed {host}:{port} and serves the master there; "

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
+from convoy.control.message import Message
 from convoy.control.sanitize import SAFE_HOST, SAFE_NAME
 from convoy.control.train_protocol import ConfigState
 
@@ -22,7 +23,7 @@ Rank = Annotated[int, Field(ge=0, le=2**31)]
 Text = Annotated[str, Field(max_length=4096)]
 
 
-class JoinRequest(BaseModel):
+class JoinRequest(Message):
     node_id: NodeId
     host: str = Field(min_length=1, max_length=255, pattern=SAFE_HOST)
     nproc: int = Field(ge=1, le=4096)
@@ -36,12 +37,12 @@ class JoinRequest(BaseModel):
                            "--node-rank): a first round orders its nodes by it; -1: none")
 
 
-class JoinResponse(BaseModel):
+class JoinResponse(Message):
     job_id: str
     round_id: int
 
 
-class MemberInfo(BaseModel):
+class MemberInfo(Message):
     node_rank: int
     node_id: str
     host: str
@@ -49,7 +50,7 @@ class MemberInfo(BaseModel):
     rank_offset: int
 
 
-class RoundInfo(BaseModel):
+class RoundInfo(Message):
     job_id: str
     round_id: int
     members: list[MemberInfo]
@@ -66,19 +67,19 @@ class RoundInfo(BaseModel):
                         "heartbeats assign, not a worker per local rank")
 
 
-class WaitRequest(BaseModel):
+class WaitRequest(Message):
     node_id: NodeId
     round_id: RoundId
     timeout_s: float = Field(ge=0, le=60)
 
 
-class WaitResponse(BaseModel):
+class WaitResponse(Message):
     state: Literal["waiting", "ready", "rejoin", "ended"]
     job_status: JobStatusName
     round: Optional[RoundInfo] = None
 
 
-class HeartbeatRequest(BaseModel):
+class HeartbeatRequest(Message):
     node_id: NodeId
     round_id: RoundId
     wait_s: float = Field(default=0, ge=0, le=60, description="hold the answer until the round or job changes")
@@ -88,7 +89,7 @@ class HeartbeatRequest(BaseModel):
                                 "has: the answer comes at once (with the versions) when the master's is newer")
 
 
-class RoleAssignment(BaseModel):
+class RoleAssignment(Message):
     """Start one role process on this node; an agent ignores an incarnation it has started already."""
 
     role: str
@@ -110,7 +111,7 @@ class RoleAssignment(BaseModel):
                          "0: one, unless the job's environment sets it")
 
 
-class RoleStop(BaseModel):
+class RoleStop(Message):
     """Stop one role process (SIGTERM, SIGKILL after the stop grace); only the named incarnation."""
 
     role: str
@@ -119,7 +120,7 @@ class RoleStop(BaseModel):
     reason: str = ""
 
 
-class HeartbeatResponse(BaseModel):
+class HeartbeatResponse(Message):
     job_status: JobStatusName
     round_id: int
     message: str = ""
@@ -132,7 +133,7 @@ class HeartbeatResponse(BaseModel):
                                                 "newer than the node's ``config_version``")
 
 
-class RoleReport(BaseModel):
+class RoleReport(Message):
     """A role process started (with its ``host:port``) or exited (with its code and last lines)."""
 
     node_id: NodeId
@@ -161,7 +162,7 @@ class RoleReport(BaseModel):
         return f"exited with code {self.exitcode}"
 
 
-class MeasuredIterationReport(BaseModel):
+class MeasuredIterationReport(Message):
     """The measuring iteration of a role's rank 0: its shape and its process tree's memory (the agent's
     samples); the master predicts the role's memory from it."""
 
@@ -179,7 +180,7 @@ class MeasuredIterationReport(BaseModel):
     """On a GPU: what the caching allocator reserved at most during the iteration (None: no GPU in use)."""
 
 
-class ProcessMemory(BaseModel):
+class ProcessMemory(Message):
     """One role process's memory so far: its sampled peak, and the limit it runs under."""
 
     role: str = Field(min_length=1, max_length=32)
@@ -192,7 +193,7 @@ class ProcessMemory(BaseModel):
     measuring: bool = Field(default=False, description="it has begun its measuring iteration, not ended it")
 
 
-class MemoryReport(BaseModel):
+class MemoryReport(Message):
     """A node's memory and its role processes' peaks (sent when there is news, and every heartbeat period)."""
 
     node_id: NodeId
@@ -201,7 +202,7 @@ class MemoryReport(BaseModel):
     processes: list[ProcessMemory] = Field(default_factory=list, max_length=4096)
 
 
-class ScaleRequest(BaseModel):
+class ScaleRequest(Message):
     """Run ``count`` processes of ``role`` (``convoy scale --run-dir D worker=4``)."""
 
     role: str = Field(min_length=1, max_length=32)
@@ -210,7 +211,7 @@ class ScaleRequest(BaseModel):
     """Who asked (the dashboard names its session); recorded in the job's events when given."""
 
 
-class WorkerExit(BaseModel):
+class WorkerExit(Message):
     node_id: NodeId
     round_id: RoundId
     rank: Rank
@@ -231,7 +232,7 @@ class WorkerExit(BaseModel):
         return f"exited with code {self.exitcode}"
 
 
-class WorkerEvent(BaseModel):
+class WorkerEvent(Message):
     """Something a worker recorded (``convoy.worker_events.emit``), forwarded by its agent."""
 
     node_id: NodeId
@@ -241,23 +242,23 @@ class WorkerEvent(BaseModel):
     message: Text
 
 
-class NodeDone(BaseModel):
+class NodeDone(Message):
     node_id: NodeId
     round_id: RoundId
 
 
-class LeaveRequest(BaseModel):
+class LeaveRequest(Message):
     node_id: NodeId
     reason: Text = ""
 
 
-class AbortRequest(BaseModel):
+class AbortRequest(Message):
     reason: str = Field(min_length=1, max_length=2000)
 
 
-class Ack(BaseModel):
+class Ack(Message):
     ok: bool = True
 
 
-class ErrorBody(BaseModel):
+class ErrorBody(Message):
     error: str

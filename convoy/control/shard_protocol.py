@@ -8,15 +8,16 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
+from convoy.control.message import Message
 from convoy.control.shards import Dataset
 
 DatasetName = Annotated[str, Field(min_length=1, max_length=200)]
 Count = Annotated[int, Field(ge=0, le=2**62)]
 
 
-class ShardWorker(BaseModel):
+class ShardWorker(Message):
     """Who asks: one process (``role:rank:incarnation``); a new incarnation of a rank is another worker, so a
     late report of the old one cannot count for the new one's shard."""
 
@@ -30,7 +31,7 @@ class ShardWorker(BaseModel):
         return f"{self.role}:{self.rank}:{self.incarnation}"
 
 
-class DatasetSpec(BaseModel):
+class DatasetSpec(Message):
     kind: Literal["range", "files", "seeds"]
     size: Annotated[int, Field(ge=1, le=2**62)]
     files: list[Annotated[str, Field(max_length=4096)]] = Field(default_factory=list)
@@ -54,7 +55,7 @@ class ShardDeclare(ShardWorker):
     shuffle_seed: Optional[int] = None
 
 
-class ShardDeclared(BaseModel):
+class ShardDeclared(Message):
     name: str
     declared_by: str = Field(description="the worker whose declaration made the queue")
     first: bool = Field(description="this request's declaration made it")
@@ -76,7 +77,7 @@ class ShardProgress(ShardDone):
     trained_through: Count
 
 
-class ShardGrant(BaseModel):
+class ShardGrant(Message):
     """``assigned``: train items [start, stop) of the dataset; ``wait``: ask again soon (others hold the rest of
     the epoch and may give some back); ``finished``: every epoch is done."""
 
@@ -88,5 +89,5 @@ class ShardGrant(BaseModel):
     stop: int = 0
 
 
-class ShardAck(BaseModel):
+class ShardAck(Message):
     ok: bool = True

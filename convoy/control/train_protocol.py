@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, Field
+from pydantic import Field
+
+from convoy.control.message import Message
 
 Count = Annotated[int, Field(ge=0, le=2**62)]
 Step = Annotated[int, Field(ge=0, le=2**62)]
@@ -20,7 +22,7 @@ MAX_METRICS = 32
 MAX_METRIC_NAME = 64
 
 
-class Task(BaseModel):
+class Task(Message):
     """Who reports: one process of the job (a plain worker is role ``default`` with its global RANK, and its
     round as incarnation)."""
 
@@ -33,7 +35,7 @@ class Task(BaseModel):
         return f"{self.role}:{self.rank}"
 
 
-class StatusPoint(BaseModel):
+class StatusPoint(Message):
     """A rank's status after one step (``convoy.report``)."""
 
     step: Step
@@ -47,7 +49,7 @@ class StatusPoint(BaseModel):
                                                                                      max_length=MAX_METRICS)
 
 
-class FieldDecl(BaseModel):
+class FieldDecl(Message):
     name: str = Field(min_length=1, max_length=100)
     type: Literal["int", "float", "bool", "str"]
     kind: Literal["hot", "restart"]
@@ -65,7 +67,7 @@ class ConfigDeclare(Task):
     restartable: bool = True
 
 
-class VersionInfo(BaseModel):
+class VersionInfo(Message):
     number: int
     values: dict[str, ConfigValue]
     changed: dict[str, ConfigValue] = Field(default_factory=dict)
@@ -78,7 +80,7 @@ class VersionInfo(BaseModel):
     status: str = ""
 
 
-class ConfigState(BaseModel):
+class ConfigState(Message):
     """The config versions a rank needs: every version (newest last) with the step it takes effect at."""
 
     version: int = Field(description="the newest version's number (0: none declared yet)")
@@ -97,11 +99,11 @@ class StatusReport(Task):
                                                                  "restart that applies a restart field")
 
 
-class StatusAck(BaseModel):
+class StatusAck(Message):
     version: int = Field(description="the config's newest version, so a rank that missed a push reads it again")
 
 
-class ConfigSet(BaseModel):
+class ConfigSet(Message):
     """``PUT /v1/config``: the target config (only the fields to change)."""
 
     values: dict[Annotated[str, Field(max_length=100)], ConfigValue] = Field(min_length=1, max_length=256)
@@ -111,7 +113,7 @@ class ConfigSet(BaseModel):
                                                                   "step every rank can still reach); none: that one")
 
 
-class ProposalAction(BaseModel):
+class ProposalAction(Message):
     """``POST /v1/config/proposals``: apply or dismiss a proposal."""
 
     proposal: int = Field(ge=1)
