@@ -79,7 +79,8 @@ def one_run(launcher: str, case: str, tmp: Path) -> tuple[float, float] | None:
     if any(codes) or not out.exists():
         last = [line for _, log in procs for line in Path(log.name).read_text(errors="replace").splitlines()
                 if "Error" in line][-1:]
-        print(f"  {case}: {launcher} FAILED, exit codes {codes}: {last[0][:200] if last else 'no error line'}")
+        when = "after rank 0's first step" if out.exists() else "before rank 0's first step"
+        print(f"  {case}: {launcher} FAILED {when}, exit codes {codes}: {last[0][:160] if last else 'no error line'}")
         return None
     return float(out.read_text()) - start, done - start
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from convoy.runtime.slots import (
-    _HEADER, _SLOT, HEADER_SIZE, SnapshotFile, SnapshotTooSmall, flatten, layout, unflatten,
+    _HEADER, _SLOT, HEADER_SIZE, SnapshotFile, SnapshotTooSmall, copy_into, flatten, layout, unflatten,
 )
 from convoy.shm import SHM_DIR, remove_segments, segment_path
 
@@ -193,3 +193,22 @@ def test_slot_lengths_outside_the_slot_count_as_absent(job_id: str) -> None:
     reader = SnapshotFile(path)
     assert reader.steps() == [11]
     assert any("step 10" in problem for problem in reader.unreadable()), reader.unreadable()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(64, 33),  # dense: one memmove
+    lambda: torch.randn(33, 64).t(),  # transposed: not contiguous
+    lambda: torch.randn(64, 64)[:, ::2],  # strided
+    lambda: torch.randn(8, dtype=torch.complex64).conj(),  # a conjugate view: its bit must be applied
+    lambda: torch.randn(8)._neg_view(),  # a negative view likewise
+    lambda: torch.empty(0, 7),  # nothing to copy
+    lambda: torch.arange(10, dtype=torch.int16),
+    lambda: torch.nn.Parameter(torch.randn(5)).detach(),
+])
+def test_a_tensor_copied_into_a_view_of_the_segment_is_equal_however_it_is_laid_out(make) -> None:  # noqa: ANN001
+    source = make()
+    data = torch.zeros(source.numel() * source.element_size() + 16, dtype=torch.uint8)
+    target = data[16:].view(source.dtype).view(source.shape)
+    copy_into(target, source)
+    assert torch.equal(target, source.resolve_conj().resolve_neg())
+    assert int(data[:16].sum()) == 0, "nothing written outside the view"
