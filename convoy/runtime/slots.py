@@ -25,7 +25,7 @@ import os
 import pickle
 import struct
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -48,7 +48,7 @@ class SnapshotNoSpace(CheckpointError):
     """The segment's filesystem (``/dev/shm``) has no room for it; nothing of it is left behind."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorRef:
     index: int
     dtype: str
@@ -57,6 +57,10 @@ class TensorRef:
     offset: int = -1
     pending: bool = False
     """Not yet written when the slot was committed partial."""
+
+    def __reduce__(self) -> tuple[type, tuple[int, str, tuple[int, ...], int, int, bool]]:
+        """Pickled as its fields (a snapshot's skeleton holds one per tensor, hundreds, written every step)."""
+        return TensorRef, (self.index, self.dtype, self.shape, self.nbytes, self.offset, self.pending)
 
 
 def map_leaves(obj: Any, leaf_type: type, fn: Callable[[Any], Any]) -> Any:
@@ -295,8 +299,8 @@ def free_bytes(directory: Path) -> int:
 
 def encode_meta(skeleton: Any, offsets: list[int], pending: frozenset[int] = frozenset()) -> bytes:
     """The pickled skeleton a slot stores after its tensors, each ``TensorRef`` placed at its offset."""
-    placed = map_leaves(skeleton, TensorRef,
-                        lambda ref: replace(ref, offset=offsets[ref.index], pending=ref.index in pending))
+    placed = map_leaves(skeleton, TensorRef, lambda ref: TensorRef(ref.index, ref.dtype, ref.shape, ref.nbytes,
+                                                                   offsets[ref.index], ref.index in pending))
     return pickle.dumps(placed, protocol=pickle.HIGHEST_PROTOCOL)
 
 
