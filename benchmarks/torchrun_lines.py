@@ -12,6 +12,7 @@ Target (issue 28): convoy's startup <= 0.8x torchrun's for every line. Exits 0 w
 from __future__ import annotations
 
 import argparse
+import compileall
 import os
 import signal
 import socket
@@ -21,6 +22,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import convoy
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = str(HERE / "scripts" / "first_collective.py")
@@ -92,6 +95,10 @@ def main() -> int:
     parser.add_argument("--only", choices=list(lines(0)), action="append", help="run only this line (repeatable)")
     args = parser.parse_args()
     runs = 1 if args.quick else args.runs
+    # convoy as `pip install` leaves it: its modules byte-compiled, as torch's are. An editable install under
+    # PYTHONDONTWRITEBYTECODE=1 (this machine's default) would compile every module in every process it starts.
+    compiled = compileall.compile_dir(str(Path(convoy.__file__).parent), quiet=1)
+    print(f"convoy's modules byte-compiled first ({'ok' if compiled else 'FAILED'}), as torch's are at install")
     print(f"{runs} run(s) per launcher and line, alternating; {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}")
     results: dict[str, dict[str, list[tuple[float, float]]]] = {}
     failures = {"convoy": 0, "torchrun": 0}
