@@ -80,8 +80,9 @@ def one_run(launcher: str, case: str, tmp: Path) -> tuple[float, float] | None:
     for _, log in procs:
         log.close()
     if any(codes) or not out.exists():
-        last = [line for _, log in procs for line in Path(log.name).read_text(errors="replace").splitlines()
-                if "Error" in line][-1:]
+        text = [line for _, log in procs for line in Path(log.name).read_text(errors="replace").splitlines()]
+        causes = ("exitcode", "terminate called", "Error")  # a worker's end (torchrun's summary) before any error
+        last = next(([line.strip()] for mark in causes for line in reversed(text) if mark in line), [])
         when = "after rank 0's first step" if out.exists() else "before rank 0's first step"
         print(f"  {case}: {launcher} FAILED {when}, exit codes {codes}: {last[0][:160] if last else 'no error line'}")
         return None
