@@ -1,6 +1,6 @@
 """Benchmark: a Hugging Face Trainer under convoy with ConvoyCallback against the Trainer's own checkpointing.
 
-    python benchmarks/hf_trainer.py [--seed 0] [--kills 3] [--steps 160] [--overhead-steps 48] [--tmp DIR]
+    python benchmarks/hf_trainer.py [--seed 0] [--kills 3] [--steps 160] [--overhead-steps 96] [--tmp DIR]
 
 1. Steps redone. A tiny GPT-2 trains ``--steps`` optimizer steps on two ranks (``convoy run --nproc-per-node 2``,
    DDP on gloo); rank 1 SIGKILLs itself as a step drawn at random (``--seed``; ``--kills`` of them, each run
@@ -173,7 +173,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=160, help="optimizer steps of the resume jobs")
-    parser.add_argument("--overhead-steps", type=int, default=48)
+    parser.add_argument("--overhead-steps", type=int, default=96, help="steps of the small overhead job (the large one: half)")
     parser.add_argument("--kills", type=int, default=3, help="kill points drawn, each run with both")
     parser.add_argument("--tmp", default="")
     parser.add_argument("--batch", type=int, default=2, help=argparse.SUPPRESS)
