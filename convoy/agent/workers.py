@@ -232,6 +232,8 @@ class WorkerGroup:
                 env["CONVOY_LEASE"] = self.lease_file
             envs.append({**env, **self.agent_env})
         serves = member.rank_offset == 0 and self.uses_round_store  # this node's local rank 0 is rank 0
+        if serves and store is None:
+            envs[0][STORE_BIND] = "1"  # no socket to hand over: rank 0 binds the port itself
         if self._forks is not None:
             try:
                 self.workers = self._fork(envs, store if serves else None)

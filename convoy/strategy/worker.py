@@ -105,9 +105,23 @@ def run_candidate(workload: Workload, strategy: Strategy, steps: int, comm: Any,
     return per_step[:-1].tolist(), float(per_step[-1])
 
 
-def exhaustive(workload: Workload, feasible: list[Strategy], steps: int, rounds: int, comm: Any) -> list[dict]:
+def prime(workload: Workload, strategies: list[Strategy], comm: Any, primed: set[tuple[str, str]]) -> None:
+    """One run, not recorded, for each way of communicating among ``strategies`` not in ``primed`` yet: the
+    process's one-time allocations (autograd's threads, gloo's pairs and buffers, the hierarchical allreduce's
+    staging buffers, local SGD's groups, lazily loaded kernels) would otherwise count as the memory of the
+    first candidate measured with each."""
+    for strategy in strategies:
+        if (strategy.kind, strategy.allreduce) not in primed:
+            primed.add((strategy.kind, strategy.allreduce))
+            run_candidate(workload, strategy, 1, comm)
+
+
+def exhaustive(workload: Workload, feasible: list[Strategy], steps: int, rounds: int, comm: Any,
+               primed: set[tuple[str, str]]) -> list[dict]:
     """Every feasible candidate measured in ``rounds`` rounds of ``steps`` timed steps, each round in
-    another order (a drift of the machine's speed falls on all alike): the median of all its steps."""
+    another order (a drift of the machine's speed falls on all alike): the median of all its steps. The
+    ways of communicating the search did not run are primed first, as the search primes its own."""
+    prime(workload, feasible, comm, primed)
     times: dict[Strategy, list[float]] = {s: [] for s in feasible}
     peaks: dict[Strategy, list[float]] = {s: [] for s in feasible}
     for round_index in range(rounds):
@@ -169,15 +183,8 @@ def main(spec_path: str) -> int:
             measured.setdefault(strategy, []).append([steps, statistics.median(times), peak])
             return statistics.median(times)
 
-        # first runs, not recorded, one per way of communicating among those to be measured: the process's
-        # one-time allocations (autograd's threads, gloo's pairs and buffers, the hierarchical allreduce's
-        # staging buffers, local SGD's groups, lazily loaded kernels) would otherwise count as the memory of
-        # the first candidate measured with each
-        primed = set()
-        for strategy in ranked[:spec["keep"]]:
-            if (strategy.kind, strategy.allreduce) not in primed:
-                primed.add((strategy.kind, strategy.allreduce))
-                run_candidate(workload, strategy, 1, comm)
+        primed: set[tuple[str, str]] = set()
+        prime(workload, ranked[:spec["keep"]], comm, primed)  # among those to be measured
         winner, _ = successive_halving(ranked, measure, keep=spec["keep"], first_steps=spec["first_steps"])
         result["search_s"] = time.perf_counter() - started
         result["winner"] = winner.to_dict()
@@ -185,7 +192,7 @@ def main(spec_path: str) -> int:
         if spec["exhaustive_steps"]:
             start = time.perf_counter()
             result["exhaustive"] = exhaustive(workload, feasible, spec["exhaustive_steps"],
-                                              spec.get("exhaustive_rounds", 1), comm)
+                                              spec.get("exhaustive_rounds", 1), comm, primed)
             result["exhaustive_s"] = time.perf_counter() - start
     if comm is not None:
         comm.close()
