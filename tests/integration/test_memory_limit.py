@@ -25,10 +25,11 @@ TOO_MUCH = 320 * MIB
 
 # Waits for a line naming how many bytes to take, takes them 8 MiB at a time (every page written), prints
 # "holding", waits for a line, exits 0. With "fork" it does this in a child of its own, so the limit must
-# cover the whole tree.
+# cover the whole tree; it forks once told to ("go"), after the test has put it under the limit.
 ALLOCATOR = textwrap.dedent("""
     import subprocess, sys, time
     if sys.argv[1] == "fork":
+        sys.stdin.readline()
         child = subprocess.Popen([sys.executable, __file__, "self"], stdin=sys.stdin, stdout=sys.stdout)
         sys.exit(child.wait())
     size, blocks = int(sys.stdin.readline()), []
@@ -47,6 +48,10 @@ def _run_under(limit: MemoryLimit, script: Path, size: int, mode: str = "self") 
                             text=True)
     try:
         assert limit.add(proc.pid)
+        assert proc.stdin is not None and proc.stdout is not None
+        if mode == "fork":  # only now: a child forked before the parent's move would stay outside the cgroup
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
         deadline = time.monotonic() + 10
         while len(tree_pids(proc.pid)) < (2 if mode == "fork" else 1):
             assert time.monotonic() < deadline
@@ -54,7 +59,6 @@ def _run_under(limit: MemoryLimit, script: Path, size: int, mode: str = "self") 
         tree = tree_pids(proc.pid)
         if isinstance(limit, CgroupMemoryLimit):
             assert sorted(limit.pids()) == sorted(tree), "the tree, the child included, is inside the cgroup"
-        assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.write(f"{size}\n")
         proc.stdin.flush()
         if proc.stdout.readline().strip() == "holding":
