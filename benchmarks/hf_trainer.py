@@ -173,7 +173,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=160, help="optimizer steps of the resume jobs")
-    parser.add_argument("--overhead-steps", type=int, default=96, help="steps of the small overhead job (the large one: half)")
+    parser.add_argument("--overhead-steps", type=int, default=96,
+                        help="steps of the small overhead job (the large one: half)")
     parser.add_argument("--kills", type=int, default=3, help="kill points drawn, each run with both")
     parser.add_argument("--tmp", default="")
     parser.add_argument("--batch", type=int, default=2, help=argparse.SUPPRESS)
