@@ -102,6 +102,8 @@ class Checkpointer:
                 made = dist.new_group(list(ranks), backend="gloo")
                 if self.rank in ranks:
                     peer_group = made
+        self._groups = [group] if peer_group is group else [group, peer_group]
+        self._closed = False
         root = Path(directory) if directory else Path(os.environ.get("CONVOY_RUN_DIR", ".")) / "checkpoints"
         round_id = int(os.environ.get("CONVOY_ROUND", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
         self._saver = persist.PersistentSaver(root, group, self.rank, keep, round_id, self.log, self.fence)
@@ -127,6 +129,7 @@ class Checkpointer:
 
     def step(self, step: int) -> None:
         """Record that ``step`` finished: snapshot it, and persist it when due."""
+        self._check_open("step")
         self._wait_copy()
         if self._snapshots.enabled and step % self.every == 0:
             self._snapshots.take(step)
@@ -139,6 +142,7 @@ class Checkpointer:
 
         In a round that rolls the job back (``CONVOY_RESTORE_AT_MOST``, set by the agent when the training
         manager applies a rollback) the newest persistent checkpoint at or before that step is loaded instead."""
+        self._check_open("restore")
         at_most = os.environ.get(ROLLBACK_ENV, "")
         if at_most.isdigit():
             restored = self._persistent.restore(int(at_most))
@@ -167,13 +171,42 @@ class Checkpointer:
         self._saver.wait_staged()
         self._copies.before_change()
 
-    def close(self) -> None:
-        """Wait for the background copy and any persistent save in flight."""
+    def wait(self) -> None:
+        """Wait for the background copy and any persistent save in flight (training may go on after)."""
+        self._check_open("wait")
         self._wait_copy()
         self._saver.wait()
+
+    def close(self) -> None:
+        """Wait for the background copy and any persistent save in flight, then release the checkpoint's
+        process groups. Closing twice is harmless; ``step`` and ``restore`` after it are refused."""
+        if self._closed:
+            return
+        self.wait()
         if self._stop_copy is not None:
             self._stop_copy.uninstall()
             self._stop_copy = None
+        self._release_groups()
+        self._closed = True
+
+    def _release_groups(self) -> None:
+        """Destroy the groups made for saves and restores and drop every reference to them, so that torch
+        joins their gloo threads now. Left to the interpreter's exit, a gloo thread still releasing the last
+        collective's tensors (a restore's all-gather) needs the GIL while the interpreter finalizes, and the
+        process aborts ("terminate called without an active exception", SIGABRT) after training finished."""
+        groups, self._groups = self._groups, []
+        self._saver.group = self._persistent.group = None  # type: ignore[assignment]
+        self._from_snapshots.group = self._from_snapshots.peer_group = None  # type: ignore[assignment]
+        for group in groups:
+            try:
+                dist.destroy_process_group(group)
+            except ValueError:  # destroyed already, with the whole world
+                pass
+        del groups  # the last references: each group's destructor joins its threads, with the GIL released
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise CheckpointError(f"Checkpointer.{what}() after close(); make a new Checkpointer to go on")
 
     def __enter__(self) -> Checkpointer:
         return self

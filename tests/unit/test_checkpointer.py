@@ -67,11 +67,12 @@ class Trainer:
         loss.backward()
         self.optimizer.step()
 
-    def run(self, ckpt: convoy.Checkpointer, start: int, stop: int) -> None:
+    def run(self, ckpt: convoy.Checkpointer, start: int, stop: int, close: bool = True) -> None:
         for step in range(start, stop):
             self.train_step()
             ckpt.step(step)
-        ckpt.close()
+        if close:
+            ckpt.close()
 
     def params(self) -> list[torch.Tensor]:
         return [t.detach().clone() for t in self.model.state_dict().values()]
@@ -98,6 +99,29 @@ def _seed_and_run(trainer: Trainer, ckpt: convoy.Checkpointer, steps: int) -> No
 
 def test_fresh_start_is_step_zero(job: str) -> None:
     assert Trainer().checkpointer().restore() == 0
+
+
+def _gloo_threads() -> int:
+    """Threads of this process that belong to gloo groups (each group has its own worker loops)."""
+    names = [(Path("/proc/self/task") / task / "comm").read_text() for task in os.listdir("/proc/self/task")]
+    return sum(name.startswith(("pt_gloo", "gloo")) for name in names)
+
+
+def test_close_joins_the_groups_threads_and_refuses_later_use(job: str, tmp_path: Path) -> None:
+    """close() destroys the checkpoint's gloo groups while the interpreter runs: left to its exit, a gloo
+    thread releasing a restore's all-gather tensors aborted the process (SIGABRT) after training finished."""
+    trainer = Trainer()
+    before = _gloo_threads()
+    ckpt = trainer.checkpointer(persist_every=1, directory=tmp_path / "ckpt")
+    trainer.run(ckpt, ckpt.restore(), 2, close=False)
+    assert _gloo_threads() > before
+    ckpt.close()
+    assert _gloo_threads() == before
+    ckpt.close()  # a second close is harmless
+    with pytest.raises(CheckpointError, match=r"step\(\) after close\(\)"):
+        ckpt.step(2)
+    with pytest.raises(CheckpointError, match=r"restore\(\) after close\(\)"):
+        ckpt.restore()
 
 
 def test_resume_from_memory_is_bit_identical(job: str) -> None:
@@ -229,7 +253,8 @@ def test_refused_step_leaves_the_previous_snapshot_the_newest(job: str, tmp_path
     messages: list[str] = []
     trainer = Trainer()
     ckpt = trainer.checkpointer(persist_every=2, log=messages.append)
-    trainer.run(ckpt, 0, 2)  # snapshots of steps 0, 1 and a persistent checkpoint of step 1
+    trainer.run(ckpt, 0, 2, close=False)  # snapshots of steps 0, 1 and a persistent checkpoint of step 1
+    ckpt.wait()
     lease.revoke()  # the agent learnt that round 3 ended
     trainer.run(ckpt, 2, 4)  # would snapshot 2, 3 and persist 3
     lease.close()
