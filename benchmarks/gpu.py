@@ -24,6 +24,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -52,11 +53,22 @@ def build(hidden: int, layers: int, device: torch.device) -> tuple[torch.nn.Modu
     return model, optimizer
 
 
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> None:
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor,
+               marks: list[tuple[Any, Any]] | None = None) -> None:
+    """One step; on CUDA, ``marks`` collects events around ``optimizer.step()``, whose GPU time includes any wait
+    for a snapshot's copies (the guard makes the compute stream wait there)."""
     with torch.autocast(batch.device.type, dtype=torch.bfloat16, enabled=batch.device.type == "cuda"):
         loss = model(batch).float().pow(2).mean()
     loss.backward()
+    timed = marks is not None and batch.device.type == "cuda"
+    if timed:
+        began = torch.cuda.Event(enable_timing=True)
+        began.record()
     optimizer.step()
+    if timed:
+        ended = torch.cuda.Event(enable_timing=True)
+        ended.record()
+        marks.append((began, ended))  # type: ignore[union-attr]
     optimizer.zero_grad(set_to_none=True)
 
 
@@ -137,19 +149,27 @@ def overhead(args: argparse.Namespace, device: torch.device) -> dict[int, dict[s
             times: dict[str, list[float]] = {"none": [], "convoy": [], "dcp": []}
             for rep in range(args.reps):
                 for how in times:
+                    marks: list[tuple[Any, Any]] = []
+                    in_save = 0.0
                     for index in range(args.block + 1):
                         if index == 1:
                             sync(device)
                             began = time.perf_counter()
-                        train_step(model, optimizer, batch)
+                            marks.clear()
+                            in_save = 0.0
+                        train_step(model, optimizer, batch, marks)
+                        saving = time.perf_counter()
                         peers.save(how, step)
+                        in_save += time.perf_counter() - saving
                         step += 1
                     if how == "dcp":  # the last save of the block is waited for inside the block's time
                         peers.settle_dcp()
                     sync(device)
                     times[how].append((time.perf_counter() - began) / args.block)
+                    gpu_step = statistics.mean(a.elapsed_time(b) for a, b in marks) if marks else float("nan")
                     print(f"  {tokens} tokens, rep {rep + 1}/{args.reps} {how:6s} {times[how][-1] * 1e3:8.1f} ms "
-                          "a step", flush=True)
+                          f"a step (host in the save call {in_save / args.block * 1e3:6.1f} ms, optimizer.step on "
+                          f"the GPU {gpu_step:6.1f} ms)", flush=True)
             every[tokens] = times | {"state_bytes": [float(state)]}
             del batch
         peers.close()
