@@ -4,6 +4,9 @@ The bytes a rank holds above its process baseline (torch and the process group l
 trains: parameters, buffers, gradients, optimizer state (each whole or a 1/N share), the unsharded
 units FSDP gathers, and the activations of one micro-batch, scaled by the factor one real micro-step
 measured. The peak is the static part plus the larger of the forward/backward and the optimizer step.
+FSDP's peak falls in the backward, where gathered units, their unsharded gradients and reduce-scatter
+buffers meet activations already partly freed; two real FSDP micro-steps (``calibrate_fsdp``) measure
+its fixed part and the activations' share, which the traced layout alone over-counts.
 """
 
 from __future__ import annotations
@@ -67,6 +70,11 @@ class ModelFeatures:
     """The same with checkpointed blocks (recomputation's transients are a larger share of less saved)."""
     checkpoint_bf16_activation_factor: float = 0.0
     """The same with checkpointed blocks under bfloat16."""
+    fsdp_fixed: float = 0.0
+    """Measured in two real FSDP micro-steps: what a rank holds at its peak beyond its static share and the
+    activations' part (the gathered units, their unsharded gradients and reduce-scatter buffers)."""
+    fsdp_activation_share: float = 0.0
+    """The part of a micro-batch's activations held at that peak (0: not measured, the traced layout is used)."""
 
     def activation_factor_for(self, checkpointing: bool, bf16: bool) -> float:
         """Measured / traced activation bytes of a micro-step run this way (the float32 one where not measured)."""
@@ -122,11 +130,13 @@ def predict(features: ModelFeatures, strategy: Strategy, world_size: int) -> Mem
         # gathered at once; the sharded gradients are freed after each step and grow back as the
         # activations are freed in the backward
         gathered = features.root_param_bytes + 2 * biggest
-        if strategy.accumulation > 1:  # the sharded gradients of the first micro-batches are kept
-            gathered += params * share
+        kept = params * share if strategy.accumulation > 1 else 0.0  # the first micro-batches' sharded gradients
         static = params * share * (1 + features.optimizer_state_ratio) + features.buffer_bytes
         step = params * share * (1 + features.optimizer_step_ratio)
-        return MemoryEstimate(static, activations + gathered, step)
+        if features.fsdp_activation_share > 0:  # measured: the peak falls in the backward, activations part freed
+            return MemoryEstimate(static, features.fsdp_fixed + features.fsdp_activation_share * activations + kept,
+                                  step)
+        return MemoryEstimate(static, activations + gathered + kept, step)
     # ddp, zero, and local (DDP within the node; its averaging's flat copy of the parameters comes after
     # the optimizer step, so it is no more than the gradient buckets' copy below)
     state_share = 1.0 / world_size if strategy.kind == "zero" else 1.0

@@ -14,6 +14,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from convoy.strategy import candidates as cands
 from convoy.strategy.apply import accelerate, node_groups, train_step
 from convoy.strategy.dryrun import CONFIG_ERROR
 from convoy.strategy.features import profile
-from convoy.strategy.memory import ModelFeatures
+from convoy.strategy.memory import ModelFeatures, activation_bytes, predict
 from convoy.strategy.plan import Strategy
 from convoy.strategy.search import CommCosts, predict_time, successive_halving
 from convoy.strategy.workload import Workload, load_workload, peak_rss, reset_peak, rss
@@ -134,6 +135,32 @@ def exhaustive(workload: Workload, feasible: list[Strategy], steps: int, rounds:
              "peaks": peaks[s]} for s in feasible]
 
 
+def calibrate_fsdp(workload: Workload, features: ModelFeatures, hardware: cands.Hardware, comm: Any,
+                   primed: set[tuple[str, str]]) -> tuple[ModelFeatures, str | None]:
+    """FSDP's peak measured in real micro-steps of 1 sample and of the most of the rank's batch the traced model
+    says fits (each run twice, the higher peak kept), after one unrecorded run: a line in the micro-batch's
+    activations, whose fixed part and slope ``predict`` then uses. Unchanged where FSDP is no candidate."""
+    world = dist.get_world_size()
+    if world == 1 or not features.has_blocks:
+        return features, None
+    limit = hardware.memory_limit * cands.HEADROOM
+    sizes = [m for m in cands.micro_batches(features.batch)
+             if m > 1 and predict(features, Strategy(kind="fsdp", micro_batch=m), world).peak <= limit]
+    if not sizes:
+        return features, "FSDP not calibrated: no micro-batch of 2 or more fits the limit by the traced model"
+    small, large = Strategy(kind="fsdp", micro_batch=1), Strategy(kind="fsdp", micro_batch=max(sizes))
+    prime(workload, [small], comm, primed)
+    peaks = [max(run_candidate(workload, s, 1, comm)[1] for _ in range(2)) for s in (small, large)]
+    acts = [activation_bytes(features, s) for s in (small, large)]
+    share = min(max((peaks[1] - peaks[0]) / (acts[1] - acts[0]), 0.05), 1.5) if acts[1] > acts[0] else 1.0
+    static = predict(features, small, world).static
+    fixed = max(peaks[0] - static - share * acts[0], 0.0)
+    note = (f"FSDP calibrated on real micro-steps of 1 and {large.micro_batch} sample(s): peaks {peaks[0] / 1e6:.1f} "
+            f"and {peaks[1] / 1e6:.1f} MB, so {fixed / 1e6:.1f} MB beside the static share and {share:.2f} of the "
+            "activations")
+    return replace(features, fsdp_fixed=fixed, fsdp_activation_share=share), note
+
+
 def _preload() -> None:
     """Import what the strategies use now, so no candidate's memory counts loading code."""
     from torch.distributed._composable import checkpoint  # noqa: F401
@@ -165,6 +192,9 @@ def main(spec_path: str) -> int:
 
         comm = HierarchicalAllreduce(topology, host_memory=False, tune=False)
     costs = CommCosts.from_dict(_shared(measure_comm(topology, comm, hardware.nproc_per_node).to_dict()))
+    primed: set[tuple[str, str]] = set()
+    features, calibrated = calibrate_fsdp(workload, features, hardware, comm, primed)
+    notes = notes + [calibrated] if calibrated else notes
     rows = cands.generate(features, hardware)
     predicted = {c.strategy: predict_time(features, c.strategy, hardware, costs) for c in rows}
     result: dict[str, Any] = {"features": features.to_dict(), "notes": notes, "comm": costs.to_dict(),
@@ -183,7 +213,6 @@ def main(spec_path: str) -> int:
             measured.setdefault(strategy, []).append([steps, statistics.median(times), peak])
             return statistics.median(times)
 
-        primed: set[tuple[str, str]] = set()
         prime(workload, ranked[:spec["keep"]], comm, primed)  # among those to be measured
         winner, _ = successive_halving(ranked, measure, keep=spec["keep"], first_steps=spec["first_steps"])
         result["search_s"] = time.perf_counter() - started

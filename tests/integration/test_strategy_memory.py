@@ -1,6 +1,7 @@
 """The memory model against measured peaks: a small transformer profiled (fake-tensor trace + one real
 micro-step) and trained with four strategies in one process (tests/fixtures/strategy_memory_check.py);
-a model fake tensors cannot run is traced on real ones, said so."""
+a model fake tensors cannot run is traced on real ones, said so; FSDP on four gloo ranks, calibrated in
+two real micro-steps (tests/fixtures/strategy_fsdp_check.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 
 import pytest
 
-from helpers import FIXTURES, REPO
+from helpers import FIXTURES, REPO, ProcessScope
 
 pytestmark = pytest.mark.slow
 
@@ -40,3 +41,12 @@ def test_a_model_fake_tensors_cannot_run_is_measured_instead() -> None:
     assert "cannot run on fake (meta) tensors" in out and "measured in a real micro-step instead" in out, out
     errors = [float(e) for e in re.findall(r"error ([-+.\d]+)$", out, re.MULTILINE)]
     assert len(errors) == 4 and all(abs(e) <= 0.10 for e in errors), out
+
+
+def test_fsdp_calibrated_in_two_micro_steps_predicts_each_fsdp_peak_within_ten_percent(procs: ProcessScope) -> None:
+    out = procs.gloo_ranks(str(FIXTURES / "strategy_fsdp_check.py"), 4, [],
+                           env={"MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(REPO)})[0]
+    assert re.search(r"FSDP calibrated on real micro-steps of 1 and 8 sample\(s\): peaks [\d.]+ and", out), out
+    errors = {name: float(e) for name, e in re.findall(r"^(.+): predicted .* error ([-+.\d]+)$", out, re.MULTILINE)}
+    assert set(errors) == {"fsdp mb8x1 t1", "fsdp mb2x4 t1", "fsdp ckpt mb8x1 t1"}, out
+    assert all(abs(e) <= 0.10 for e in errors.values()), out

@@ -63,6 +63,22 @@ def test_each_way_of_running_a_micro_step_has_its_own_measured_activation_factor
     assert measured.activation_factor_for(True, True) == f.activation_factor  # not measured: float32's
 
 
+def test_calibrated_fsdp_peak_is_its_measured_fixed_part_and_share_of_the_activations() -> None:
+    from dataclasses import replace
+
+    f = features(params_mb=40, per_sample_mb=10)
+    plain, split = Strategy("fsdp", micro_batch=8), Strategy("fsdp", micro_batch=4, accumulation=2)
+    traced = predict(f, plain, 4)
+    assert traced.forward_backward == pytest.approx(80 * MB + 8 * MB + 2 * 4 * MB)  # acts, root, two blocks
+    measured = replace(f, fsdp_fixed=20 * MB, fsdp_activation_share=0.5)
+    assert predict(measured, plain, 4).static == traced.static
+    assert predict(measured, plain, 4).forward_backward == pytest.approx(20 * MB + 0.5 * 80 * MB)
+    # the first micro-batch's sharded gradients are kept while the second runs
+    assert predict(measured, split, 4).forward_backward == pytest.approx(20 * MB + 0.5 * 40 * MB + 10 * MB)
+    assert predict(measured, Strategy("ddp", micro_batch=8), 4) == predict(f, Strategy("ddp", micro_batch=8), 4)
+    assert ModelFeatures.from_dict(measured.to_dict()) == measured
+
+
 def test_only_sensible_combinations() -> None:
     rows = generate(features(), Hardware(2, 2, 10e9, 8))
     strategies = [c.strategy for c in rows]
