@@ -92,7 +92,7 @@ def summarize(name: str, hardware: Hardware, result: dict) -> dict:
     features = ModelFeatures.from_dict(result["features"])
     grid = {key(g["strategy"]): g for g in result.get("exhaustive", [])}
     errors = memory_errors(result)
-    peaks = [run[2] for e in result.get("measured", []) for run in e["runs"]]
+    peaks = [run[2] for e in result.get("measured", []) for run in e["runs"]] + result.get("calibration_peaks", [])
     peaks += [peak for g in grid.values() for peak in g.get("peaks", [g["peak"]])]
     pick = key(result["winner"])
     best = min(grid.values(), key=lambda g: g["seconds"])

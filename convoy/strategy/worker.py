@@ -136,21 +136,23 @@ def exhaustive(workload: Workload, feasible: list[Strategy], steps: int, rounds:
 
 
 def calibrate_fsdp(workload: Workload, features: ModelFeatures, hardware: cands.Hardware, comm: Any,
-                   primed: set[tuple[str, str]]) -> tuple[ModelFeatures, str | None]:
+                   primed: set[tuple[str, str]]) -> tuple[ModelFeatures, str | None, list[float]]:
     """FSDP's peak measured in real micro-steps of 1 sample and of the most of the rank's batch the traced model
     says fits (each run twice, the higher peak kept), after one unrecorded run: a line in the micro-batch's
-    activations, whose fixed part and slope ``predict`` then uses. Unchanged where FSDP is no candidate."""
+    activations, whose fixed part and slope ``predict`` then uses; also the note to print and the peaks (for the
+    count of runs over the limit). Unchanged where FSDP is no candidate."""
     world = dist.get_world_size()
     if world == 1 or not features.has_blocks:
-        return features, None
+        return features, None, []
     limit = hardware.memory_limit * cands.HEADROOM
     sizes = [m for m in cands.micro_batches(features.batch)
              if m > 1 and predict(features, Strategy(kind="fsdp", micro_batch=m), world).peak <= limit]
     if not sizes:
-        return features, "FSDP not calibrated: no micro-batch of 2 or more fits the limit by the traced model"
+        return features, "FSDP not calibrated: no micro-batch of 2 or more fits the limit by the traced model", []
     small, large = Strategy(kind="fsdp", micro_batch=1), Strategy(kind="fsdp", micro_batch=max(sizes))
     prime(workload, [small], comm, primed)
-    peaks = [max(run_candidate(workload, s, 1, comm)[1] for _ in range(2)) for s in (small, large)]
+    runs = [[run_candidate(workload, s, 1, comm)[1] for _ in range(2)] for s in (small, large)]
+    peaks = [max(pair) for pair in runs]
     acts = [activation_bytes(features, s) for s in (small, large)]
     share = min(max((peaks[1] - peaks[0]) / (acts[1] - acts[0]), 0.05), 1.5) if acts[1] > acts[0] else 1.0
     static = predict(features, small, world).static
@@ -158,7 +160,7 @@ def calibrate_fsdp(workload: Workload, features: ModelFeatures, hardware: cands.
     note = (f"FSDP calibrated on real micro-steps of 1 and {large.micro_batch} sample(s): peaks {peaks[0] / 1e6:.1f} "
             f"and {peaks[1] / 1e6:.1f} MB, so {fixed / 1e6:.1f} MB beside the static share and {share:.2f} of the "
             "activations")
-    return replace(features, fsdp_fixed=fixed, fsdp_activation_share=share), note
+    return replace(features, fsdp_fixed=fixed, fsdp_activation_share=share), note, runs[0] + runs[1]
 
 
 def _preload() -> None:
@@ -193,14 +195,15 @@ def main(spec_path: str) -> int:
         comm = HierarchicalAllreduce(topology, host_memory=False, tune=False)
     costs = CommCosts.from_dict(_shared(measure_comm(topology, comm, hardware.nproc_per_node).to_dict()))
     primed: set[tuple[str, str]] = set()
-    features, calibrated = calibrate_fsdp(workload, features, hardware, comm, primed)
+    features, calibrated, calibration_peaks = calibrate_fsdp(workload, features, hardware, comm, primed)
     notes = notes + [calibrated] if calibrated else notes
     rows = cands.generate(features, hardware)
     predicted = {c.strategy: predict_time(features, c.strategy, hardware, costs) for c in rows}
     result: dict[str, Any] = {"features": features.to_dict(), "notes": notes, "comm": costs.to_dict(),
                               "rows": [{"strategy": c.strategy.to_dict(), "name": c.strategy.name(),
                                         "memory": c.memory.peak, "predicted_s": predicted[c.strategy],
-                                        "dropped": c.dropped} for c in rows]}
+                                        "dropped": c.dropped} for c in rows],
+                              "calibration_peaks": calibration_peaks}
     feasible = [c.strategy for c in cands.kept(rows)]
     if not feasible:
         result["error"] = "none fits"
