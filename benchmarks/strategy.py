@@ -92,8 +92,12 @@ def summarize(name: str, hardware: Hardware, result: dict) -> dict:
     features = ModelFeatures.from_dict(result["features"])
     grid = {key(g["strategy"]): g for g in result.get("exhaustive", [])}
     errors = memory_errors(result)
-    peaks = [run[2] for e in result.get("measured", []) for run in e["runs"]] + result.get("calibration_peaks", [])
-    peaks += [peak for g in grid.values() for peak in g.get("peaks", [g["peak"]])]
+    runs = [(f"search {key(e['strategy']).name()}", run[2]) for e in result.get("measured", []) for run in e["runs"]]
+    runs += [("FSDP calibration", peak) for peak in result.get("calibration_peaks", [])]
+    runs += [(f"grid {name.name()}", peak) for name, g in grid.items() for peak in g.get("peaks", [g["peak"]])]
+    over = [(where, peak) for where, peak in runs if peak > hardware.memory_limit]
+    for where, peak in over:
+        print(f"over the limit: {where} {peak / 1e6:.1f} MB")
     pick = key(result["winner"])
     best = min(grid.values(), key=lambda g: g["seconds"])
     plain = plain_ddp(features)
@@ -102,7 +106,7 @@ def summarize(name: str, hardware: Hardware, result: dict) -> dict:
     summary = {
         "name": name, "pick": pick.name(), "pick_s": grid[pick]["seconds"], "best": key(best["strategy"]).name(),
         "best_s": best["seconds"], "baseline": baseline.name(), "baseline_s": grid[baseline]["seconds"],
-        "worst_mem_error": max(errors, key=abs), "ooms": sum(p > hardware.memory_limit for p in peaks),
+        "worst_mem_error": max(errors, key=abs), "ooms": len(over),
         "ran": len(errors), "search_s": result["search_s"], "grid_s": result["exhaustive_s"],
         "plain_fits": plain in grid}
     summary["vs_best"] = summary["pick_s"] / summary["best_s"]

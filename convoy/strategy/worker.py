@@ -1,7 +1,8 @@
 """One rank of the strategy search's dry runs: ``python -m convoy.strategy.worker SPEC.json`` (torchrun env).
 
 Rank 0 profiles the model (trace + real micro-steps) while the others wait; every rank then
-measures the allreduce lines, generates and ranks the same candidates, and runs each measured
+measures the allreduce lines, calibrates FSDP's memory in two real FSDP micro-steps (where FSDP is a
+candidate), generates and ranks the same candidates, and runs each measured
 candidate for real (warm-up, then timed steps; the step time is the slowest rank's, local SGD's over
 windows that hold one averaging; the memory the highest rank's peak above its baseline), after one
 unrecorded run per way of communicating. Rank 0 writes the results JSON the planner prints.
@@ -138,7 +139,7 @@ def exhaustive(workload: Workload, feasible: list[Strategy], steps: int, rounds:
 def calibrate_fsdp(workload: Workload, features: ModelFeatures, hardware: cands.Hardware, comm: Any,
                    primed: set[tuple[str, str]]) -> tuple[ModelFeatures, str | None, list[float]]:
     """FSDP's peak measured in real micro-steps of 1 sample and of the most of the rank's batch the traced model
-    says fits (each run twice, the higher peak kept), after one unrecorded run: a line in the micro-batch's
+    says fits, after one unrecorded run: a line in the micro-batch's
     activations, whose fixed part and slope ``predict`` then uses; also the note to print and the peaks (for the
     count of runs over the limit). Unchanged where FSDP is no candidate."""
     world = dist.get_world_size()
@@ -151,8 +152,7 @@ def calibrate_fsdp(workload: Workload, features: ModelFeatures, hardware: cands.
         return features, "FSDP not calibrated: no micro-batch of 2 or more fits the limit by the traced model", []
     small, large = Strategy(kind="fsdp", micro_batch=1), Strategy(kind="fsdp", micro_batch=max(sizes))
     prime(workload, [small], comm, primed)
-    runs = [[run_candidate(workload, s, 1, comm)[1] for _ in range(2)] for s in (small, large)]
-    peaks = [max(pair) for pair in runs]
+    peaks = [run_candidate(workload, s, 1, comm)[1] for s in (small, large)]
     acts = [activation_bytes(features, s) for s in (small, large)]
     share = min(max((peaks[1] - peaks[0]) / (acts[1] - acts[0]), 0.05), 1.5) if acts[1] > acts[0] else 1.0
     static = predict(features, small, world).static
@@ -160,7 +160,7 @@ def calibrate_fsdp(workload: Workload, features: ModelFeatures, hardware: cands.
     note = (f"FSDP calibrated on real micro-steps of 1 and {large.micro_batch} sample(s): peaks {peaks[0] / 1e6:.1f} "
             f"and {peaks[1] / 1e6:.1f} MB, so {fixed / 1e6:.1f} MB beside the static share and {share:.2f} of the "
             "activations")
-    return replace(features, fsdp_fixed=fixed, fsdp_activation_share=share), note, runs[0] + runs[1]
+    return replace(features, fsdp_fixed=fixed, fsdp_activation_share=share), note, peaks
 
 
 def _preload() -> None:
