@@ -103,7 +103,12 @@ def test_fresh_start_is_step_zero(job: str) -> None:
 
 def _gloo_threads() -> int:
     """Threads of this process that belong to gloo groups (each group has its own worker loops)."""
-    names = [(Path("/proc/self/task") / task / "comm").read_text() for task in os.listdir("/proc/self/task")]
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            names.append((Path("/proc/self/task") / task / "comm").read_text())
+        except FileNotFoundError:  # a thread that ended since the listing
+            pass
     return sum(name.startswith(("pt_gloo", "gloo")) for name in names)
 
 
