@@ -48,6 +48,17 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+class Embed(nn.Module):
+    """The first of the layers a pipeline cuts into stages: token and position embeddings."""
+
+    def __init__(self, embed: nn.Embedding, position: nn.Embedding) -> None:
+        super().__init__()
+        self.embed, self.position = embed, position
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed(tokens) + self.position(torch.arange(tokens.shape[1], device=tokens.device))
+
+
 class Transformer(nn.Module):
     def __init__(self, vocab: int, width: int, layers: int, heads: int, context: int) -> None:
         super().__init__()
@@ -56,11 +67,14 @@ class Transformer(nn.Module):
         self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, vocab, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.embed(tokens) + self.position(positions)
+        x = Embed(self.embed, self.position)(tokens)
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        """The layers in order, for the pipeline strategy (they are this model's own modules)."""
+        return [Embed(self.embed, self.position), *self.blocks, nn.Sequential(self.norm, self.head)]
 
 
 def workload(argv: list[str] | None = None) -> Workload:

@@ -2,7 +2,8 @@
 
 ``accelerate`` returns the wrapped model (DDP or FSDP2) and a new optimizer of the same class and
 settings over the wrapped parameters (``local``: DDP over the node's ranks, and the optimizer's steps
-followed by local SGD's averaging over all ranks every ``sync_every`` of them); ``train_step`` splits
+followed by local SGD's averaging over all ranks every ``sync_every`` of them; ``pipeline``: this rank's
+stages, ``strategy/pipelined.py``); ``train_step`` splits
 a rank's batch into micro-batches (gradients synchronised on the last only, for DDP), runs them under
 autocast where the strategy says, and steps the optimizer.
 """
@@ -123,6 +124,11 @@ def accelerate(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: Str
         wrapped, new_optimizer = model, optimizer
     elif chosen.kind == "local":
         wrapped, new_optimizer = _local_sgd(model, optimizer, chosen), optimizer
+    elif chosen.kind == "pipeline":
+        from convoy.strategy.pipelined import Pipelined
+
+        wrapped = Pipelined(model, chosen)
+        new_optimizer = _rebuilt(optimizer, wrapped.parameters())
     elif chosen.kind == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
@@ -182,6 +188,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any,
     if samples != chosen.batch:
         raise ConfigError(f"train_step got {samples} samples; the strategy's batch is {chosen.micro_batch} x "
                           f"{chosen.accumulation} = {chosen.batch} per rank")
+    if chosen.kind == "pipeline" and hasattr(model, "runtime"):
+        return model.train_step(optimizer, loss_fn, inputs, targets)
     parts = chosen.accumulation
     total = 0.0
     for index, (micro_in, micro_target) in enumerate(zip(_split(inputs, parts), _split(targets, parts),

@@ -5,11 +5,13 @@ hierarchical allreduces only where nodes hold several ranks; checkpointing only 
 micro-batch fit than without it; bfloat16 only where the calibration step did not find it slower, or
 where nothing fits without it; intra-op threads only up to the cores a rank has; bucket sizes only
 for plain DDP at its largest micro-batch; local SGD (averaging every ``LOCAL_SGD_EVERY`` steps) only
-where there are several nodes, whose links are the slow ones.
+where there are several nodes, whose links are the slow ones; pipelines (``pipelines``) where the model
+gives its layers in order, without checkpointing (a stage keeps a share of the activations already).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from convoy.errors import ConfigError
@@ -74,33 +76,53 @@ def micro_batches(batch: int) -> list[int]:
     return found
 
 
-def _combinations(features: ModelFeatures, hardware: Hardware) -> list[tuple[str, str, bool, int]]:
+def pipelines(features: ModelFeatures, world: int) -> list[tuple[int, str]]:
+    """(stages, schedule) of the pipelines a model's layers allow on ``world`` ranks: every degree >= 2 that
+    divides the world, with 1F1B, and interleaved 1F1B where there are layers for two stages a rank (GPipe
+    has 1F1B's bubble and holds more micro-batches at once: never a candidate)."""
+    layers = len(features.layers)
+    return [(stages, schedule) for stages in range(2, world + 1) if world % stages == 0 and stages <= layers
+            for schedule in ("1f1b", "interleaved") if schedule == "1f1b" or 2 * stages <= layers]
+
+
+def _combinations(features: ModelFeatures, hardware: Hardware) -> list[tuple[str, str, bool, int, int, str]]:
     world = hardware.world_size
     kinds = ["ddp"] + (["zero"] if world > 1 else []) + (["fsdp"] if world > 1 and features.has_blocks else [])
     kinds += ["local"] * (hardware.nodes > 1)
     hierarchical = hardware.nodes > 1 and hardware.nproc_per_node > 1
     threads = sorted({1, *(t for t in (2, 4, 8) if t <= hardware.cores_per_rank)})
     combos = []
-    for kind in kinds:
+    for kind in kinds + ["pipeline"] * bool(pipelines(features, world)):
+        shapes = pipelines(features, world) if kind == "pipeline" else [(1, "")]
         for allreduce in ["gloo"] + (["leader", "reduce_scatter"] if hierarchical and kind in ("ddp", "zero") else []):
             for bf16 in (False, True):
                 for thread_count in threads:
-                    combos.append((kind, allreduce, bf16, thread_count))
+                    for stages, schedule in shapes:
+                        combos.append((kind, allreduce, bf16, thread_count, stages, schedule))
     return combos
 
 
-def generate(features: ModelFeatures, hardware: Hardware) -> list[Candidate]:
-    """Every candidate considered, in a stable order; ``dropped`` says why one is not measured."""
+INTERLEAVED_GAIN = 0.97
+"""Interleaved 1F1B is a candidate only where predicted at most this share of its 1F1B twin's time (it holds
+more activations and sends twice the messages, for a bubble that ranks sharing cores may fill anyway)."""
+
+
+def generate(features: ModelFeatures, hardware: Hardware,
+             step_time: Callable[[Strategy], float] | None = None) -> list[Candidate]:
+    """Every candidate considered, in a stable order; ``dropped`` says why one is not measured.
+
+    ``step_time``: the cost model, for choices one candidate's predicted time decides (interleaved 1F1B)."""
     hardware.validate()
     world, limit = hardware.world_size, hardware.memory_limit * HEADROOM
     rows: list[Candidate] = []
-    for kind, allreduce, bf16, threads in _combinations(features, hardware):
+    for kind, allreduce, bf16, threads, stages, schedule in _combinations(features, hardware):
         fitting: list[Candidate] = []
         largest_plain = 0
-        for checkpointing in (False, True) if features.has_blocks else (False,):
+        for checkpointing in (False, True) if features.has_blocks and kind != "pipeline" else (False,):
             for micro in micro_batches(features.batch):
                 strategy = Strategy(kind, allreduce, checkpointing, bf16, micro, features.batch // micro,
-                                    threads=threads, sync_every=LOCAL_SGD_EVERY if kind == "local" else 1)
+                                    threads=threads, sync_every=LOCAL_SGD_EVERY if kind == "local" else 1,
+                                    stages=stages, schedule=schedule)
                 memory = predict(features, strategy, world)
                 if memory.peak > limit:
                     rows.append(Candidate(strategy, memory, over_the_limit(memory.peak, limit)))
@@ -119,7 +141,24 @@ def generate(features: ModelFeatures, hardware: Hardware) -> list[Candidate]:
             else:
                 rows.append(candidate)
     rows = _drop_slow_bf16(rows, features)
+    if step_time is not None:
+        rows = _drop_slow_interleaved(rows, step_time)
     return _add_buckets(rows, features, world, limit)
+
+
+def _drop_slow_interleaved(rows: list[Candidate], step_time: Callable[[Strategy], float]) -> list[Candidate]:
+    kept_ones = {c.strategy for c in rows if not c.dropped}
+    out = []
+    for candidate in rows:
+        s = candidate.strategy
+        twin = replace(s, schedule="1f1b")
+        if not candidate.dropped and s.schedule == "interleaved" and twin in kept_ones:
+            mine, theirs = step_time(s), step_time(twin)
+            if mine > INTERLEAVED_GAIN * theirs:
+                candidate = replace(candidate, dropped=f"interleaved predicted {mine:.3f} s, not faster than 1f1b's "
+                                                       f"{theirs:.3f} s")
+        out.append(candidate)
+    return out
 
 
 def _drop_slow_bf16(rows: list[Candidate], features: ModelFeatures) -> list[Candidate]:

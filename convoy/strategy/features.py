@@ -9,6 +9,7 @@ instead (``traced_on="real"``), and the caller says so.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import time
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from convoy.strategy.memory import Activations, ModelFeatures
+from convoy.strategy.memory import Activations, Layer, ModelFeatures
 from convoy.strategy.workload import (Workload, find_blocks, model_identity, peak_rss, reset_peak, rss,
                                       tensor_bytes)
 
@@ -118,6 +119,60 @@ def trace_activations(workload: Workload, bf16: bool, real: bool = False) -> Act
                        block_per_sample=per[2])
 
 
+def _count_layers(layers: list[nn.Module], workload: Workload, samples: int, bf16: bool,
+                  convert: Callable[[torch.Tensor], torch.Tensor]) -> tuple[list[int], list[int]]:
+    """(saved bytes, output bytes) of each layer in one forward of ``samples`` run layer by layer, the loss's
+    saved bytes with the last layer's."""
+    inputs, targets = workload.batch(samples, 0)
+    x, targets = _to(inputs, convert), _to(targets, convert)
+    counter = _SavedCounter(nn.ModuleList(layers), [(str(i), layer) for i, layer in enumerate(layers)])
+    outputs = []
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), \
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            for layer in layers:
+                x = layer(x)
+                outputs.append(x.numel() * 4)
+            workload.loss(x, targets)
+    finally:
+        counter.close()
+    saved = [counter.by_block.get(i, 0) for i in range(len(layers))]
+    saved[-1] += counter.by_block.get(None, 0)
+    return saved, outputs
+
+
+def trace_layers(workload: Workload, real: bool = False) -> tuple[Layer, ...]:
+    """The model's pipeline layers traced (forwards of 1 and 2 samples, on fake tensors or real ones); () where
+    the model has no layers in order (``pipelined.layers_of``) or its inputs are not one tensor."""
+    from convoy.strategy.pipelined import layer_weight, layers_of, shared_parameter
+
+    if real:
+        model, convert, mode = workload.model(), (lambda t: t), contextlib.nullcontext()
+    else:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode(allow_non_fake_inputs=False)
+        with mode:
+            model = workload.model()
+        convert = mode.from_tensor  # type: ignore[assignment]
+    layers = layers_of(model)
+    if not layers or len(layers) < 2 or shared_parameter(layers) or not isinstance(workload.batch(1, 0)[0],
+                                                                                   torch.Tensor):
+        return ()
+    with mode:
+        counts = {(samples, bf16): _count_layers(layers, workload, samples, bf16, convert)
+                  for samples in (1, 2) for bf16 in (False, True)}
+    found = []
+    for index, layer in enumerate(layers):
+        per = {bf16: counts[2, bf16][0][index] - counts[1, bf16][0][index] for bf16 in (False, True)}
+        fixed = {bf16: max(counts[1, bf16][0][index] - per[bf16], 0) for bf16 in (False, True)}
+        found.append(Layer(param_bytes=sum(tensor_bytes(p) for p in layer.parameters()), weight=layer_weight(layer),
+                           saved_per_sample=float(per[False]), bf16_saved_per_sample=float(per[True]),
+                           out_per_sample=float(counts[2, False][1][index] - counts[1, False][1][index]),
+                           saved_fixed=float(fixed[False]), bf16_saved_fixed=float(fixed[True])))
+    return tuple(found)
+
+
 def _timed(run: Callable[[], None], repeats: int = 2) -> float:
     times = []
     for _ in range(repeats):
@@ -156,6 +211,12 @@ def profile(workload: Workload, budget: float = 512e6) -> tuple[ModelFeatures, l
                      "its activations were measured in a real micro-step instead")
         fp32, bf16 = trace_activations(workload, False, real=True), trace_activations(workload, True, real=True)
         traced_on = "real"
+    try:
+        layers = trace_layers(workload, real=traced_on == "real")
+    except Exception as exc:  # noqa: BLE001 (the model's own layers fail when run one by one: no pipeline)
+        notes.append(f"the model's pipeline_layers() could not be run one after another ({type(exc).__name__}: "
+                     f"{str(exc)[:120]}); no pipeline candidates")
+        layers = ()
     gc.collect()
     model = workload.model()
     optimizer = workload.optimizer(model.parameters())
@@ -224,7 +285,7 @@ def profile(workload: Workload, budget: float = 512e6) -> tuple[ModelFeatures, l
         activation_factor=measured / max(traced, 1.0), optimizer_state_ratio=state / param_bytes,
         optimizer_step_ratio=max(optimizer_peak, 0) / param_bytes, sample_s=sample_s, micro_step_s=micro_s,
         bf16_time_factor=bf16_factor, checkpoint_time_factor=checkpoint_factor, optimizer_s=optimizer_s,
-        batch=workload.batch_size, has_blocks=bool(blocks), **memory_factors)
+        batch=workload.batch_size, has_blocks=bool(blocks), layers=layers, **memory_factors)
     notes.append(f"calibrated on one real micro-step of {samples} sample(s): measured activations "
                  f"{measured / 1e6:.1f} MB, traced {traced / 1e6:.1f} MB (factor {features.activation_factor:.2f}; "
                  + ", ".join(f"{name.removesuffix('_activation_factor').replace('_', ' ')} {value:.2f}"

@@ -12,6 +12,7 @@ its fixed part and the activations' share, which the traced layout alone over-co
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from convoy.strategy.plan import Strategy
 
@@ -28,6 +29,23 @@ class Activations:
     """With checkpointing: block inputs and what is saved outside the blocks."""
     block_per_sample: float
     """The most one block saves (recomputed in the backward, one block at a time)."""
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer of a pipelined model, traced."""
+
+    param_bytes: int
+    weight: float
+    """Its compute, as ``pipelined.layer_weight`` counts it (stages are cut by it)."""
+    saved_per_sample: float
+    """Bytes autograd saves in its forward, float32 (the last layer: with the loss's)."""
+    bf16_saved_per_sample: float
+    out_per_sample: float
+    """Bytes of its output, float32 (what a stage ending here sends, and receives back as its gradient)."""
+    saved_fixed: float = 0.0
+    """What its forward saves whatever the micro-batch (a mask over the sequence, say), float32."""
+    bf16_saved_fixed: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -75,6 +93,8 @@ class ModelFeatures:
     activations' part (the gathered units, their unsharded gradients and reduce-scatter buffers)."""
     fsdp_activation_share: float = 0.0
     """The part of a micro-batch's activations held at that peak (0: not measured, the traced layout is used)."""
+    layers: tuple[Layer, ...] = ()
+    """The model's layers in order, where it can be pipelined (``strategy/pipelined.py``); else empty."""
 
     def activation_factor_for(self, checkpointing: bool, bf16: bool) -> float:
         """Measured / traced activation bytes of a micro-step run this way (the float32 one where not measured)."""
@@ -93,6 +113,7 @@ class ModelFeatures:
         data["fp32"], data["bf16"] = Activations(**data["fp32"]), Activations(**data["bf16"])
         data["block_param_bytes"] = tuple(data["block_param_bytes"])
         data["module_bytes"] = tuple(tuple(pair) for pair in data["module_bytes"])
+        data["layers"] = tuple(Layer(**layer) for layer in data.get("layers", ()))
         return cls(**data)
 
 
@@ -119,8 +140,60 @@ def activation_bytes(features: ModelFeatures, strategy: Strategy) -> float:
     return factor * (per_sample * strategy.micro_batch + acts.fixed)
 
 
+def pipeline_stages(features: ModelFeatures, strategy: Strategy) -> tuple[Any, list[tuple[int, int]]]:
+    """(the strategy's schedule, each stage's ``[start, end)`` of ``features.layers``), as ``Pipelined`` cuts them."""
+    from convoy.parallel import balanced_bounds
+    from convoy.parallel.pipeline.schedule import build
+
+    schedule = build(strategy.schedule, strategy.stages, strategy.stages * strategy.accumulation)
+    return schedule, balanced_bounds([layer.weight for layer in features.layers], schedule.n_stages)
+
+
+def stage_sum(features: ModelFeatures, bounds: tuple[int, int], field: str) -> float:
+    return sum(getattr(layer, field) for layer in features.layers[bounds[0]:bounds[1]])
+
+
+def _pipeline(features: ModelFeatures, strategy: Strategy, world_size: int) -> MemoryEstimate:
+    """The rank of the pipeline that holds the most: its stages' parameters, gradients and optimizer state, and
+    the activations of the micro-batches its schedule has in flight at once (forwards not yet backwarded)."""
+    from convoy.parallel.pipeline.schedule import Kind
+
+    schedule, bounds = pipeline_stages(features, strategy)
+    factor = features.activation_factor_for(False, strategy.bf16)
+    saved = "bf16_saved_per_sample" if strategy.bf16 else "saved_per_sample"
+    worst = MemoryEstimate(0.0, 0.0, 0.0)
+    for rank in range(schedule.n_ranks):
+        stages = schedule.stages_of(rank)
+        params = sum(stage_sum(features, bounds[s], "param_bytes") for s in stages)
+        # a micro-batch in flight holds what its layers saved and the stage's output (kept for its backward)
+        acts = {s: strategy.micro_batch * (stage_sum(features, bounds[s], saved)
+                                           + features.layers[bounds[s][1] - 1].out_per_sample)
+                + stage_sum(features, bounds[s], "saved_fixed") for s in stages}
+        held = peak = 0.0
+        for act in schedule.actions[rank]:
+            if act.kind is Kind.F:  # what the micro-batches in flight saved, and the transients of the one
+                held += acts[act.stage]  # computing (the measured factor's part beyond what is saved)
+                peak = max(peak, held + (factor - 1) * acts[act.stage])
+            elif act.kind is Kind.B:
+                peak = max(peak, held + (factor - 1) * acts[act.stage])
+                held -= acts[act.stage]
+        if strategy.bf16:  # autocast's bfloat16 copies of the stages' weights: made once a step, for every micro-batch
+            peak += sum(max(stage_sum(features, bounds[s], "bf16_saved_fixed")
+                            - stage_sum(features, bounds[s], "saved_fixed"), 0.0) for s in stages)
+        static = params * (2 + features.optimizer_state_ratio) + features.buffer_bytes
+        step = params * features.optimizer_step_ratio
+        if world_size > strategy.stages:  # the stages' gradients flattened for the allreduce over the pipelines
+            step = max(step, params)
+        estimate = MemoryEstimate(static, peak, step)
+        if estimate.peak > worst.peak:
+            worst = estimate
+    return worst
+
+
 def predict(features: ModelFeatures, strategy: Strategy, world_size: int) -> MemoryEstimate:
     """The peak bytes one rank holds above its baseline while training with ``strategy``."""
+    if strategy.kind == "pipeline":
+        return _pipeline(features, strategy, world_size)
     params, share = float(features.param_bytes), 1.0
     activations = activation_bytes(features, strategy)
     if strategy.kind == "fsdp" and world_size > 1:

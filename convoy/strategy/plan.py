@@ -15,14 +15,20 @@ from pathlib import Path
 
 from convoy.errors import ConfigError
 
-KINDS = ("ddp", "zero", "fsdp", "local")
+KINDS = ("ddp", "zero", "fsdp", "local", "pipeline")
 """``ddp``: every rank holds everything, gradients allreduced. ``zero``: DDP gradients, optimizer state
 sharded over the ranks (``ZeroRedundancyOptimizer``). ``fsdp``: FSDP2 ``fully_shard`` per block and the
 root (parameters, gradients and optimizer state sharded, ZeRO-3). ``local``: local SGD for slow links
 between nodes: a node's ranks train one replica under DDP (gradients allreduced within the node every
 step), and every ``sync_every`` steps the parameters are averaged over all ranks, so the links between
 nodes carry 1/``sync_every`` of DDP's traffic (``parallel/local_sgd.py``). It is not the same
-optimization as DDP's: the replicas drift apart between averagings."""
+optimization as DDP's: the replicas drift apart between averagings. ``pipeline``: the model's layers cut
+into ``stages`` contiguous stages run by ``schedule`` (``parallel/pipeline``) over groups of ``stages``
+consecutive ranks; a group trains on its ranks' batches together, and the groups (where there are several)
+allreduce each stage's gradients like DDP."""
+SCHEDULES = ("1f1b", "interleaved", "gpipe")
+"""Pipeline schedules a strategy may name (``parallel/pipeline/schedule.py``): ``interleaved`` holds two
+stages per rank."""
 ALLREDUCES = ("gloo", "leader", "reduce_scatter")
 """``gloo``: DDP's own allreduce (one flat ring). ``leader`` and ``reduce_scatter``: convoy's hierarchical
 allreduce (``parallel/allreduce``) as DDP's communication hook, for ranks grouped by node."""
@@ -51,16 +57,21 @@ class Strategy:
     """``torch.set_num_threads`` for each rank."""
     sync_every: int = 1
     """``local`` only: optimizer steps between averagings of the parameters over all ranks (>= 2)."""
+    stages: int = 1
+    """``pipeline`` only: ranks in one pipeline (>= 2); its batch is the ``stages`` ranks' batches together,
+    cut into ``stages * accumulation`` micro-batches of ``micro_batch``."""
+    schedule: str = ""
+    """``pipeline`` only: one of ``SCHEDULES``."""
 
     def validate(self) -> Strategy:
         if self.kind not in KINDS:
             raise ConfigError(f"strategy kind {self.kind!r} is not one of {', '.join(KINDS)}")
         if self.allreduce not in ALLREDUCES:
             raise ConfigError(f"strategy allreduce {self.allreduce!r} is not one of {', '.join(ALLREDUCES)}")
-        if self.kind in ("fsdp", "local") and self.allreduce != "gloo":
+        if self.kind in ("fsdp", "local", "pipeline") and self.allreduce != "gloo":
             raise ConfigError(f"strategy allreduce {self.allreduce!r} needs kind ddp or zero ({self.kind} "
                               "reduces on its own)")
-        for name in ("micro_batch", "accumulation", "bucket_mb", "threads", "sync_every"):
+        for name in ("micro_batch", "accumulation", "bucket_mb", "threads", "sync_every", "stages"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"strategy {name} must be a whole number >= 1 (got {getattr(self, name)!r})")
         if self.kind == "local" and self.sync_every < 2:
@@ -68,6 +79,16 @@ class Strategy:
                               f"{self.sync_every}); sync_every 1 is kind ddp")
         if self.kind != "local" and self.sync_every != 1:
             raise ConfigError(f"strategy sync_every {self.sync_every} is for kind local only (this is {self.kind})")
+        if self.kind == "pipeline":
+            if self.stages < 2 or self.schedule not in SCHEDULES:
+                raise ConfigError(f"strategy kind pipeline needs stages >= 2 and a schedule of {', '.join(SCHEDULES)} "
+                                  f"(got stages {self.stages!r}, schedule {self.schedule!r})")
+            if self.checkpointing:
+                raise ConfigError("strategy kind pipeline takes no checkpointing (a stage holds a share of the "
+                                  "activations already)")
+        elif self.stages != 1 or self.schedule:
+            raise ConfigError(f"strategy stages {self.stages} and schedule {self.schedule!r} are for kind pipeline "
+                              f"only (this is {self.kind})")
         return self
 
     @property
@@ -78,9 +99,10 @@ class Strategy:
         """A short label for tables: ``fsdp ckpt bf16 mb4x2 t1``."""
         parts = [self.kind if self.allreduce == "gloo" else f"{self.kind}/{self.allreduce}"]
         parts += [f"H{self.sync_every}"] * (self.kind == "local")
+        parts += [f"p{self.stages}/{self.schedule}"] * (self.kind == "pipeline")
         parts += ["ckpt"] * self.checkpointing + ["bf16"] * self.bf16
         parts.append(f"mb{self.micro_batch}x{self.accumulation}")
-        if self.kind != "fsdp" and self.bucket_mb != 25:
+        if self.kind in ("ddp", "zero", "local") and self.bucket_mb != 25:
             parts.append(f"b{self.bucket_mb}")
         parts.append(f"t{self.threads}")
         return " ".join(parts)

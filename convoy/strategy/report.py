@@ -34,7 +34,7 @@ def table(result: dict[str, Any], show_dropped: bool = True) -> str:
     runs = _runs(result)
     grid = {_key(g["strategy"]): g for g in result.get("exhaustive", [])}
     winner = _key(result["winner"]) if "winner" in result else None
-    head = (f"{'candidate':<36}{'pred MB':>9}{'pred s':>8}{'search s':>10}{'meas MB':>9}{'mem err':>9}"
+    head = (f"{'candidate':<39}{'pred MB':>9}{'pred s':>8}{'search s':>10}{'meas MB':>9}{'mem err':>9}"
             f"{'grid s':>8}  note")
     lines = [head, "-" * len(head)]
     for row in sorted(result["rows"], key=lambda r: (bool(r["dropped"]), r["predicted_s"])):
@@ -49,7 +49,7 @@ def table(result: dict[str, Any], show_dropped: bool = True) -> str:
         grid_s = f"{grid[key]['seconds']:.3f}" if key in grid else "-"
         note = "PICK" if key == winner else (f"dropped: {row['dropped']}" if row["dropped"] else
                                              (f"halving: {len(searched)} round(s)" if searched else "not measured"))
-        lines.append(f"{row['name']:<36}{row['memory'] / 1e6:>9.0f}{row['predicted_s']:>8.3f}{measured_s:>10}"
+        lines.append(f"{row['name']:<39}{row['memory'] / 1e6:>9.0f}{row['predicted_s']:>8.3f}{measured_s:>10}"
                      f"{peak_text:>9}{error:>9}{grid_s:>8}  {note}")
     return "\n".join(lines)
 

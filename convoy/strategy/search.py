@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from convoy.parallel.topology import Link
 from convoy.strategy.candidates import Hardware
-from convoy.strategy.memory import ModelFeatures
+from convoy.strategy.memory import ModelFeatures, pipeline_stages, stage_sum
 from convoy.strategy.plan import Strategy
 
 THREAD_EFFICIENCY = 0.8
@@ -53,8 +53,42 @@ def rank_speed(threads: int, cores_per_rank: float) -> float:
     return 1 + THREAD_EFFICIENCY * (usable - 1)
 
 
+def _pipeline_time(features: ModelFeatures, strategy: Strategy, hardware: Hardware, comm: CommCosts) -> float:
+    """The schedule simulated with each stage's share of a micro-batch's compute (a forward a third, the
+    backward two) and a message's time from the measured line; a rank computes alone when the others wait (its
+    bubble lends them its cores), but no faster than its share of the cores allows for its own work. Then the
+    optimizer on its stages and, with several pipelines, the allreduce of their gradients."""
+    from convoy.parallel.pipeline.simulate import Costs, simulate
+
+    schedule, bounds = pipeline_stages(features, strategy)
+    weights = [stage_sum(features, b, "weight") for b in bounds]
+    per_micro = features.micro_step_s + features.sample_s * strategy.micro_batch
+    if strategy.bf16:
+        per_micro *= features.bf16_time_factor
+    boundary = sum(stage_sum(features, (b[1] - 1, b[1]), "out_per_sample") for b in bounds[:-1]) / max(
+        1, len(bounds) - 1) * strategy.micro_batch
+    line = comm.lines["gloo"]
+    message = line.latency_s + boundary * line.s_per_byte / 2  # a ring allreduce moves each byte twice
+    costs = Costs(forward=per_micro / 3, backward=2 * per_micro / 3, comm=message, stage_weights=tuple(weights))
+    makespan = simulate(schedule, costs, check=False).makespan
+    busiest = max(sum(weights[s] for s in schedule.stages_of(r)) for r in range(schedule.n_ranks)) / sum(weights)
+    own_work = per_micro * schedule.n_microbatches * busiest
+    compute = max(makespan / rank_speed(strategy.threads, hardware.cores),
+                  own_work / rank_speed(strategy.threads, hardware.cores_per_rank))
+    params = max(sum(stage_sum(features, bounds[s], "param_bytes") for s in schedule.stages_of(r))
+                 for r in range(schedule.n_ranks))
+    optimizer = features.optimizer_s * params / features.param_bytes / rank_speed(strategy.threads,
+                                                                                  hardware.cores_per_rank)
+    traffic = 2 * line.latency_s  # the group's batch gathered, the loss broadcast
+    if hardware.world_size > strategy.stages:
+        traffic += comm.allreduce("gloo", params)
+    return compute + optimizer + traffic
+
+
 def predict_time(features: ModelFeatures, strategy: Strategy, hardware: Hardware, comm: CommCosts) -> float:
     """Seconds of one optimizer step on one rank."""
+    if strategy.kind == "pipeline":
+        return _pipeline_time(features, strategy, hardware, comm)
     speed = rank_speed(strategy.threads, hardware.cores_per_rank)
     compute = features.micro_step_s * strategy.accumulation + features.sample_s * strategy.batch
     if strategy.bf16:

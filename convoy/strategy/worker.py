@@ -197,7 +197,7 @@ def main(spec_path: str) -> int:
     primed: set[tuple[str, str]] = set()
     features, calibrated, calibration_peaks = calibrate_fsdp(workload, features, hardware, comm, primed)
     notes = notes + [calibrated] if calibrated else notes
-    rows = cands.generate(features, hardware)
+    rows = cands.generate(features, hardware, lambda s: predict_time(features, s, hardware, costs))
     predicted = {c.strategy: predict_time(features, c.strategy, hardware, costs) for c in rows}
     result: dict[str, Any] = {"features": features.to_dict(), "notes": notes, "comm": costs.to_dict(),
                               "rows": [{"strategy": c.strategy.to_dict(), "name": c.strategy.name(),
