@@ -169,7 +169,8 @@ def trace_layers(workload: Workload, real: bool = False) -> tuple[Layer, ...]:
         found.append(Layer(param_bytes=sum(tensor_bytes(p) for p in layer.parameters()), weight=layer_weight(layer),
                            saved_per_sample=float(per[False]), bf16_saved_per_sample=float(per[True]),
                            out_per_sample=float(counts[2, False][1][index] - counts[1, False][1][index]),
-                           saved_fixed=float(fixed[False]), bf16_saved_fixed=float(fixed[True])))
+                           saved_fixed=float(fixed[False]), bf16_saved_fixed=float(fixed[True]),
+                           largest_param_bytes=max((tensor_bytes(p) for p in layer.parameters()), default=0)))
     return tuple(found)
 
 

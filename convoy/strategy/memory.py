@@ -46,6 +46,8 @@ class Layer:
     saved_fixed: float = 0.0
     """What its forward saves whatever the micro-batch (a mask over the sequence, say), float32."""
     bf16_saved_fixed: float = 0.0
+    largest_param_bytes: int = 0
+    """Its largest parameter: a backward computes that one's gradient beside the one it accumulates into."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,11 @@ def activation_bytes(features: ModelFeatures, strategy: Strategy) -> float:
     return factor * (per_sample * strategy.micro_batch + acts.fixed)
 
 
+LOSS_TRANSIENT = 1.5
+"""What computing the loss and its gradient holds for a moment on a pipeline's last stage, in outputs of the last
+layer per micro-batch sample (measured on ``examples/train_strategy.py`` at contexts of 32 and 512)."""
+
+
 def pipeline_stages(features: ModelFeatures, strategy: Strategy) -> tuple[Any, list[tuple[int, int]]]:
     """(the strategy's schedule, each stage's ``[start, end)`` of ``features.layers``), as ``Pipelined`` cuts them."""
     from convoy.parallel import balanced_bounds
@@ -154,20 +161,27 @@ def stage_sum(features: ModelFeatures, bounds: tuple[int, int], field: str) -> f
 
 
 def _pipeline(features: ModelFeatures, strategy: Strategy, world_size: int) -> MemoryEstimate:
-    """The rank of the pipeline that holds the most: its stages' parameters, gradients and optimizer state, and
-    the activations of the micro-batches its schedule has in flight at once (forwards not yet backwarded)."""
+    """The rank of the pipeline that holds the most."""
+    return max(_rank_estimates(features, strategy, world_size), key=lambda estimate: estimate.peak)
+
+
+def _rank_estimates(features: ModelFeatures, strategy: Strategy, world_size: int) -> list[MemoryEstimate]:
+    """Each rank of a pipeline: its stages' parameters, gradients and optimizer state, and the activations of
+    the micro-batches its schedule has in flight at once (forwards not yet backwarded)."""
     from convoy.parallel.pipeline.schedule import Kind
 
     schedule, bounds = pipeline_stages(features, strategy)
     factor = features.activation_factor_for(False, strategy.bf16)
     saved = "bf16_saved_per_sample" if strategy.bf16 else "saved_per_sample"
-    worst = MemoryEstimate(0.0, 0.0, 0.0)
+    found = []
     for rank in range(schedule.n_ranks):
         stages = schedule.stages_of(rank)
         params = sum(stage_sum(features, bounds[s], "param_bytes") for s in stages)
-        # a micro-batch in flight holds what its layers saved and the stage's output (kept for its backward)
+        # a micro-batch in flight holds what its layers saved and the stage's output (kept for its backward; the
+        # last stage keeps the loss, and the loss's saved tensors are its last layer's)
+        last = schedule.n_stages - 1
         acts = {s: strategy.micro_batch * (stage_sum(features, bounds[s], saved)
-                                           + features.layers[bounds[s][1] - 1].out_per_sample)
+                                           + (features.layers[bounds[s][1] - 1].out_per_sample if s < last else 0.0))
                 + stage_sum(features, bounds[s], "saved_fixed") for s in stages}
         held = peak = 0.0
         for act in schedule.actions[rank]:
@@ -180,14 +194,17 @@ def _pipeline(features: ModelFeatures, strategy: Strategy, world_size: int) -> M
         if strategy.bf16:  # autocast's bfloat16 copies of the stages' weights: made once a step, for every micro-batch
             peak += sum(max(stage_sum(features, bounds[s], "bf16_saved_fixed")
                             - stage_sum(features, bounds[s], "saved_fixed"), 0.0) for s in stages)
+        if last in stages:  # the loss's input and its gradient beside the saved log-probabilities: about 1.5
+            # outputs of the last layer on the example transformer (logits of a 2k-8k vocabulary)
+            peak += LOSS_TRANSIENT * strategy.micro_batch * features.layers[-1].out_per_sample
+        # the backward computes each parameter's gradient beside the one it accumulates into
+        peak += max(layer.largest_param_bytes for s in stages for layer in features.layers[bounds[s][0]:bounds[s][1]])
         static = params * (2 + features.optimizer_state_ratio) + features.buffer_bytes
         step = params * features.optimizer_step_ratio
         if world_size > strategy.stages:  # the stages' gradients flattened for the allreduce over the pipelines
             step = max(step, params)
-        estimate = MemoryEstimate(static, peak, step)
-        if estimate.peak > worst.peak:
-            worst = estimate
-    return worst
+        found.append(MemoryEstimate(static, peak, step))
+    return found
 
 
 def predict(features: ModelFeatures, strategy: Strategy, world_size: int) -> MemoryEstimate:
