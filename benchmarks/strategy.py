@@ -7,7 +7,8 @@ Four cases of examples/train_strategy.py's transformer: (a) ~20 M parameters on 
 shaped link (network namespaces, ``tc``: 1 Gbit/s, 0.5 ms), where a hierarchical allreduce or local SGD
 should win; (d) a long sequence (512 tokens) on 2 ranks whose whole batch does not fit without
 checkpointing.
-Each case runs the search (profile, cost model, successive halving over the top 4) and then measures
+Each case runs the search as ``convoy plan`` does (profile, cost model, successive halving over the top 8,
+1 timed step each in its first round) and then measures
 every feasible candidate the way an exhaustive tuner would (ATorch dry-runs 10 warm-up and 15 profiled
 steps a candidate): ``--grid-rounds`` rounds, each candidate built anew in every round with 1 warm-up
 and ``--grid-steps`` timed steps, the rounds in rotated order so that a drift of this shared machine's
@@ -81,7 +82,7 @@ def run_case(name: str, hardware: Hardware, args: list[str], grid_steps: int, gr
                                                "GLOO_SOCKET_IFNAME": net.host_link(host)}
     try:
         result = run_search(EXAMPLE, args, hardware, exhaustive_steps=grid_steps, exhaustive_rounds=grid_rounds,
-                            keep=4, first_steps=1, place=place)
+                            place=place)
     finally:
         if net is not None:
             net.__exit__(None, None, None)

@@ -155,8 +155,8 @@ def _drop_slow_interleaved(rows: list[Candidate], step_time: Callable[[Strategy]
         if not candidate.dropped and s.schedule == "interleaved" and twin in kept_ones:
             mine, theirs = step_time(s), step_time(twin)
             if mine > INTERLEAVED_GAIN * theirs:
-                candidate = replace(candidate, dropped=f"interleaved predicted {mine:.3f} s, not faster than 1f1b's "
-                                                       f"{theirs:.3f} s")
+                candidate = replace(candidate, dropped=f"interleaved not predicted {1 - INTERLEAVED_GAIN:.0%} faster "
+                                                       f"than 1f1b: {mine:.3f} s against {theirs:.3f} s")
         out.append(candidate)
     return out
 

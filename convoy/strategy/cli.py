@@ -8,6 +8,9 @@ import argparse
 import os
 import sys
 
+KEEP, FIRST_STEPS = 8, 1
+"""``search.KEEP`` and ``search.FIRST_STEPS``, written again so that the CLI starts without importing the search."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("script", help="a training script defining workload() -> convoy.strategy.Workload")
@@ -19,8 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1,
                         help="CPU cores one node's ranks share (default: this machine's, %(default)s)")
     parser.add_argument("--out", default="convoy-strategy.json", help="the strategy file (default %(default)s)")
-    parser.add_argument("--keep", type=int, default=4, help="candidates measured first (default %(default)s)")
-    parser.add_argument("--first-steps", type=int, default=2,
+    parser.add_argument("--keep", type=int, default=KEEP, help="candidates measured first (default %(default)s)")
+    parser.add_argument("--first-steps", type=int, default=FIRST_STEPS,
                         help="timed steps each gets in the first round (default %(default)s)")
 
 
@@ -36,8 +39,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def plan_file(script: str, script_args: list[str], hardware: object, out: str | os.PathLike, *, keep: int = 4,
-              first_steps: int = 2) -> object:
+def plan_file(script: str, script_args: list[str], hardware: object, out: str | os.PathLike, *, keep: int = KEEP,
+              first_steps: int = FIRST_STEPS) -> object:
     """Search ``script``'s strategy on ``hardware`` (a ``Hardware``), print the table, write the strategy file
     ``out``; the winning ``Strategy``. A limit nothing fits raises a ``ConfigError`` naming the smallest need."""
     from convoy.strategy.candidates import Candidate, require_feasible

@@ -29,7 +29,7 @@ CONFIG_ERROR = "convoy-plan-config-error: "
 
 
 def run_search(script: str, args: Sequence[str], hardware: Hardware, *, exhaustive_steps: int = 0,
-               exhaustive_rounds: int = 1, keep: int = 4, first_steps: int = 2, place: Placement | None = None,
+               exhaustive_rounds: int = 1, keep: int = 8, first_steps: int = 1, place: Placement | None = None,
                timeout_s: float = 1800.0) -> dict[str, Any]:
     """Run the dry runs of ``script`` on ``hardware.world_size`` local processes; their results.
 
