@@ -96,24 +96,25 @@ def _count(model: nn.Module, blocks: list, workload: Workload, samples: int, bf1
     return total, outside + counter.block_inputs, max(in_blocks, default=0)
 
 
+def _traced_model(workload: Workload, real: bool) -> tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor], Any]:
+    """(the model, how to convert a batch's tensors for it, the mode to run it in): on fake tensors, or real ones."""
+    if real:
+        return workload.model(), (lambda t: t), contextlib.nullcontext()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    with mode:
+        model = workload.model()
+    return model, mode.from_tensor, mode
+
+
 def trace_activations(workload: Workload, bf16: bool, real: bool = False) -> Activations:
     """Saved bytes per sample (from forwards of 1 and 2 samples) on fake tensors, or real ones."""
-    if real:
-        model, convert = workload.model(), (lambda t: t)
-    else:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        mode = FakeTensorMode(allow_non_fake_inputs=False)
-        with mode:
-            model = workload.model()
-        convert = mode.from_tensor  # type: ignore[assignment]
+    model, convert, mode = _traced_model(workload, real)
     blocks = find_blocks(model)
-    if real:
-        one, two = _count(model, blocks, workload, 1, bf16, convert), _count(model, blocks, workload, 2, bf16, convert)
-    else:
-        with mode:
-            one = _count(model, blocks, workload, 1, bf16, convert)
-            two = _count(model, blocks, workload, 2, bf16, convert)
+    with mode:
+        one = _count(model, blocks, workload, 1, bf16, convert)
+        two = _count(model, blocks, workload, 2, bf16, convert)
     per = [float(b - a) for a, b in zip(one, two, strict=True)]
     return Activations(per_sample=per[0], fixed=max(one[0] - per[0], 0.0), checkpointed_per_sample=per[1],
                        block_per_sample=per[2])
@@ -146,15 +147,7 @@ def trace_layers(workload: Workload, real: bool = False) -> tuple[Layer, ...]:
     the model has no layers in order (``pipelined.layers_of``) or its inputs are not one tensor."""
     from convoy.strategy.pipelined import layer_weight, layers_of, shared_parameter
 
-    if real:
-        model, convert, mode = workload.model(), (lambda t: t), contextlib.nullcontext()
-    else:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        mode = FakeTensorMode(allow_non_fake_inputs=False)
-        with mode:
-            model = workload.model()
-        convert = mode.from_tensor  # type: ignore[assignment]
+    model, convert, mode = _traced_model(workload, real)
     layers = layers_of(model)
     if not layers or len(layers) < 2 or shared_parameter(layers) or not isinstance(workload.batch(1, 0)[0],
                                                                                    torch.Tensor):
