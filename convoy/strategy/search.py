@@ -22,7 +22,7 @@ THREAD_EFFICIENCY = 0.8
 """Each intra-op thread past the first adds this much of one thread's speed (where a core is free)."""
 KEEP = 8
 """Candidates the measured search starts with, best predicted first (the cost model ranks within about 2x on a
-shared CPU; the top 4 missed the grid's best in 2 of 4 benchmark cases)."""
+shared CPU; the top 4 missed the grid's best in 3 of 4 benchmark cases)."""
 FIRST_STEPS = 1
 """Timed steps each in the first round (after one warm-up step); doubled every round."""
 
