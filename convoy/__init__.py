@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["Checkpointer", "Context", "RoleInfo", "accelerate", "exit_without_teardown", "hot", "init",
-           "measure_iteration", "memory_baseline", "report", "restart", "role", "shards", "train_config", "train_step"]
+__all__ = ["Checkpointer", "Context", "RoleInfo", "accelerate", "attention", "exit_without_teardown", "hot", "init",
+           "measure_iteration", "memory_baseline", "positions", "report", "restart", "role", "shards", "train_config",
+           "train_step"]
 
 _LAZY = {
     "init": "convoy.runtime.init",
@@ -29,6 +30,8 @@ _LAZY = {
     "restart": "convoy.live_config",
     "accelerate": "convoy.strategy.apply",
     "train_step": "convoy.strategy.apply",
+    "attention": "convoy.parallel.sequence.shard",
+    "positions": "convoy.parallel.sequence.shard",
 }
 
 

@@ -34,29 +34,42 @@ def options(argv: list[str]) -> argparse.Namespace:
     return parser.parse_known_args(argv)[0]
 
 
+class Attention(nn.Module):
+    """Causal self-attention through ``convoy.attention`` (so the sequence strategy can cut its positions)."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(x).view(batch, length, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
+        return self.out(convoy.attention(q, k, v, causal=True).transpose(1, 2).reshape(batch, length, width))
+
+
 class Block(nn.Module):
     def __init__(self, width: int, heads: int) -> None:
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.attention = nn.MultiheadAttention(width, heads, batch_first=True)
+        self.attention = Attention(width, heads)
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm1(x)
-        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).triu(1)
-        x = x + self.attention(h, h, h, attn_mask=mask, need_weights=False)[0]
+        x = x + self.attention(self.norm1(x))
         return x + self.mlp(self.norm2(x))
 
 
 class Embed(nn.Module):
-    """The first of the layers a pipeline cuts into stages: token and position embeddings."""
+    """The first of the layers a pipeline cuts into stages: token and position embeddings (``convoy.positions``:
+    where the sequence strategy cuts the positions, this rank's part's)."""
 
     def __init__(self, embed: nn.Embedding, position: nn.Embedding) -> None:
         super().__init__()
         self.embed, self.position = embed, position
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.embed(tokens) + self.position(torch.arange(tokens.shape[1], device=tokens.device))
+        return self.embed(tokens) + self.position(convoy.positions(tokens.shape[1], tokens.device))
 
 
 class Transformer(nn.Module):

@@ -3,7 +3,8 @@
 ``accelerate`` returns the wrapped model (DDP or FSDP2) and a new optimizer of the same class and
 settings over the wrapped parameters (``local``: DDP over the node's ranks, and the optimizer's steps
 followed by local SGD's averaging over all ranks every ``sync_every`` of them; ``pipeline``: this rank's
-stages, ``strategy/pipelined.py``); ``train_step`` splits
+stages, ``strategy/pipelined.py``; ``sequence``: DDP over parts of each sequence, ``strategy/sequenced.py``);
+``train_step`` splits
 a rank's batch into micro-batches (gradients synchronised on the last only, for DDP), runs them under
 autocast where the strategy says, and steps the optimizer.
 """
@@ -129,6 +130,10 @@ def accelerate(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: Str
 
         wrapped = Pipelined(model, chosen)
         new_optimizer = _rebuilt(optimizer, wrapped.parameters())
+    elif chosen.kind == "sequence":
+        from convoy.strategy.sequenced import SequenceParallel
+
+        wrapped, new_optimizer = SequenceParallel(model, chosen), optimizer
     elif chosen.kind == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
@@ -188,7 +193,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any,
     if samples != chosen.batch:
         raise ConfigError(f"train_step got {samples} samples; the strategy's batch is {chosen.micro_batch} x "
                           f"{chosen.accumulation} = {chosen.batch} per rank")
-    if chosen.kind == "pipeline" and hasattr(model, "runtime"):
+    if chosen.kind in ("pipeline", "sequence") and hasattr(model, "train_step"):  # their own steps (world > 1)
         return model.train_step(optimizer, loss_fn, inputs, targets)
     parts = chosen.accumulation
     total = 0.0

@@ -6,7 +6,9 @@ micro-batch fit than without it; bfloat16 only where the calibration step did no
 where nothing fits without it; intra-op threads only up to the cores a rank has; bucket sizes only
 for plain DDP at its largest micro-batch; local SGD (averaging every ``LOCAL_SGD_EVERY`` steps) only
 where there are several nodes, whose links are the slow ones; pipelines (``pipelines``) where the model
-gives its layers in order, without checkpointing (a stage keeps a share of the activations already).
+gives its layers in order, without checkpointing (a stage keeps a share of the activations already); sequences cut
+over a node's ranks (``sequences``) where the model attends through ``convoy.attention`` over long enough
+sequences.
 """
 
 from __future__ import annotations
@@ -85,20 +87,36 @@ def pipelines(features: ModelFeatures, world: int) -> list[tuple[int, str]]:
             for schedule in ("1f1b", "interleaved") if schedule == "1f1b" or 2 * stages <= layers]
 
 
-def _combinations(features: ModelFeatures, hardware: Hardware) -> list[tuple[str, str, bool, int, int, str]]:
+SEQUENCE_MIN_PART = 128
+"""The fewest positions a rank's part of a sample may have under the sequence strategy (shorter parts make
+attention's messages cost more than the work they spread)."""
+
+
+def sequences(features: ModelFeatures, hardware: Hardware) -> list[int]:
+    """Ranks a sample's positions may be cut over: every degree >= 2 that divides a node's ranks (query broadcast's
+    messages stay on the node) and the sequence length, leaving parts of ``SEQUENCE_MIN_PART`` or more."""
+    length = features.sequence.length
+    return [ranks for ranks in range(2, hardware.nproc_per_node + 1)
+            if hardware.nproc_per_node % ranks == 0 and length % ranks == 0 and length // ranks >= SEQUENCE_MIN_PART]
+
+
+def _combinations(features: ModelFeatures, hardware: Hardware) -> list[tuple[str, str, bool, int, dict]]:
+    """(kind, allreduce, bf16, threads, the kind's own fields) of every combination to size."""
     world = hardware.world_size
     kinds = ["ddp"] + (["zero"] if world > 1 else []) + (["fsdp"] if world > 1 and features.has_blocks else [])
     kinds += ["local"] * (hardware.nodes > 1)
     hierarchical = hardware.nodes > 1 and hardware.nproc_per_node > 1
     threads = sorted({1, *(t for t in (2, 4, 8) if t <= hardware.cores_per_rank)})
+    shapes: dict[str, list[dict]] = {
+        "pipeline": [{"stages": stages, "schedule": schedule} for stages, schedule in pipelines(features, world)],
+        "sequence": [{"sequence": ranks} for ranks in sequences(features, hardware)]}
     combos = []
-    for kind in kinds + ["pipeline"] * bool(pipelines(features, world)):
-        shapes = pipelines(features, world) if kind == "pipeline" else [(1, "")]
+    for kind in kinds + [kind for kind, found in shapes.items() if found]:
         for allreduce in ["gloo"] + (["leader", "reduce_scatter"] if hierarchical and kind in ("ddp", "zero") else []):
             for bf16 in (False, True):
                 for thread_count in threads:
-                    for stages, schedule in shapes:
-                        combos.append((kind, allreduce, bf16, thread_count, stages, schedule))
+                    for shape in shapes.get(kind, [{}]):
+                        combos.append((kind, allreduce, bf16, thread_count, shape))
     return combos
 
 
@@ -115,14 +133,14 @@ def generate(features: ModelFeatures, hardware: Hardware,
     hardware.validate()
     world, limit = hardware.world_size, hardware.memory_limit * HEADROOM
     rows: list[Candidate] = []
-    for kind, allreduce, bf16, threads, stages, schedule in _combinations(features, hardware):
+    for kind, allreduce, bf16, threads, shape in _combinations(features, hardware):
         fitting: list[Candidate] = []
         largest_plain = 0
-        for checkpointing in (False, True) if features.has_blocks and kind != "pipeline" else (False,):
+        recomputes = features.has_blocks and kind not in ("pipeline", "sequence")
+        for checkpointing in (False, True) if recomputes else (False,):
             for micro in micro_batches(features.batch):
                 strategy = Strategy(kind, allreduce, checkpointing, bf16, micro, features.batch // micro,
-                                    threads=threads, sync_every=LOCAL_SGD_EVERY if kind == "local" else 1,
-                                    stages=stages, schedule=schedule)
+                                    threads=threads, sync_every=LOCAL_SGD_EVERY if kind == "local" else 1, **shape)
                 memory = predict(features, strategy, world)
                 if memory.peak > limit:
                     rows.append(Candidate(strategy, memory, over_the_limit(memory.peak, limit)))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from convoy.strategy.memory import Activations, Layer, ModelFeatures
+from convoy.strategy.memory import Activations, Layer, ModelFeatures, Sequence
 from convoy.strategy.workload import (Workload, find_blocks, model_identity, peak_rss, reset_peak, rss,
                                       tensor_bytes)
 
@@ -167,6 +168,33 @@ def trace_layers(workload: Workload, real: bool = False) -> tuple[Layer, ...]:
     return tuple(found)
 
 
+def trace_sequence(workload: Workload, real: bool = False) -> Sequence:
+    """How the model attends over its inputs' positions (one forward of 1 sample on fake tensors or real ones);
+    ``Sequence()`` (length 0) unless it calls both ``convoy.attention`` and ``convoy.positions``, over the
+    positions of inputs and targets of one length (``strategy/sequenced.py`` cuts them along dimension 1)."""
+    from convoy.parallel.sequence.shard import recording
+
+    model, convert, mode = _traced_model(workload, real)
+    inputs, targets = workload.batch(1, 0)
+    if not (isinstance(inputs, torch.Tensor) and isinstance(targets, torch.Tensor) and inputs.dim() >= 2
+            and targets.dim() >= 2 and inputs.shape[1] == targets.shape[1]):
+        return Sequence()
+    length = inputs.shape[1]
+    with mode, recording() as record, torch.no_grad():
+        call(model, convert(inputs))
+    if not record.attention or not record.positions or any(shape[2] != length for shape, _ in record.attention):
+        return Sequence()
+    query_elements = sum(math.prod(shape[1:]) for shape, _ in record.attention)
+    tables = {id(p) for module in model.modules() if isinstance(module, nn.Embedding) for p in module.parameters()}
+    dense = sum(p.numel() for p in model.parameters() if id(p) not in tables)
+    # multiply-adds of a forward: queries x keys and weights x values in each attention (half of it causal), and
+    # each dense parameter once a position
+    attention = sum(2 * math.prod(shape[1:]) * length * (0.5 if causal else 1.0) for shape, causal in record.attention)
+    return Sequence(length=length, calls=len(record.attention), causal=all(c for _, c in record.attention),
+                    query_bytes_per_sample=4.0 * query_elements,
+                    attention_share=attention / (attention + dense * length))
+
+
 def _timed(run: Callable[[], None], repeats: int = 2) -> float:
     times = []
     for _ in range(repeats):
@@ -211,6 +239,12 @@ def profile(workload: Workload, budget: float = 512e6) -> tuple[ModelFeatures, l
         notes.append(f"the model's pipeline_layers() could not be run one after another ({type(exc).__name__}: "
                      f"{str(exc)[:120]}); no pipeline candidates")
         layers = ()
+    try:
+        sequence = trace_sequence(workload, real=traced_on == "real")
+    except Exception as exc:  # noqa: BLE001 (a forward of one sample failed here but not above: no sequence cut)
+        notes.append(f"the model's attention could not be traced ({type(exc).__name__}: {str(exc)[:120]}); no "
+                     "sequence candidates")
+        sequence = Sequence()
     gc.collect()
     model = workload.model()
     optimizer = workload.optimizer(model.parameters())
@@ -279,7 +313,7 @@ def profile(workload: Workload, budget: float = 512e6) -> tuple[ModelFeatures, l
         activation_factor=measured / max(traced, 1.0), optimizer_state_ratio=state / param_bytes,
         optimizer_step_ratio=max(optimizer_peak, 0) / param_bytes, sample_s=sample_s, micro_step_s=micro_s,
         bf16_time_factor=bf16_factor, checkpoint_time_factor=checkpoint_factor, optimizer_s=optimizer_s,
-        batch=workload.batch_size, has_blocks=bool(blocks), layers=layers, **memory_factors)
+        batch=workload.batch_size, has_blocks=bool(blocks), layers=layers, sequence=sequence, **memory_factors)
     notes.append(f"calibrated on one real micro-step of {samples} sample(s): measured activations "
                  f"{measured / 1e6:.1f} MB, traced {traced / 1e6:.1f} MB (factor {features.activation_factor:.2f}; "
                  + ", ".join(f"{name.removesuffix('_activation_factor').replace('_', ' ')} {value:.2f}"

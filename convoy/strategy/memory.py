@@ -51,6 +51,23 @@ class Layer:
 
 
 @dataclass(frozen=True)
+class Sequence:
+    """How a model attends over its inputs' positions, traced; ``length`` 0 where the sequence strategy cannot cut
+    them (the model does not call ``convoy.attention`` and ``convoy.positions``)."""
+
+    length: int = 0
+    """Positions of a sample."""
+    calls: int = 0
+    """Attention calls in one forward."""
+    causal: bool = False
+    """Every call causal (a rank attends only to earlier positions: the last part's rank does the most)."""
+    query_bytes_per_sample: float = 0.0
+    """The queries of all calls for one sample, float32 (query broadcast sends and keeps parts of them)."""
+    attention_share: float = 0.0
+    """Attention's share of a forward's multiply-adds (the rest: each dense parameter once a position)."""
+
+
+@dataclass(frozen=True)
 class ModelFeatures:
     """What the strategy search knows of a model: sizes traced, factors measured in one real micro-step."""
 
@@ -97,6 +114,8 @@ class ModelFeatures:
     """The part of a micro-batch's activations held at that peak (0: not measured, the traced layout is used)."""
     layers: tuple[Layer, ...] = ()
     """The model's layers in order, where it can be pipelined (``strategy/pipelined.py``); else empty."""
+    sequence: Sequence = Sequence()
+    """Its attention over the positions, where the sequence strategy can cut them (``strategy/sequenced.py``)."""
 
     def activation_factor_for(self, checkpointing: bool, bf16: bool) -> float:
         """Measured / traced activation bytes of a micro-step run this way (the float32 one where not measured)."""
@@ -116,6 +135,7 @@ class ModelFeatures:
         data["block_param_bytes"] = tuple(data["block_param_bytes"])
         data["module_bytes"] = tuple(tuple(pair) for pair in data["module_bytes"])
         data["layers"] = tuple(Layer(**layer) for layer in data.get("layers", ()))
+        data["sequence"] = Sequence(**data.get("sequence", {}))
         return cls(**data)
 
 
@@ -207,12 +227,30 @@ def _rank_estimates(features: ModelFeatures, strategy: Strategy, world_size: int
     return found
 
 
+def sequence_activations(features: ModelFeatures, strategy: Strategy) -> float:
+    """One micro-batch's activations on a rank holding ``1/sequence`` of each sample's positions: its share of what
+    the whole samples save (what does not grow with the batch stays whole), and the queries the other ranks sent it
+    for their attention, kept for their backward (causal: the first rank gets every later rank's; float32 always,
+    and under bfloat16 the float32 copies its own attention saves)."""
+    ranks = strategy.sequence
+    acts = features.bf16 if strategy.bf16 else features.fp32
+    factor = features.activation_factor_for(False, strategy.bf16)
+    queries = strategy.micro_batch * features.sequence.query_bytes_per_sample / ranks  # this rank's, float32
+    kept = (ranks - 1) * queries
+    if strategy.bf16:  # the attention runs in float32: q, k, v and the output saved as float32 copies besides
+        kept += 4 * queries
+    return factor * (acts.per_sample * strategy.micro_batch / ranks + acts.fixed) + kept
+
+
 def predict(features: ModelFeatures, strategy: Strategy, world_size: int) -> MemoryEstimate:
     """The peak bytes one rank holds above its baseline while training with ``strategy``."""
     if strategy.kind == "pipeline":
         return _pipeline(features, strategy, world_size)
     params, share = float(features.param_bytes), 1.0
-    activations = activation_bytes(features, strategy)
+    if strategy.kind == "sequence":
+        activations = sequence_activations(features, strategy)
+    else:
+        activations = activation_bytes(features, strategy)
     if strategy.kind == "fsdp" and world_size > 1:
         share = 1.0 / world_size
         biggest = max(features.block_param_bytes, default=0)
@@ -227,8 +265,8 @@ def predict(features: ModelFeatures, strategy: Strategy, world_size: int) -> Mem
             return MemoryEstimate(static, features.fsdp_fixed + features.fsdp_activation_share * activations + kept,
                                   step)
         return MemoryEstimate(static, activations + gathered + kept, step)
-    # ddp, zero, and local (DDP within the node; its averaging's flat copy of the parameters comes after
-    # the optimizer step, so it is no more than the gradient buckets' copy below)
+    # ddp, zero, sequence (DDP over parts of the positions), and local (DDP within the node; its averaging's flat
+    # copy of the parameters comes after the optimizer step, so it is no more than the gradient buckets' copy below)
     state_share = 1.0 / world_size if strategy.kind == "zero" else 1.0
     static = 2 * params + features.buffer_bytes + params * state_share * features.optimizer_state_ratio
     step = params * state_share * features.optimizer_step_ratio

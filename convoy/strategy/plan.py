@@ -15,7 +15,7 @@ from pathlib import Path
 
 from convoy.errors import ConfigError
 
-KINDS = ("ddp", "zero", "fsdp", "local", "pipeline")
+KINDS = ("ddp", "zero", "fsdp", "local", "pipeline", "sequence")
 """``ddp``: every rank holds everything, gradients allreduced. ``zero``: DDP gradients, optimizer state
 sharded over the ranks (``ZeroRedundancyOptimizer``). ``fsdp``: FSDP2 ``fully_shard`` per block and the
 root (parameters, gradients and optimizer state sharded, ZeRO-3). ``local``: local SGD for slow links
@@ -25,7 +25,10 @@ nodes carry 1/``sync_every`` of DDP's traffic (``parallel/local_sgd.py``). It is
 optimization as DDP's: the replicas drift apart between averagings. ``pipeline``: the model's layers cut
 into ``stages`` contiguous stages run by ``schedule`` (``parallel/pipeline``) over groups of ``stages``
 consecutive ranks; a group trains on its ranks' batches together, and the groups (where there are several)
-allreduce each stage's gradients like DDP."""
+allreduce each stage's gradients like DDP. ``sequence``: each sample's sequence cut over groups of ``sequence``
+consecutive ranks, whose attention runs by query broadcast (the model calls ``convoy.attention`` and
+``convoy.positions``, ``parallel/sequence/shard.py``); a group trains on its ranks' batches together, every rank
+holds the whole model, and DDP averages the gradients over all ranks."""
 SCHEDULES = ("1f1b", "interleaved", "gpipe")
 """Pipeline schedules a strategy may name (``parallel/pipeline/schedule.py``): ``interleaved`` holds two
 stages per rank."""
@@ -62,16 +65,20 @@ class Strategy:
     cut into ``stages * accumulation`` micro-batches of ``micro_batch``."""
     schedule: str = ""
     """``pipeline`` only: one of ``SCHEDULES``."""
+    sequence: int = 1
+    """``sequence`` only: ranks one sample's sequence is cut over (>= 2); their batch is the ``sequence`` ranks'
+    batches together, cut into ``sequence * accumulation`` micro-batches of ``micro_batch``, each rank computing its
+    part of every sample's positions."""
 
     def validate(self) -> Strategy:
         if self.kind not in KINDS:
             raise ConfigError(f"strategy kind {self.kind!r} is not one of {', '.join(KINDS)}")
         if self.allreduce not in ALLREDUCES:
             raise ConfigError(f"strategy allreduce {self.allreduce!r} is not one of {', '.join(ALLREDUCES)}")
-        if self.kind in ("fsdp", "local", "pipeline") and self.allreduce != "gloo":
+        if self.kind in ("fsdp", "local", "pipeline", "sequence") and self.allreduce != "gloo":
             raise ConfigError(f"strategy allreduce {self.allreduce!r} needs kind ddp or zero ({self.kind} "
                               "reduces on its own)")
-        for name in ("micro_batch", "accumulation", "bucket_mb", "threads", "sync_every", "stages"):
+        for name in ("micro_batch", "accumulation", "bucket_mb", "threads", "sync_every", "stages", "sequence"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"strategy {name} must be a whole number >= 1 (got {getattr(self, name)!r})")
         if self.kind == "local" and self.sync_every < 2:
@@ -89,6 +96,14 @@ class Strategy:
         elif self.stages != 1 or self.schedule:
             raise ConfigError(f"strategy stages {self.stages} and schedule {self.schedule!r} are for kind pipeline "
                               f"only (this is {self.kind})")
+        if self.kind == "sequence":
+            if self.sequence < 2:
+                raise ConfigError(f"strategy kind sequence needs sequence >= 2 ranks a sample (got {self.sequence})")
+            if self.checkpointing:
+                raise ConfigError("strategy kind sequence takes no checkpointing (convoy does not combine them yet: a "
+                                  "recomputed block would repeat its attention's exchanges inside the backward)")
+        elif self.sequence != 1:
+            raise ConfigError(f"strategy sequence {self.sequence} is for kind sequence only (this is {self.kind})")
         return self
 
     @property
@@ -100,9 +115,10 @@ class Strategy:
         parts = [self.kind if self.allreduce == "gloo" else f"{self.kind}/{self.allreduce}"]
         parts += [f"H{self.sync_every}"] * (self.kind == "local")
         parts += [f"p{self.stages}/{self.schedule}"] * (self.kind == "pipeline")
+        parts += [f"s{self.sequence}"] * (self.kind == "sequence")
         parts += ["ckpt"] * self.checkpointing + ["bf16"] * self.bf16
         parts.append(f"mb{self.micro_batch}x{self.accumulation}")
-        if self.kind in ("ddp", "zero", "local") and self.bucket_mb != 25:
+        if self.kind in ("ddp", "zero", "local", "sequence") and self.bucket_mb != 25:
             parts.append(f"b{self.bucket_mb}")
         parts.append(f"t{self.threads}")
         return " ".join(parts)

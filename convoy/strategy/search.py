@@ -88,12 +88,28 @@ def _pipeline_time(features: ModelFeatures, strategy: Strategy, hardware: Hardwa
     return compute + optimizer + traffic
 
 
+def _sequence_messages(features: ModelFeatures, strategy: Strategy, comm: CommCosts) -> float:
+    """Query broadcast's messages in one step, for the rank that sends the most: in each attention call of each
+    micro-batch, its queries to the ``sequence - 1`` others and their partial outputs back, then in the backward
+    its output gradient out and the query gradients back; and the group's batch gathered, its loss averaged."""
+    ranks, line = strategy.sequence, comm.lines["gloo"]
+    part = strategy.micro_batch * features.sequence.query_bytes_per_sample / ranks  # float32 under bf16 too
+    per_call = 4 * line.latency_s + 4 * (ranks - 1) * part * line.s_per_byte / 2  # an allreduce moves bytes twice
+    return ranks * strategy.accumulation * features.sequence.calls * per_call + 3 * line.latency_s
+
+
 def predict_time(features: ModelFeatures, strategy: Strategy, hardware: Hardware, comm: CommCosts) -> float:
     """Seconds of one optimizer step on one rank."""
     if strategy.kind == "pipeline":
         return _pipeline_time(features, strategy, hardware, comm)
     speed = rank_speed(strategy.threads, hardware.cores_per_rank)
     compute = features.micro_step_s * strategy.accumulation + features.sample_s * strategy.batch
+    if strategy.kind == "sequence":  # as many positions a rank as DDP's, in sequence x more micro-batches; causal
+        # attention gives the last part's rank (2n - 1) / n of DDP's attention work, the others less
+        ranks, share = strategy.sequence, features.sequence.attention_share
+        imbalance = (2 * ranks - 1) / ranks if features.sequence.causal else 1.0
+        compute = (features.micro_step_s * strategy.accumulation * ranks
+                   + features.sample_s * strategy.batch * (1 - share + share * imbalance))
     if strategy.bf16:
         compute *= features.bf16_time_factor
     if strategy.checkpointing:
@@ -114,6 +130,8 @@ def predict_time(features: ModelFeatures, strategy: Strategy, hardware: Hardware
     else:
         buckets = max(1, math.ceil(params / (strategy.bucket_mb * 2 ** 20)))
         traffic = comm.allreduce(strategy.allreduce, params, buckets)
+        if strategy.kind == "sequence":
+            traffic += _sequence_messages(features, strategy, comm)
         if strategy.kind == "zero":  # each rank's updated shard broadcast: an all-gather, half an allreduce
             traffic += 0.5 * comm.allreduce("gloo", params, world)
     return (compute + optimizer) / speed + traffic

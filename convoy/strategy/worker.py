@@ -170,6 +170,8 @@ def _preload() -> None:
     from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: F401
     from torch.nn.parallel import DistributedDataParallel  # noqa: F401
 
+    from convoy.parallel.sequence import query_broadcast  # noqa: F401
+
 
 def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())

@@ -1,6 +1,6 @@
 """convoy.accelerate applying each strategy kind on 2 real gloo ranks (tests/fixtures/strategy_accelerate.py:
 DDP, ZeRO's sharded optimizer, FSDP2 shards, checkpointing, micro-batches, pipelines with each schedule, also two
-of them on 4 ranks; each equal to one process; local SGD equal to averaged replicas), and convoy plan end to end:
+of them on 4 ranks; sequences cut over 2 ranks, and on 4 ranks over two pairs and all four; each equal to one process; local SGD equal to averaged replicas), and convoy plan end to end:
 the table, the strategy file a job then runs with, convoy run --strategy auto planning first, a limit nothing
 fits (a file from another model is refused in tests/unit/test_strategy_search.py)."""
 
@@ -28,16 +28,19 @@ def test_every_strategy_kind_wraps_for_real_and_trains_like_one_process(procs: P
             assert f"rank {rank}: local H3 mb8x1 t1 on {nodes} node(s) ok" in output, output
         for name in ("p2/1f1b mb8x1", "p2/interleaved mb4x2", "p2/gpipe mb2x4", "p2/1f1b bf16 mb4x2"):
             assert f"rank {rank}: pipeline {name} t1 ok" in output, output
-        assert f"rank {rank}: ok (19 checks)" in output, output
+        for name in ("s2 mb8x1", "s2 mb2x4", "s2 bf16 mb8x1"):
+            assert f"rank {rank}: sequence {name} t1 ok" in output, output
+        assert f"rank {rank}: ok (23 checks)" in output, output
     assert procs.wait_no_leftovers() == []
 
 
-def test_two_pipelines_of_two_ranks_average_their_stages_gradients_and_train_like_one_process(
+def test_two_pipelines_or_sequence_groups_of_two_ranks_and_one_of_four_train_like_one_process(
         procs: ProcessScope) -> None:
-    outputs = procs.gloo_ranks(str(FIXTURES / "strategy_accelerate.py"), 4, [], env={"CHECK": "pipeline"})
+    outputs = procs.gloo_ranks(str(FIXTURES / "strategy_accelerate.py"), 4, [], env={"CHECK": "groups"})
     for rank, output in enumerate(outputs):
         assert f"rank {rank}: pipeline p2/interleaved mb4x2 t1 ok" in output, output
-        assert f"rank {rank}: ok (4 checks)" in output, output
+        assert f"rank {rank}: sequence s4 mb4x2 t1 ok" in output, output
+        assert f"rank {rank}: ok (9 checks)" in output, output
     assert procs.wait_no_leftovers() == []
 
 

@@ -1,7 +1,8 @@
 """The memory model against measured peaks: a small transformer profiled (fake-tensor trace + one real
 micro-step) and trained with four strategies in one process (tests/fixtures/strategy_memory_check.py);
 a model fake tensors cannot run is traced on real ones, said so; FSDP on four gloo ranks, calibrated in
-two real micro-steps, and each pipeline rank on four (tests/fixtures/strategy_fsdp_check.py)."""
+two real micro-steps, each pipeline rank on four, and sequences cut over two ranks
+(tests/fixtures/strategy_fsdp_check.py)."""
 
 from __future__ import annotations
 
@@ -58,4 +59,13 @@ def test_each_pipeline_rank_peak_is_predicted_within_ten_percent(procs: ProcessS
     errors = {name: float(e) for name, e in re.findall(r"^(.+): predicted .* error ([-+.\d]+)$", out, re.MULTILINE)}
     assert set(errors) == {"pipeline p2/1f1b mb4x2 t1", "pipeline p4/1f1b mb8x1 t1", "pipeline p2/interleaved mb4x2 t1",
                            "pipeline p4/1f1b bf16 mb4x2 t1"}, out
+    assert all(abs(e) <= 0.10 for e in errors.values()), out
+
+
+def test_each_sequence_cut_peak_is_predicted_within_ten_percent(procs: ProcessScope) -> None:
+    out = procs.gloo_ranks(str(FIXTURES / "strategy_fsdp_check.py"), 2, ["--sequences"],
+                           env={"MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(REPO)})[0]
+    errors = {name: float(e) for name, e in re.findall(r"^(.+): predicted .* error ([-+.\d]+)$", out, re.MULTILINE)}
+    assert set(errors) == {"sequence s2 mb4x2 t1", "sequence s2 mb2x4 t1", "sequence s2 bf16 mb8x1 t1",
+                           "sequence s2 bf16 mb4x2 t1"}, out
     assert all(abs(e) <= 0.10 for e in errors.values()), out
