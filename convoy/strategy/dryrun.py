@@ -35,6 +35,7 @@ def run_search(script: str, args: Sequence[str], hardware: Hardware, *, exhausti
 
     ``exhaustive_steps`` > 0 also measures every feasible candidate after the search (a benchmark's
     grid), ``exhaustive_rounds`` times in rotated order, ``exhaustive_steps`` timed steps each time."""
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="convoy-plan-") as tmp:
         out = Path(tmp) / "result.json"
         spec = Path(tmp) / "spec.json"
@@ -72,7 +73,9 @@ def run_search(script: str, args: Sequence[str], hardware: Hardware, *, exhausti
             raise ConvoyError(f"dry-run rank {failed} failed (exit {procs[failed].returncode}):\n{output[-1500:]}")
         for log in logs:
             log.close()
-        return json.loads(out.read_text())
+        result = json.loads(out.read_text())
+        result["wall_s"] = time.perf_counter() - started  # the ranks' start included
+        return result
 
 
 def _wait(procs: list[subprocess.Popen], timeout_s: float) -> int | None:

@@ -3,7 +3,8 @@
 The cost model: compute from the calibration step's time per sample and per micro-step (scaled for
 checkpointing, bfloat16 and the cores a rank gets), the optimizer step on the rank's share, and the
 gradient traffic from the allreduce lines the collectives measured (``CommCosts``). The measured
-search gives the top ``keep`` a few steps each, keeps the faster half, doubles the steps, and so on.
+search gives the top ``keep`` a few steps each, keeps the faster half, doubles the steps, and so on (stopping
+early where one is far ahead).
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ KEEP = 8
 shared CPU; the top 4 missed the grid's best in 3 of 4 benchmark cases)."""
 FIRST_STEPS = 1
 """Timed steps each in the first round (after one warm-up step); doubled every round."""
+DECISIVE = 0.15
+"""From the second round on, a fastest this much ahead of the next (a share of its step time) wins without the
+rounds left (one step of a shared 2-core machine varies by 5-10%; two or more, measured twice, rarely by 15%)."""
 
 T = TypeVar("T")
 
@@ -145,9 +149,11 @@ class Measured:
 
 
 def successive_halving(ranked: Sequence[T], measure: Callable[[T, int], float], keep: int = KEEP,
-                       first_steps: int = FIRST_STEPS, eta: int = 2) -> tuple[T, list[list[Measured]]]:
+                       first_steps: int = FIRST_STEPS, eta: int = 2, decisive: float = DECISIVE
+                       ) -> tuple[T, list[list[Measured]]]:
     """Measure the first ``keep`` of ``ranked`` (best predicted first) for ``first_steps`` steps each,
-    keep the fastest ``1/eta``, multiply the steps by ``eta``, until one is left: ``(winner, rounds)``."""
+    keep the fastest ``1/eta``, multiply the steps by ``eta``, until one is left: ``(winner, rounds)``. After
+    the first round, a fastest ahead of the next by ``decisive`` (a share of its time) or more wins at once."""
     if not ranked:
         raise ValueError("successive halving needs at least one candidate")
     alive, steps, rounds = list(ranked[:keep]), first_steps, []
@@ -155,7 +161,7 @@ def successive_halving(ranked: Sequence[T], measure: Callable[[T, int], float], 
         results = [Measured(candidate, steps, measure(candidate, steps)) for candidate in alive]
         rounds.append(results)
         results.sort(key=lambda m: m.seconds)
-        if len(results) <= 1:
+        if len(results) <= 1 or (len(rounds) > 1 and results[1].seconds >= results[0].seconds * (1 + decisive)):
             break
         alive = [m.candidate for m in results[:max(1, math.ceil(len(results) / eta))]]
         if len(alive) == 1:

@@ -115,7 +115,7 @@ def prime(workload: Workload, strategies: list[Strategy], comm: Any, primed: set
     for strategy in strategies:
         if (strategy.kind, strategy.allreduce) not in primed:
             primed.add((strategy.kind, strategy.allreduce))
-            run_candidate(workload, strategy, 1, comm)
+            run_candidate(workload, strategy, 0, comm)  # its warm-up step makes them
 
 
 def exhaustive(workload: Workload, feasible: list[Strategy], steps: int, rounds: int, comm: Any,
@@ -163,6 +163,28 @@ def calibrate_fsdp(workload: Workload, features: ModelFeatures, hardware: cands.
     return replace(features, fsdp_fixed=fixed, fsdp_activation_share=share), note, peaks
 
 
+def fsdp_contends(rows: list[cands.Candidate], step_time: Any, keep: int) -> bool:
+    """Whether an FSDP candidate could be among the ``keep`` the search measures, whatever calibrating its memory
+    finds: fewer than ``keep`` others fit, or an FSDP combination (any micro-batch) is predicted faster than the
+    ``keep``-th fastest of them. Where not, its calibration is skipped (FSDP's time does not depend on it)."""
+    others = sorted(step_time(c.strategy) for c in cands.kept(rows) if c.strategy.kind != "fsdp")
+    fsdp = [step_time(c.strategy) for c in rows if c.strategy.kind == "fsdp"]
+    return bool(fsdp) and (len(others) < keep or min(fsdp) < others[keep - 1])
+
+
+def _calibrated(workload: Workload, features: ModelFeatures, hardware: cands.Hardware, comm: Any, costs: CommCosts,
+                primed: set[tuple[str, str]]) -> tuple[ModelFeatures, list[cands.Candidate], str | None, list[float]]:
+    """FSDP calibrated (``calibrate_fsdp``), and the candidates generated again with its memory."""
+    features, note, peaks = calibrate_fsdp(workload, features, hardware, comm, primed)
+    rows = cands.generate(features, hardware, lambda s: predict_time(features, s, hardware, costs))
+    return features, rows, note, peaks
+
+
+def _table_rows(rows: list[cands.Candidate], predicted: dict[Strategy, float]) -> list[dict]:
+    return [{"strategy": c.strategy.to_dict(), "name": c.strategy.name(), "memory": c.memory.peak,
+             "predicted_s": predicted[c.strategy], "dropped": c.dropped} for c in rows]
+
+
 def _preload() -> None:
     """Import what the strategies use now, so no candidate's memory counts loading code."""
     from torch.distributed._composable import checkpoint  # noqa: F401
@@ -183,12 +205,21 @@ def main(spec_path: str) -> int:
     sys.argv = [spec["script"], *spec["args"]]
     workload = load_workload(spec["script"])
     hardware = cands.Hardware(spec["nodes"], spec["nproc_per_node"], spec["memory"], spec["cores"])
+    phases: dict[str, float] = {}
+    mark = [started]
+
+    def phase(name: str) -> None:
+        now = time.perf_counter()
+        phases[name] = now - mark[0]
+        mark[0] = now
+
     if rank == 0:
         features, notes = profile(workload)
         shared = _shared([features.to_dict(), notes])
     else:
         shared = _shared(None)
     features, notes = ModelFeatures.from_dict(shared[0]), shared[1]
+    phase("profile")
     topology = Topology.uniform(hardware.world_size, hardware.nproc_per_node)
     comm = None
     if hardware.nodes > 1 and hardware.nproc_per_node > 1:
@@ -196,16 +227,20 @@ def main(spec_path: str) -> int:
 
         comm = HierarchicalAllreduce(topology, host_memory=False, tune=False)
     costs = CommCosts.from_dict(_shared(measure_comm(topology, comm, hardware.nproc_per_node).to_dict()))
+    phase("links")
     primed: set[tuple[str, str]] = set()
-    features, calibrated, calibration_peaks = calibrate_fsdp(workload, features, hardware, comm, primed)
-    notes = notes + [calibrated] if calibrated else notes
     rows = cands.generate(features, hardware, lambda s: predict_time(features, s, hardware, costs))
+    calibration_peaks: list[float] = []
+    contends = fsdp_contends(rows, lambda s: predict_time(features, s, hardware, costs), spec["keep"])
+    if contends:
+        features, rows, calibrated, calibration_peaks = _calibrated(workload, features, hardware, comm, costs, primed)
+        notes = notes + [calibrated] if calibrated else notes
+    elif any(c.strategy.kind == "fsdp" for c in rows):
+        notes = notes + [f"FSDP not calibrated: no FSDP candidate is predicted among the {spec['keep']} fastest"]
+    phase("FSDP calibration")
     predicted = {c.strategy: predict_time(features, c.strategy, hardware, costs) for c in rows}
     result: dict[str, Any] = {"features": features.to_dict(), "notes": notes, "comm": costs.to_dict(),
-                              "rows": [{"strategy": c.strategy.to_dict(), "name": c.strategy.name(),
-                                        "memory": c.memory.peak, "predicted_s": predicted[c.strategy],
-                                        "dropped": c.dropped} for c in rows],
-                              "calibration_peaks": calibration_peaks}
+                              "rows": _table_rows(rows, predicted), "calibration_peaks": calibration_peaks}
     feasible = [c.strategy for c in cands.kept(rows)]
     if not feasible:
         result["error"] = "none fits"
@@ -219,11 +254,25 @@ def main(spec_path: str) -> int:
             return statistics.median(times)
 
         prime(workload, ranked[:spec["keep"]], comm, primed)  # among those to be measured
+        phase("first runs")
         winner, _ = successive_halving(ranked, measure, keep=spec["keep"], first_steps=spec["first_steps"])
+        phase("halving")
         result["search_s"] = time.perf_counter() - started
+        result["phases"] = phases
+        notes.append(f"search {result['search_s']:.1f} s: " + ", ".join(f"{name} {seconds:.1f} s"
+                                                                    for name, seconds in phases.items()))
         result["winner"] = winner.to_dict()
         result["measured"] = [{"strategy": s.to_dict(), "runs": runs} for s, runs in measured.items()]
         if spec["exhaustive_steps"]:
+            if not contends and any(c.strategy.kind == "fsdp" for c in rows):  # the grid runs FSDP: calibrated
+                start = time.perf_counter()
+                features, rows, calibrated, result["calibration_peaks"] = _calibrated(workload, features, hardware,
+                                                                                      comm, costs, primed)
+                notes.extend([f"{calibrated} (for the grid, after the search)"] if calibrated else [])
+                predicted = {c.strategy: predict_time(features, c.strategy, hardware, costs) for c in rows}
+                result["features"], result["rows"] = features.to_dict(), _table_rows(rows, predicted)
+                feasible = [c.strategy for c in cands.kept(rows)]
+                result["grid_calibration_s"] = time.perf_counter() - start
             start = time.perf_counter()
             result["exhaustive"] = exhaustive(workload, feasible, spec["exhaustive_steps"],
                                               spec.get("exhaustive_rounds", 1), comm, primed)

@@ -155,6 +155,28 @@ def test_successive_halving_picks_the_fastest_of_the_top_few() -> None:
     assert successive_halving(["x"], lambda n, s: 1.0)[0] == "x"
 
 
+def test_successive_halving_stops_where_one_is_far_ahead_after_the_first_round() -> None:
+    close = {c: 1.0 + 0.01 * i for i, c in enumerate("abcdefgh")}
+    _, rounds = successive_halving(list(close), lambda n, s: close[n], keep=8)
+    assert [len(r) for r in rounds] == [8, 4, 2]  # 1% apart: down to the last two
+    far = {**close, "c": 0.8}  # 20% ahead of the next
+    winner, rounds = successive_halving(list(far), lambda n, s: far[n], keep=8)
+    assert winner == "c" and [len(r) for r in rounds] == [8, 4]  # not on one round's figure: it is confirmed
+    assert [len(r) for r in successive_halving(list(far), lambda n, s: far[n], keep=8, decisive=0.5)[1]] == [8, 4, 2]
+
+
+def test_fsdp_is_calibrated_only_where_an_fsdp_candidate_could_be_measured() -> None:
+    from convoy.strategy.worker import fsdp_contends
+
+    rows = generate(features(), Hardware(1, 4, 10e9, 2))
+    assert {c.strategy.kind for c in kept(rows)} >= {"ddp", "zero", "fsdp"}
+    assert fsdp_contends(rows, lambda s: 0.5 if s.kind == "fsdp" else 1.0, 4)
+    assert not fsdp_contends(rows, lambda s: 2.0 if s.kind == "fsdp" else 1.0, 4)
+    few = [c for c in rows if c.strategy.kind == "fsdp" or c.strategy == Strategy("ddp", micro_batch=8)]
+    assert fsdp_contends(few, lambda s: 2.0 if s.kind == "fsdp" else 1.0, 4)  # fewer than 4 others fit
+    assert not fsdp_contends([c for c in rows if c.strategy.kind != "fsdp"], lambda s: 1.0, 4)  # no FSDP at all
+
+
 def test_cost_model_prefers_local_sgd_where_the_link_between_nodes_is_very_slow() -> None:
     f = features()
     hardware = Hardware(2, 2, 10e9, 8)
@@ -374,8 +396,9 @@ def test_cost_model_charges_a_sequence_cut_its_causal_imbalance_and_messages() -
     extra = 0.01 * 8 * 0.2 * 0.5 + 0.005
     assert predict_time(with_sequence(features()), cut, hardware, fast) == pytest.approx(ddp + extra)
     slow = CommCosts({"gloo": Link(1e-3, 1e-9)})
+    latencies = 2 * 4 * 4 * 1e-3  # 4 messages a call, 4 calls, 2 micro-batches
     assert predict_time(with_sequence(features()), cut, hardware, slow) > predict_time(
-        with_sequence(features()), cut, hardware, fast) + 2 * 4 * 4 * 1e-3  # 4 messages a call, 4 calls, 2 micro-batches
+        with_sequence(features()), cut, hardware, fast) + latencies
 
 
 def test_the_sequence_trace_sees_convoy_attention_over_the_inputs_positions() -> None:
