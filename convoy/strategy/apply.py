@@ -193,8 +193,12 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any,
     if samples != chosen.batch:
         raise ConfigError(f"train_step got {samples} samples; the strategy's batch is {chosen.micro_batch} x "
                           f"{chosen.accumulation} = {chosen.batch} per rank")
-    if chosen.kind in ("pipeline", "sequence") and hasattr(model, "train_step"):  # their own steps (world > 1)
-        return model.train_step(optimizer, loss_fn, inputs, targets)
+    if chosen.kind in ("pipeline", "sequence"):  # their wrappers run their own steps (one rank: the model as it is)
+        from convoy.strategy.pipelined import Pipelined
+        from convoy.strategy.sequenced import SequenceParallel
+
+        if isinstance(model, (Pipelined, SequenceParallel)):
+            return model.train_step(optimizer, loss_fn, inputs, targets)
     parts = chosen.accumulation
     total = 0.0
     for index, (micro_in, micro_target) in enumerate(zip(_split(inputs, parts), _split(targets, parts),

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from convoy.errors import ConfigError
-from convoy.parallel.sequence.shard import sharded
+from convoy.parallel.sequence.shard import Record, recording, sharded
 from convoy.strategy.plan import Strategy
 
 _GROUPS: dict[tuple[int, int], Any] = {}
@@ -67,6 +67,19 @@ class SequenceParallel(nn.Module):
         self.group = sequence_group(strategy.sequence)
         self.rank = dist.get_rank(self.group)
         self.ddp = DistributedDataParallel(model, bucket_cap_mb=strategy.bucket_mb, gradient_as_bucket_view=True)
+        self._checked = False
+
+    def _check_hooks(self, record: Record) -> None:
+        """Refuse a model whose forward did not go through both hooks: its parts would attend and be placed as
+        if each were a whole sequence, and train on that without a word."""
+        missing = [name for name, seen in (("convoy.attention", record.attention), ("convoy.positions",
+                                                                                    record.positions)) if not seen]
+        if missing:
+            raise ConfigError(f"the sequence strategy cuts each sample's positions over {self.strategy.sequence} "
+                              f"ranks, but {type(self.ddp.module).__name__}'s forward never called "
+                              f"{' or '.join(missing)}: compute attention with convoy.attention(q, k, v, causal=...) "
+                              "and position indices with convoy.positions(length), or plan without it")
+        self._checked = True
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.ddp.module(*args, **kwargs)
@@ -89,8 +102,10 @@ class SequenceParallel(nn.Module):
             autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if self.strategy.bf16
                         else contextlib.nullcontext())
             with sync, sharded(self.group):
-                with autocast:
+                with autocast, recording() if not self._checked else contextlib.nullcontext() as record:
                     loss = loss_fn(self.ddp(x), y)
+                if not self._checked:
+                    self._check_hooks(record)
                 (loss / parts).backward()
             total += loss.detach().double()
         optimizer.step()

@@ -30,7 +30,7 @@ def test_every_strategy_kind_wraps_for_real_and_trains_like_one_process(procs: P
             assert f"rank {rank}: pipeline {name} t1 ok" in output, output
         for name in ("s2 mb8x1", "s2 mb2x4", "s2 bf16 mb8x1"):
             assert f"rank {rank}: sequence {name} t1 ok" in output, output
-        assert f"rank {rank}: ok (23 checks)" in output, output
+        assert f"rank {rank}: ok (24 checks)" in output, output
     assert procs.wait_no_leftovers() == []
 
 
@@ -40,7 +40,7 @@ def test_two_pipelines_or_sequence_groups_of_two_ranks_and_one_of_four_train_lik
     for rank, output in enumerate(outputs):
         assert f"rank {rank}: pipeline p2/interleaved mb4x2 t1 ok" in output, output
         assert f"rank {rank}: sequence s4 mb4x2 t1 ok" in output, output
-        assert f"rank {rank}: ok (9 checks)" in output, output
+        assert f"rank {rank}: ok (10 checks)" in output, output
     assert procs.wait_no_leftovers() == []
 
 
