@@ -84,6 +84,13 @@ def pipeline_groups(stages: int) -> tuple[Any, Any]:
     return _GROUPS[key]
 
 
+def gather_batch(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """The ranks of ``group`` (None: all) pass their batches; each gets them all, in the group's rank order."""
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts)
+
+
 class _Stage(nn.Sequential):
     """A stage's layers; its floating output leaves in float32, so a stage under autocast sends what the
     runtime, which learns shapes and dtypes without autocast, expects."""
@@ -134,18 +141,13 @@ class Pipelined(nn.Module):
         raise ConfigError("a pipelined model runs whole steps, not forwards: call convoy.train_step(model, "
                           "optimizer, loss, inputs, targets)")
 
-    def _gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(tensor) for _ in range(self.strategy.stages)]
-        dist.all_gather(parts, tensor.contiguous(), group=self.group)
-        return torch.cat(parts)
-
     def train_step(self, optimizer: torch.optim.Optimizer, loss_fn: Any, inputs: Any, targets: torch.Tensor
                    ) -> float:
         if not isinstance(inputs, torch.Tensor) or not isinstance(targets, torch.Tensor):
             raise ConfigError(f"the pipeline strategy takes one tensor of inputs and one of targets (got "
                               f"{type(inputs).__name__} and {type(targets).__name__})")
         self._loss = loss_fn
-        group_inputs, group_targets = self._gather(inputs), self._gather(targets)
+        group_inputs, group_targets = gather_batch(inputs, self.group), gather_batch(targets, self.group)
         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if self.strategy.bf16 else contextlib.nullcontext()
         with autocast:
             losses = self.runtime.step(group_inputs if self.first else None, group_targets if self.last else None)

@@ -20,6 +20,7 @@ from torch import nn
 
 from convoy.errors import ConfigError
 from convoy.parallel.sequence.shard import Record, recording, sharded
+from convoy.strategy.pipelined import gather_batch
 from convoy.strategy.plan import Strategy
 
 _GROUPS: dict[tuple[int, int], Any] = {}
@@ -84,18 +85,13 @@ class SequenceParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.ddp.module(*args, **kwargs)
 
-    def _gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(tensor) for _ in range(self.strategy.sequence)]
-        dist.all_gather(parts, tensor.contiguous(), group=self.group)
-        return torch.cat(parts)
-
     def train_step(self, optimizer: torch.optim.Optimizer, loss_fn: Any, inputs: Any, targets: torch.Tensor
                    ) -> float:
         ranks = self.strategy.sequence
         length = check_batch(inputs, targets, ranks) // ranks
         parts = ranks * self.strategy.accumulation
-        micro_in = self._gather(inputs).narrow(1, self.rank * length, length).chunk(parts)
-        micro_targets = self._gather(targets).narrow(1, self.rank * length, length).chunk(parts)
+        micro_in = gather_batch(inputs, self.group).narrow(1, self.rank * length, length).chunk(parts)
+        micro_targets = gather_batch(targets, self.group).narrow(1, self.rank * length, length).chunk(parts)
         total = torch.zeros((), dtype=torch.float64)
         for index, (x, y) in enumerate(zip(micro_in, micro_targets, strict=True)):
             sync = self.ddp.no_sync() if index < parts - 1 else contextlib.nullcontext()

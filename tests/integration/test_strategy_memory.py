@@ -28,10 +28,15 @@ def run(*args: str) -> str:
     return done.stdout
 
 
+def errors_by_strategy(out: str) -> dict[str, float]:
+    """``<strategy>: predicted P MB measured M MB error E`` lines, as {strategy: E}."""
+    return {name: float(e) for name, e in re.findall(r"^(.+): predicted .* error ([-+.\d]+)$", out, re.MULTILINE)}
+
+
 def test_predicted_peaks_are_within_ten_percent_of_measured() -> None:
     out = run()
     assert "traced on: meta" in out, out
-    errors = {name: float(e) for name, e in re.findall(r"^(.+): predicted .* error ([-+.\d]+)$", out, re.MULTILINE)}
+    errors = errors_by_strategy(out)
     assert set(errors) == {"ddp mb8x1 t1", "ddp mb4x2 t1", "ddp ckpt mb8x1 t1", "ddp ckpt mb2x4 t1"}, out
     assert all(abs(e) <= 0.10 for e in errors.values()), out
 
@@ -48,7 +53,7 @@ def test_fsdp_calibrated_in_two_micro_steps_predicts_each_fsdp_peak_within_ten_p
     out = procs.gloo_ranks(str(FIXTURES / "strategy_fsdp_check.py"), 4, [],
                            env={"MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(REPO)})[0]
     assert re.search(r"FSDP calibrated on real micro-steps of 1 and 8 sample\(s\): peaks [\d.]+ and", out), out
-    errors = {name: float(e) for name, e in re.findall(r"^(.+): predicted .* error ([-+.\d]+)$", out, re.MULTILINE)}
+    errors = errors_by_strategy(out)
     assert set(errors) == {"fsdp mb8x1 t1", "fsdp mb2x4 t1", "fsdp ckpt mb8x1 t1"}, out
     assert all(abs(e) <= 0.10 for e in errors.values()), out
 
@@ -56,7 +61,7 @@ def test_fsdp_calibrated_in_two_micro_steps_predicts_each_fsdp_peak_within_ten_p
 def test_each_pipeline_rank_peak_is_predicted_within_ten_percent(procs: ProcessScope) -> None:
     out = procs.gloo_ranks(str(FIXTURES / "strategy_fsdp_check.py"), 4, ["--pipelines"],
                            env={"MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(REPO)})[0]
-    errors = {name: float(e) for name, e in re.findall(r"^(.+): predicted .* error ([-+.\d]+)$", out, re.MULTILINE)}
+    errors = errors_by_strategy(out)
     assert set(errors) == {"pipeline p2/1f1b mb4x2 t1", "pipeline p4/1f1b mb8x1 t1", "pipeline p2/interleaved mb4x2 t1",
                            "pipeline p4/1f1b bf16 mb4x2 t1"}, out
     assert all(abs(e) <= 0.10 for e in errors.values()), out
@@ -65,7 +70,7 @@ def test_each_pipeline_rank_peak_is_predicted_within_ten_percent(procs: ProcessS
 def test_each_sequence_cut_peak_is_predicted_within_ten_percent(procs: ProcessScope) -> None:
     out = procs.gloo_ranks(str(FIXTURES / "strategy_fsdp_check.py"), 2, ["--sequences"],
                            env={"MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(REPO)})[0]
-    errors = {name: float(e) for name, e in re.findall(r"^(.+): predicted .* error ([-+.\d]+)$", out, re.MULTILINE)}
+    errors = errors_by_strategy(out)
     assert set(errors) == {"sequence s2 mb4x2 t1", "sequence s2 mb2x4 t1", "sequence s2 bf16 mb8x1 t1",
                            "sequence s2 bf16 mb4x2 t1"}, out
     assert all(abs(e) <= 0.10 for e in errors.values()), out
