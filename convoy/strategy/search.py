@@ -28,7 +28,7 @@ FIRST_STEPS = 1
 """Timed steps each in the first round (after one warm-up step); doubled every round."""
 DECISIVE = 0.15
 """From the second round on, a fastest this much ahead of the next (a share of its step time) wins without the
-rounds left (one step of a shared 2-core machine varies by 5-10%; two or more, measured twice, rarely by 15%)."""
+rounds left: a gap wider than most of what separates one measurement from the next on a shared 2-core machine."""
 
 T = TypeVar("T")
 
