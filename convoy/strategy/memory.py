@@ -180,6 +180,14 @@ def stage_sum(features: ModelFeatures, bounds: tuple[int, int], field: str) -> f
     return sum(getattr(layer, field) for layer in features.layers[bounds[0]:bounds[1]])
 
 
+def stage_factor(features: ModelFeatures, bf16: bool) -> float:
+    """The measured activation factor of a whole micro-step less the loss's transients in it: those are held on a
+    pipeline's last stage alone (``LOSS_TRANSIENT``), not by every stage beside what its layers save."""
+    acts = features.bf16 if bf16 else features.fp32
+    loss = LOSS_TRANSIENT * features.layers[-1].out_per_sample / max(acts.per_sample, 1.0)
+    return max(features.activation_factor_for(False, bf16) - loss, 1.0)
+
+
 def _pipeline(features: ModelFeatures, strategy: Strategy, world_size: int) -> MemoryEstimate:
     """The rank of the pipeline that holds the most."""
     return max(_rank_estimates(features, strategy, world_size), key=lambda estimate: estimate.peak)
@@ -191,8 +199,8 @@ def _rank_estimates(features: ModelFeatures, strategy: Strategy, world_size: int
     from convoy.parallel.pipeline.schedule import Kind
 
     schedule, bounds = pipeline_stages(features, strategy)
-    factor = features.activation_factor_for(False, strategy.bf16)
     saved = "bf16_saved_per_sample" if strategy.bf16 else "saved_per_sample"
+    factor = stage_factor(features, strategy.bf16)
     found = []
     for rank in range(schedule.n_ranks):
         stages = schedule.stages_of(rank)

@@ -42,7 +42,7 @@ def table(result: dict[str, Any], show_dropped: bool = True) -> str:
         if row["dropped"] and not show_dropped:
             continue
         searched = runs.get(key)
-        measured_s = f"{searched[-1][1]:.3f}" if searched else "-"
+        measured_s = f"{searched[-1][-1]:.3f}" if searched else "-"  # the median of all its steps in the search
         peak = searched[-1][2] if searched else (grid[key]["peak"] if key in grid else None)
         peak_text = f"{peak / 1e6:.0f}" if peak is not None else "-"
         error = f"{(row['memory'] - peak) / peak:+.1%}" if peak else "-"

@@ -10,6 +10,7 @@ early where one is far ahead).
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -25,7 +26,7 @@ KEEP = 8
 """Candidates the measured search starts with, best predicted first (the cost model ranks within about 2x on a
 shared CPU; the top 4 missed the grid's best in 3 of 4 benchmark cases)."""
 FIRST_STEPS = 1
-"""Timed steps each in the first round (after one warm-up step); doubled every round."""
+"""Timed steps each in the first round (after one warm-up step); each survivor's total doubled every round."""
 DECISIVE = 0.15
 """From the second round on, a fastest this much ahead of the next (a share of its step time) wins without the
 rounds left: a gap wider than most of what separates one measurement from the next on a shared 2-core machine."""
@@ -148,17 +149,23 @@ class Measured:
     seconds: float
 
 
-def successive_halving(ranked: Sequence[T], measure: Callable[[T, int], float], keep: int = KEEP,
+def successive_halving(ranked: Sequence[T], measure: Callable[[T, int], list[float]], keep: int = KEEP,
                        first_steps: int = FIRST_STEPS, eta: int = 2, decisive: float = DECISIVE
                        ) -> tuple[T, list[list[Measured]]]:
-    """Measure the first ``keep`` of ``ranked`` (best predicted first) for ``first_steps`` steps each,
-    keep the fastest ``1/eta``, multiply the steps by ``eta``, until one is left: ``(winner, rounds)``. After
-    the first round, a fastest ahead of the next by ``decisive`` (a share of its time) or more wins at once."""
+    """Measure the first ``keep`` of ``ranked`` (best predicted first) for ``first_steps`` steps each, keep the
+    fastest ``1/eta``, and measure each of those again until it has ``eta`` times the steps, until one is left:
+    ``(winner, rounds)``. A candidate's figure is the median of all its steps so far (``measure`` returns each new
+    step's seconds), so a round adds only the steps its survivors lack. After the first round, a fastest ahead of
+    the next by ``decisive`` (a share of its time) or more wins at once."""
     if not ranked:
         raise ValueError("successive halving needs at least one candidate")
     alive, steps, rounds = list(ranked[:keep]), first_steps, []
+    times: dict[T, list[float]] = {candidate: [] for candidate in alive}
     while True:
-        results = [Measured(candidate, steps, measure(candidate, steps)) for candidate in alive]
+        results = []
+        for candidate in alive:
+            times[candidate] += measure(candidate, steps - len(times[candidate]))
+            results.append(Measured(candidate, len(times[candidate]), statistics.median(times[candidate])))
         rounds.append(results)
         results.sort(key=lambda m: m.seconds)
         if len(results) <= 1 or (len(rounds) > 1 and results[1].seconds >= results[0].seconds * (1 + decisive)):

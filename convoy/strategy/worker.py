@@ -27,11 +27,11 @@ from convoy.parallel.topology import Link, Topology
 from convoy.strategy import candidates as cands
 from convoy.strategy.apply import accelerate, node_groups, train_step
 from convoy.strategy.dryrun import CONFIG_ERROR
-from convoy.strategy.features import profile
+from convoy.strategy.features import call, profile
 from convoy.strategy.memory import ModelFeatures, activation_bytes, predict
 from convoy.strategy.plan import Strategy
 from convoy.strategy.search import CommCosts, predict_time, successive_halving
-from convoy.strategy.workload import Workload, load_workload, peak_rss, reset_peak, rss
+from convoy.strategy.workload import Workload, load_workload, peak_rss, release_free, reset_peak, rss
 
 WARMUP = 1
 
@@ -82,6 +82,7 @@ def run_candidate(workload: Workload, strategy: Strategy, steps: int, comm: Any,
     # is one of its times
     window = strategy.sync_every if strategy.kind == "local" else 1
     gc.collect()
+    release_free()
     before = rss()
     model = workload.model()
     model, optimizer = accelerate(model, workload.optimizer(model.parameters()), strategy, comm=comm)
@@ -89,6 +90,7 @@ def run_candidate(workload: Workload, strategy: Strategy, steps: int, comm: Any,
     for _ in range(warmup):
         train_step(model, optimizer, workload.loss, inputs, targets)
     gc.collect()
+    release_free()
     dist.barrier()
     reset_peak()
     times = []
@@ -107,19 +109,37 @@ def run_candidate(workload: Workload, strategy: Strategy, steps: int, comm: Any,
     return per_step[:-1].tolist(), float(per_step[-1])
 
 
-def prime(workload: Workload, strategies: list[Strategy], comm: Any, primed: set[tuple[str, str]]) -> None:
+Way = tuple[str, str, str]
+
+
+def _way(strategy: Strategy) -> Way:
+    """How a strategy communicates, as ``prime`` tells them apart (a pipeline's schedule orders its messages)."""
+    return strategy.kind, strategy.allreduce, strategy.schedule if strategy.kind == "pipeline" else ""
+
+
+def prime(workload: Workload, strategies: list[Strategy], comm: Any, primed: set[Way]) -> None:
     """One run, not recorded, for each way of communicating among ``strategies`` not in ``primed`` yet: the
     process's one-time allocations (autograd's threads, gloo's pairs and buffers, the hierarchical allreduce's
     staging buffers, local SGD's groups, lazily loaded kernels) would otherwise count as the memory of the
-    first candidate measured with each."""
+    first candidate measured with each. Where one of them runs under bfloat16, first one bfloat16 micro-step of a
+    sample, unwrapped: autocast's first use makes caches every later bfloat16 run shares (7-14 MB on case d's
+    transformer, whichever candidate came first)."""
+    if any(s.bf16 for s in strategies) and ("bf16", "", "") not in primed:
+        primed.add(("bf16", "", ""))
+        model = workload.model()
+        inputs, targets = workload.batch(1, 100 + dist.get_rank())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = workload.loss(call(model, inputs), targets)
+        loss.backward()
+        del model, loss
     for strategy in strategies:
-        if (strategy.kind, strategy.allreduce) not in primed:
-            primed.add((strategy.kind, strategy.allreduce))
+        if _way(strategy) not in primed:
+            primed.add(_way(strategy))
             run_candidate(workload, strategy, 0, comm)  # its warm-up step makes them
 
 
 def exhaustive(workload: Workload, feasible: list[Strategy], steps: int, rounds: int, comm: Any,
-               primed: set[tuple[str, str]]) -> list[dict]:
+               primed: set[Way]) -> list[dict]:
     """Every feasible candidate measured in ``rounds`` rounds of ``steps`` timed steps, each round in
     another order (a drift of the machine's speed falls on all alike): the median of all its steps. The
     ways of communicating the search did not run are primed first, as the search primes its own."""
@@ -137,7 +157,7 @@ def exhaustive(workload: Workload, feasible: list[Strategy], steps: int, rounds:
 
 
 def calibrate_fsdp(workload: Workload, features: ModelFeatures, hardware: cands.Hardware, comm: Any,
-                   primed: set[tuple[str, str]]) -> tuple[ModelFeatures, str | None, list[float]]:
+                   primed: set[Way]) -> tuple[ModelFeatures, str | None, list[float]]:
     """FSDP's peak measured in real micro-steps of 1 sample and of the most of the rank's batch the traced model
     says fits, after one unrecorded run: a line in the micro-batch's
     activations, whose fixed part and slope ``predict`` then uses; also the note to print and the peaks (for the
@@ -173,7 +193,7 @@ def fsdp_contends(rows: list[cands.Candidate], step_time: Any, keep: int) -> boo
 
 
 def _calibrated(workload: Workload, features: ModelFeatures, hardware: cands.Hardware, comm: Any, costs: CommCosts,
-                primed: set[tuple[str, str]]) -> tuple[ModelFeatures, list[cands.Candidate], str | None, list[float]]:
+                primed: set[Way]) -> tuple[ModelFeatures, list[cands.Candidate], str | None, list[float]]:
     """FSDP calibrated (``calibrate_fsdp``), and the candidates generated again with its memory."""
     features, note, peaks = calibrate_fsdp(workload, features, hardware, comm, primed)
     rows = cands.generate(features, hardware, lambda s: predict_time(features, s, hardware, costs))
@@ -228,7 +248,7 @@ def main(spec_path: str) -> int:
         comm = HierarchicalAllreduce(topology, host_memory=False, tune=False)
     costs = CommCosts.from_dict(_shared(measure_comm(topology, comm, hardware.nproc_per_node).to_dict()))
     phase("links")
-    primed: set[tuple[str, str]] = set()
+    primed: set[Way] = set()
     rows = cands.generate(features, hardware, lambda s: predict_time(features, s, hardware, costs))
     calibration_peaks: list[float] = []
     contends = fsdp_contends(rows, lambda s: predict_time(features, s, hardware, costs), spec["keep"])
@@ -248,10 +268,14 @@ def main(spec_path: str) -> int:
         ranked = sorted(feasible, key=lambda s: predicted[s])
         measured: dict[Strategy, list] = {}
 
-        def measure(strategy: Strategy, steps: int) -> float:
+        so_far: dict[Strategy, list[float]] = {}
+
+        def measure(strategy: Strategy, steps: int) -> list[float]:
             times, peak = run_candidate(workload, strategy, steps, comm)
-            measured.setdefault(strategy, []).append([steps, statistics.median(times), peak])
-            return statistics.median(times)
+            so_far[strategy] = so_far.get(strategy, []) + times  # the halving's figure: all its steps' median
+            measured.setdefault(strategy, []).append([steps, statistics.median(times), peak,
+                                                      statistics.median(so_far[strategy])])
+            return times
 
         prime(workload, ranked[:spec["keep"]], comm, primed)  # among those to be measured
         phase("first runs")

@@ -10,7 +10,7 @@ import pytest
 from convoy.errors import ConfigError
 from convoy.parallel.topology import Link
 from convoy.strategy.candidates import Hardware, generate, kept, micro_batches, require_feasible
-from convoy.strategy.memory import Activations, ModelFeatures, predict
+from convoy.strategy.memory import _rank_estimates, Activations, ModelFeatures, predict
 from convoy.strategy.plan import Strategy, StrategyFile
 from convoy.strategy.report import parse_bytes
 from convoy.strategy.search import CommCosts, predict_time, successive_halving
@@ -140,27 +140,29 @@ def test_successive_halving_picks_the_fastest_of_the_top_few() -> None:
     table = {"a": 1.0, "b": 0.7, "c": 0.9, "d": 0.5, "e": 0.1}  # the cost model ranked them a, b, c, d, e
     calls: list[tuple[str, int]] = []
 
-    def measure(name: str, steps: int) -> float:
+    def measure(name: str, steps: int) -> list[float]:
         calls.append((name, steps))
-        return table[name] + 0.05 / steps  # fewer steps: a noisier, higher figure
+        return [table[name] + 0.05 * (len(calls) <= 4)] * steps  # the first round's steps: noisier, higher
 
     winner, rounds = successive_halving(list(table), measure, keep=4, first_steps=2)
     assert winner == "d"  # the best of the four measured; e was ranked out by the model
     assert [len(r) for r in rounds] == [4, 2]
     assert calls[:4] == [("a", 2), ("b", 2), ("c", 2), ("d", 2)]
-    assert sorted(calls[4:]) == [("b", 4), ("d", 4)]
+    assert sorted(calls[4:]) == [("b", 2), ("d", 2)]  # each survivor's 2 more steps: 4 in all
+    assert [(m.steps, round(m.seconds, 3)) for m in rounds[1]] == [(4, 0.525), (4, 0.725)]  # all 4 steps' median
     assert "e" not in {name for name, _ in calls}
-    assert successive_halving(["x"], lambda n, s: 1.0)[0] == "x"
+    assert successive_halving(["x"], lambda n, s: [1.0] * s)[0] == "x"
 
 
 def test_successive_halving_stops_where_one_is_far_ahead_after_the_first_round() -> None:
     close = {c: 1.0 + 0.01 * i for i, c in enumerate("abcdefgh")}
-    _, rounds = successive_halving(list(close), lambda n, s: close[n], keep=8)
+    _, rounds = successive_halving(list(close), lambda n, s: [close[n]] * s, keep=8)
     assert [len(r) for r in rounds] == [8, 4, 2]  # 1% apart: down to the last two
     far = {**close, "c": 0.8}  # 20% ahead of the next
-    winner, rounds = successive_halving(list(far), lambda n, s: far[n], keep=8)
+    winner, rounds = successive_halving(list(far), lambda n, s: [far[n]] * s, keep=8)
     assert winner == "c" and [len(r) for r in rounds] == [8, 4]  # not on one round's figure: it is confirmed
-    assert [len(r) for r in successive_halving(list(far), lambda n, s: far[n], keep=8, decisive=0.5)[1]] == [8, 4, 2]
+    _, rounds = successive_halving(list(far), lambda n, s: [far[n]] * s, keep=8, decisive=0.5)
+    assert [len(r) for r in rounds] == [8, 4, 2]
 
 
 def test_fsdp_is_calibrated_only_where_an_fsdp_candidate_could_be_measured() -> None:
@@ -273,6 +275,22 @@ def test_pipeline_memory_holds_a_stage_share_and_the_schedule_micro_batches_in_f
     assert ModelFeatures.from_dict(f.to_dict()) == f
 
 
+def test_a_stage_is_charged_the_measured_factor_less_the_loss_share_that_only_the_last_stage_holds() -> None:
+    from dataclasses import replace
+
+    from convoy.strategy.memory import LOSS_TRANSIENT, stage_factor
+
+    f = replace(with_layers(features(per_sample_mb=10)), activation_factor=1.6)  # a micro-step held 16 MB a sample
+    assert stage_factor(f, False) == pytest.approx(1.6 - LOSS_TRANSIENT * 1 / 10)  # 1.5 MB of it the loss's
+    one = Strategy("pipeline", micro_batch=1, accumulation=8, stages=2, schedule="1f1b")
+    first, last = _rank_estimates(f, one, 2)
+    # 2 micro-batches of 6 MB in flight on the first, plus the computing one's transients; the last holds one
+    # micro-batch and the loss
+    assert first.forward_backward == pytest.approx((2 + 0.45) * 6 * MB)
+    assert last.forward_backward == pytest.approx(1.45 * 5 * MB + LOSS_TRANSIENT * MB)
+    assert stage_factor(replace(f, activation_factor=1.05), False) == 1.0  # never below what the layers save
+
+
 def test_pipelines_are_candidates_where_the_layers_allow_and_interleaving_where_it_pays() -> None:
     f = with_layers(features(), count=6)
     rows = generate(f, Hardware(1, 4, 10e9, 2))
@@ -335,3 +353,21 @@ def test_the_cli_defaults_are_the_search_defaults() -> None:
     assert (cli.KEEP, cli.FIRST_STEPS) == (search.KEEP, search.FIRST_STEPS)
     defaults = dryrun.run_search.__kwdefaults__
     assert (defaults["keep"], defaults["first_steps"]) == (search.KEEP, search.FIRST_STEPS)
+
+
+def test_release_free_hands_freed_heap_chunks_back_so_the_next_run_counts_them() -> None:
+    import gc
+
+    import torch
+
+    from convoy.strategy.workload import release_free, rss
+
+    base = rss()
+    chunks = [torch.ones(512) for _ in range(20000)]  # 2 KB each: malloc's heap, not its own mapping
+    fence = torch.ones(512)  # allocated after them: the freed chunks are not the heap's top, so free() keeps them
+    held = rss() - base
+    del chunks
+    gc.collect()
+    release_free()
+    assert held > 30e6 and rss() - base < held / 2
+    del fence
