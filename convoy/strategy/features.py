@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from convoy.strategy.memory import Activations, Layer, ModelFeatures, Sequence
-from convoy.strategy.workload import (Workload, find_blocks, model_identity, peak_rss, release_free, reset_peak,
-                                      rss, tensor_bytes)
+from convoy.strategy.workload import (Workload, find_blocks, model_identity, peak_rss, reset_peak, rss,
+                                      tensor_bytes)
 
 
 def _to(value: Any, convert: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -207,7 +207,6 @@ def _timed(run: Callable[[], None], repeats: int = 2) -> float:
 def _timed_peak(run: Callable[[], None]) -> tuple[float, float]:
     """(seconds of one call, the most resident bytes it added above what was resident before it)."""
     gc.collect()
-    release_free()
     reset_peak()
     before = rss()
     seconds = _timed(run, 1)
@@ -268,14 +267,12 @@ def profile(workload: Workload, budget: float = 512e6) -> tuple[ModelFeatures, l
     state = sum(tensor_bytes(v) for per_param in optimizer.state.values() for v in per_param.values())
     optimizer.zero_grad(set_to_none=False)
     gc.collect()
-    release_free()
     reset_peak()
     before = rss()
     step()
     measured = peak_rss() - before
     traced = acts_bytes(fp32, samples)
     gc.collect()
-    release_free()
     reset_peak()
     before = rss()
     optimizer_s = _timed(optimizer.step, 1)

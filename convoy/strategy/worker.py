@@ -31,7 +31,7 @@ from convoy.strategy.features import call, profile
 from convoy.strategy.memory import ModelFeatures, activation_bytes, predict
 from convoy.strategy.plan import Strategy
 from convoy.strategy.search import CommCosts, predict_time, successive_halving
-from convoy.strategy.workload import Workload, load_workload, peak_rss, release_free, reset_peak, rss
+from convoy.strategy.workload import Workload, load_workload, peak_rss, reset_peak, rss
 
 WARMUP = 1
 
@@ -82,7 +82,6 @@ def run_candidate(workload: Workload, strategy: Strategy, steps: int, comm: Any,
     # is one of its times
     window = strategy.sync_every if strategy.kind == "local" else 1
     gc.collect()
-    release_free()
     before = rss()
     model = workload.model()
     model, optimizer = accelerate(model, workload.optimizer(model.parameters()), strategy, comm=comm)
@@ -90,7 +89,6 @@ def run_candidate(workload: Workload, strategy: Strategy, steps: int, comm: Any,
     for _ in range(warmup):
         train_step(model, optimizer, workload.loss, inputs, targets)
     gc.collect()
-    release_free()
     dist.barrier()
     reset_peak()
     times = []

@@ -111,29 +111,6 @@ def peak_rss() -> int:
     return _status_kb("VmHWM:") * 1024
 
 
-def release_free() -> None:
-    """Hand the allocator's free pages back to the kernel (glibc's ``malloc_trim``), so what a run then allocates
-    counts in the RSS whatever ran before it: small tensors live in malloc's arenas, and a freed chunk there stays
-    resident for the next allocation to reuse unseen (a candidate measured after others read up to 14 MB less than
-    the same one measured first). Nothing where the C library is not glibc."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-
-
-def _glibc() -> Any:
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc if hasattr(libc, "malloc_trim") else None
-    except OSError:
-        return None
-
-
-_LIBC = _glibc()
-
-
 def reset_peak() -> None:
     """Start a new high-water mark at the current RSS (Linux ``clear_refs``)."""
     with open("/proc/self/clear_refs", "w") as refs:

@@ -354,20 +354,3 @@ def test_the_cli_defaults_are_the_search_defaults() -> None:
     defaults = dryrun.run_search.__kwdefaults__
     assert (defaults["keep"], defaults["first_steps"]) == (search.KEEP, search.FIRST_STEPS)
 
-
-def test_release_free_hands_freed_heap_chunks_back_so_the_next_run_counts_them() -> None:
-    import gc
-
-    import torch
-
-    from convoy.strategy.workload import release_free, rss
-
-    base = rss()
-    chunks = [torch.ones(512) for _ in range(20000)]  # 2 KB each: malloc's heap, not its own mapping
-    fence = torch.ones(512)  # allocated after them: the freed chunks are not the heap's top, so free() keeps them
-    held = rss() - base
-    del chunks
-    gc.collect()
-    release_free()
-    assert held > 30e6 and rss() - base < held / 2
-    del fence
