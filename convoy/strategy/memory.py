@@ -6,7 +6,8 @@ units FSDP gathers, and the activations of one micro-batch, scaled by the factor
 measured. The peak is the static part plus the larger of the forward/backward and the optimizer step.
 FSDP's peak falls in the backward, where gathered units, their unsharded gradients and reduce-scatter
 buffers meet activations already partly freed; two real FSDP micro-steps (``calibrate_fsdp``) measure
-its fixed part and the activations' share, which the traced layout alone over-counts.
+its fixed part and the activations' share, which the traced layout alone over-counts. A pipeline's ranks are
+predicted action by action from the layers' traced sizes and the transients of a backward (``_rank_estimates``).
 """
 
 from __future__ import annotations
@@ -162,9 +163,13 @@ def activation_bytes(features: ModelFeatures, strategy: Strategy) -> float:
     return factor * (per_sample * strategy.micro_batch + acts.fixed)
 
 
-LOSS_TRANSIENT = 1.5
-"""What computing the loss and its gradient holds for a moment on a pipeline's last stage, in outputs of the last
-layer per micro-batch sample (measured on ``examples/train_strategy.py`` at contexts of 32 and 512)."""
+LOSS_TRANSIENT = 2.0
+"""What the loss's backward holds for a moment on a pipeline's last stage beside what is saved, in outputs of the last
+layer per micro-batch sample: the gradients of the log-probabilities and of the logits (traced action by action on
+``examples/train_strategy.py`` at a context of 512: 2.0 at micro-batches of 2 and 4; its forward holds 1.0)."""
+BACKWARD_TRANSIENT = 0.4
+"""What a layer's backward holds for a moment beside what is saved, as a share of what that layer saved (the same
+trace: 0.31-0.43 of a transformer block's, float32 and bfloat16)."""
 
 
 def pipeline_stages(features: ModelFeatures, strategy: Strategy) -> tuple[Any, list[tuple[int, int]]]:
@@ -180,51 +185,47 @@ def stage_sum(features: ModelFeatures, bounds: tuple[int, int], field: str) -> f
     return sum(getattr(layer, field) for layer in features.layers[bounds[0]:bounds[1]])
 
 
-def stage_factor(features: ModelFeatures, bf16: bool) -> float:
-    """The measured activation factor of a whole micro-step less the loss's transients in it: those are held on a
-    pipeline's last stage alone (``LOSS_TRANSIENT``), not by every stage beside what its layers save."""
-    acts = features.bf16 if bf16 else features.fp32
-    loss = LOSS_TRANSIENT * features.layers[-1].out_per_sample / max(acts.per_sample, 1.0)
-    return max(features.activation_factor_for(False, bf16) - loss, 1.0)
-
-
 def _pipeline(features: ModelFeatures, strategy: Strategy, world_size: int) -> MemoryEstimate:
     """The rank of the pipeline that holds the most."""
     return max(_rank_estimates(features, strategy, world_size), key=lambda estimate: estimate.peak)
 
 
 def _rank_estimates(features: ModelFeatures, strategy: Strategy, world_size: int) -> list[MemoryEstimate]:
-    """Each rank of a pipeline: its stages' parameters, gradients and optimizer state, and the activations of
-    the micro-batches its schedule has in flight at once (forwards not yet backwarded)."""
+    """Each rank of a pipeline: its stages' parameters, gradients and optimizer state, and, walking its schedule's
+    actions, the most that the micro-batches in flight (forwards not yet backwarded) hold with the transients of the
+    one computing. Traced sizes only: a whole micro-step's measured factor is mostly the loss's, which only the last
+    stage holds."""
     from convoy.parallel.pipeline.schedule import Kind
 
     schedule, bounds = pipeline_stages(features, strategy)
     saved = "bf16_saved_per_sample" if strategy.bf16 else "saved_per_sample"
-    factor = stage_factor(features, strategy.bf16)
+    last = schedule.n_stages - 1
+    logits = strategy.micro_batch * features.layers[-1].out_per_sample
     found = []
     for rank in range(schedule.n_ranks):
         stages = schedule.stages_of(rank)
         params = sum(stage_sum(features, bounds[s], "param_bytes") for s in stages)
-        # a micro-batch in flight holds what its layers saved and the stage's output (kept for its backward; the
-        # last stage keeps the loss, and the loss's saved tensors are its last layer's)
-        last = schedule.n_stages - 1
-        acts = {s: strategy.micro_batch * (stage_sum(features, bounds[s], saved)
-                                           + (features.layers[bounds[s][1] - 1].out_per_sample if s < last else 0.0))
-                + stage_sum(features, bounds[s], "saved_fixed") for s in stages}
+        # a micro-batch in flight holds what its layers saved, and (but on the last stage, which keeps the loss) the
+        # stage's output, kept for its backward, and the buffer its gradient is received into
+        acts, transient = {}, {}
+        for s in stages:
+            layers = features.layers[bounds[s][0]:bounds[s][1]]
+            sent = 2 * layers[-1].out_per_sample if s < last else 0.0
+            acts[s] = (strategy.micro_batch * (stage_sum(features, bounds[s], saved) + sent)
+                       + stage_sum(features, bounds[s], "saved_fixed"))
+            transient[s] = (LOSS_TRANSIENT * logits if s == last
+                            else BACKWARD_TRANSIENT * strategy.micro_batch * max(getattr(x, saved) for x in layers))
         held = peak = 0.0
         for act in schedule.actions[rank]:
-            if act.kind is Kind.F:  # what the micro-batches in flight saved, and the transients of the one
-                held += acts[act.stage]  # computing (the measured factor's part beyond what is saved)
-                peak = max(peak, held + (factor - 1) * acts[act.stage])
+            if act.kind is Kind.F:
+                held += acts[act.stage]
+                peak = max(peak, held + (logits if act.stage == last else 0.0))  # the loss's forward
             elif act.kind is Kind.B:
-                peak = max(peak, held + (factor - 1) * acts[act.stage])
+                peak = max(peak, held + transient[act.stage])
                 held -= acts[act.stage]
         if strategy.bf16:  # autocast's bfloat16 copies of the stages' weights: made once a step, for every micro-batch
             peak += sum(max(stage_sum(features, bounds[s], "bf16_saved_fixed")
                             - stage_sum(features, bounds[s], "saved_fixed"), 0.0) for s in stages)
-        if last in stages:  # the loss's input and its gradient beside the saved log-probabilities: about 1.5
-            # outputs of the last layer on the example transformer (logits of a 2k-8k vocabulary)
-            peak += LOSS_TRANSIENT * strategy.micro_batch * features.layers[-1].out_per_sample
         # the backward computes each parameter's gradient beside the one it accumulates into
         peak += max(layer.largest_param_bytes for s in stages for layer in features.layers[bounds[s][0]:bounds[s][1]])
         static = params * (2 + features.optimizer_state_ratio) + features.buffer_bytes

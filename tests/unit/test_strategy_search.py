@@ -266,29 +266,31 @@ def test_pipeline_memory_holds_a_stage_share_and_the_schedule_micro_batches_in_f
     one = Strategy("pipeline", micro_batch=1, accumulation=8, stages=2, schedule="1f1b")
     alone = predict(f, one, 2)
     assert alone.static == pytest.approx(50 * MB * (2 + 2))  # half the layers: parameters, gradients, Adam's state
-    # 1F1B's first rank has at most 2 micro-batches (5 MB saved and 1 MB sent each) in flight; GPipe all 16
-    assert alone.forward_backward == pytest.approx(2 * 6 * MB)
+    # 1F1B's first rank has at most 2 micro-batches in flight (5 MB saved, 1 MB sent and kept, 1 MB of its gradient
+    # received each), and a layer's backward holds 0.4 of what the layer saved (1 MB) beside them; GPipe all 16
+    assert alone.forward_backward == pytest.approx(2 * 7 * MB + 0.4 * MB)
     gpipe = predict(f, Strategy("pipeline", micro_batch=1, accumulation=8, stages=2, schedule="gpipe"), 2)
-    assert gpipe.forward_backward == pytest.approx(16 * 6 * MB)
+    assert gpipe.forward_backward == pytest.approx(16 * 7 * MB + 0.4 * MB)
     assert predict(f, one, 4).optimizer_step == pytest.approx(50 * MB)  # two pipelines: the flat gradients
     assert predict(f, one, 2).peak < predict(f, Strategy("ddp", micro_batch=1, accumulation=8), 2).peak
     assert ModelFeatures.from_dict(f.to_dict()) == f
 
 
-def test_a_stage_is_charged_the_measured_factor_less_the_loss_share_that_only_the_last_stage_holds() -> None:
+def test_the_last_stage_holds_the_loss_backward_beside_its_micro_batch_and_no_rank_a_measured_factor() -> None:
     from dataclasses import replace
 
-    from convoy.strategy.memory import LOSS_TRANSIENT, stage_factor
+    from convoy.strategy.memory import BACKWARD_TRANSIENT, LOSS_TRANSIENT
 
-    f = replace(with_layers(features(per_sample_mb=10)), activation_factor=1.6)  # a micro-step held 16 MB a sample
-    assert stage_factor(f, False) == pytest.approx(1.6 - LOSS_TRANSIENT * 1 / 10)  # 1.5 MB of it the loss's
-    one = Strategy("pipeline", micro_batch=1, accumulation=8, stages=2, schedule="1f1b")
+    f = with_layers(features(per_sample_mb=10))
+    one = Strategy("pipeline", micro_batch=2, accumulation=4, stages=2, schedule="1f1b")
     first, last = _rank_estimates(f, one, 2)
-    # 2 micro-batches of 6 MB in flight on the first, plus the computing one's transients; the last holds one
-    # micro-batch and the loss
-    assert first.forward_backward == pytest.approx((2 + 0.45) * 6 * MB)
-    assert last.forward_backward == pytest.approx(1.45 * 5 * MB + LOSS_TRANSIENT * MB)
-    assert stage_factor(replace(f, activation_factor=1.05), False) == 1.0  # never below what the layers save
+    assert first.forward_backward == pytest.approx(2 * 2 * 7 * MB + BACKWARD_TRANSIENT * 2 * MB)
+    # one micro-batch in flight (what its layers saved: it sends nothing), and the loss's backward: 2 samples' logits
+    # (the last layer's output, 1 MB a sample) twice
+    assert last.forward_backward == pytest.approx(2 * 5 * MB + LOSS_TRANSIENT * 2 * MB)
+    assert LOSS_TRANSIENT == 2.0
+    # a whole micro-step's factor is the loss's: a stage's activations are the traced ones
+    assert _rank_estimates(replace(f, activation_factor=1.6), one, 2) == [first, last]
 
 
 def test_pipelines_are_candidates_where_the_layers_allow_and_interleaving_where_it_pays() -> None:
