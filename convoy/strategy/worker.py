@@ -115,21 +115,29 @@ def _way(strategy: Strategy) -> Way:
     return strategy.kind, strategy.allreduce, strategy.schedule if strategy.kind == "pipeline" else ""
 
 
+def _bf16_samples(strategy: Strategy) -> int:
+    """Samples of a whole-model micro-step whose matrix shapes a bfloat16 candidate's layers use (a sequence cut's
+    layers see ``1/sequence`` of each sample's positions)."""
+    return max(1, strategy.micro_batch // (strategy.sequence if strategy.kind == "sequence" else 1))
+
+
 def prime(workload: Workload, strategies: list[Strategy], comm: Any, primed: set[Way]) -> None:
     """One run, not recorded, for each way of communicating among ``strategies`` not in ``primed`` yet: the
     process's one-time allocations (autograd's threads, gloo's pairs and buffers, the hierarchical allreduce's
     staging buffers, local SGD's groups, lazily loaded kernels) would otherwise count as the memory of the
-    first candidate measured with each. Where one of them runs under bfloat16, first one bfloat16 micro-step of a
-    sample, unwrapped: autocast's first use makes caches every later bfloat16 run shares (7-14 MB on case d's
-    transformer, whichever candidate came first)."""
-    if any(s.bf16 for s in strategies) and ("bf16", "", "") not in primed:
-        primed.add(("bf16", "", ""))
-        model = workload.model()
-        inputs, targets = workload.batch(1, 100 + dist.get_rank())
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = workload.loss(call(model, inputs), targets)
-        loss.backward()
-        del model, loss
+    first candidate measured with each. Before them, one bfloat16 micro-step of the unwrapped model for each
+    micro-batch size a bfloat16 candidate uses: autocast's kernels keep what they made for each new shape for the
+    process's life (about 7 MB for each size on case d's transformer), which would count as the memory of whichever
+    candidate first ran that size."""
+    for samples in sorted({_bf16_samples(s) for s in strategies if s.bf16}):
+        if ("bf16", str(samples), "") not in primed:
+            primed.add(("bf16", str(samples), ""))
+            model = workload.model()
+            inputs, targets = workload.batch(samples, 100 + dist.get_rank())
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = workload.loss(call(model, inputs), targets)
+            loss.backward()
+            del model, loss
     for strategy in strategies:
         if _way(strategy) not in primed:
             primed.add(_way(strategy))
