@@ -1,13 +1,16 @@
 """convoy.accelerate applying each strategy kind on 2 real gloo ranks (tests/fixtures/strategy_accelerate.py:
 DDP, ZeRO's sharded optimizer, FSDP2 shards, checkpointing, micro-batches, pipelines with each schedule, also two
-of them on 4 ranks; sequences cut over 2 ranks, and on 4 ranks over two pairs and all four; each equal to one process; local SGD equal to averaged replicas), and convoy plan end to end:
-the table, the strategy file a job then runs with, convoy run --strategy auto planning first, a limit nothing
+of them on 4 ranks; sequences cut over 2 ranks, and on 4 ranks over two pairs and all four; each equal to one
+process; local SGD equal to averaged replicas; a rank of a sequence cut killed mid-step), and convoy plan end to
+end: the table, the strategy file a job then runs with, convoy run --strategy auto planning first, a limit nothing
 fits (a file from another model is refused in tests/unit/test_strategy_search.py)."""
 
 from __future__ import annotations
 
 import json
 import re
+import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,6 +44,21 @@ def test_two_pipelines_or_sequence_groups_of_two_ranks_and_one_of_four_train_lik
         assert f"rank {rank}: pipeline p2/interleaved mb4x2 t1 ok" in output, output
         assert f"rank {rank}: sequence s4 mb4x2 t1 ok" in output, output
         assert f"rank {rank}: ok (10 checks)" in output, output
+    assert procs.wait_no_leftovers() == []
+
+
+def test_a_rank_killed_inside_a_sequence_cut_fails_its_peer_at_once_not_at_the_timeout(procs: ProcessScope) -> None:
+    from convoy.ports import free_port
+
+    port = str(free_port())
+    ranks = [procs.start([], command=[sys.executable, str(FIXTURES / "strategy_accelerate.py")], env={
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1", "CHECK": "kill"}) for rank in (0, 1)]
+    killed, peer = ranks[1].wait(120), ranks[0].wait(60)
+    assert killed.returncode == -signal.SIGKILL and "rank 1: first step ok" in killed.stdout, killed.explain()
+    assert peer.returncode == 3, peer.explain()  # its step raised: no hang, no step taken as done
+    failed = re.search(r"rank 0: second step failed after ([\d.]+) s", peer.stdout)
+    assert failed and float(failed.group(1)) < 30, peer.explain()
     assert procs.wait_no_leftovers() == []
 
 
