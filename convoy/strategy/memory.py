@@ -207,27 +207,29 @@ def _rank_estimates(features: ModelFeatures, strategy: Strategy, world_size: int
         params = sum(stage_sum(features, bounds[s], "param_bytes") for s in stages)
         # a micro-batch in flight holds what its layers saved, and (but on the last stage, which keeps the loss) the
         # stage's output, kept for its backward, and the buffer its gradient is received into
-        acts, transient = {}, {}
+        acts, backward = {}, {}
         for s in stages:
             layers = features.layers[bounds[s][0]:bounds[s][1]]
             sent = 2 * layers[-1].out_per_sample if s < last else 0.0
-            acts[s] = (strategy.micro_batch * (stage_sum(features, bounds[s], saved) + sent)
-                       + stage_sum(features, bounds[s], "saved_fixed"))
-            transient[s] = (LOSS_TRANSIENT * logits if s == last
-                            else BACKWARD_TRANSIENT * strategy.micro_batch * max(getattr(x, saved) for x in layers))
+            kept = [strategy.micro_batch * getattr(x, saved) + x.saved_fixed for x in layers]
+            acts[s] = sum(kept) + strategy.micro_batch * sent
+            # its backward runs the layers last to first: while layer i's runs, what the later layers saved is freed,
+            # and layer i holds its transients (the loss's, on the last layer of all) and its largest parameter's
+            # new gradient beside the one it accumulates into (an embedding table's, the first layer's, comes last)
+            backward[s] = max((LOSS_TRANSIENT * logits if s == last and i == len(layers) - 1
+                               else BACKWARD_TRANSIENT * strategy.micro_batch * getattr(layers[i], saved))
+                              + layers[i].largest_param_bytes - sum(kept[i + 1:]) for i in range(len(layers)))
         held = peak = 0.0
         for act in schedule.actions[rank]:
             if act.kind is Kind.F:
                 held += acts[act.stage]
                 peak = max(peak, held + (logits if act.stage == last else 0.0))  # the loss's forward
             elif act.kind is Kind.B:
-                peak = max(peak, held + transient[act.stage])
+                peak = max(peak, held + backward[act.stage])
                 held -= acts[act.stage]
         if strategy.bf16:  # autocast's bfloat16 copies of the stages' weights: made once a step, for every micro-batch
             peak += sum(max(stage_sum(features, bounds[s], "bf16_saved_fixed")
                             - stage_sum(features, bounds[s], "saved_fixed"), 0.0) for s in stages)
-        # the backward computes each parameter's gradient beside the one it accumulates into
-        peak += max(layer.largest_param_bytes for s in stages for layer in features.layers[bounds[s][0]:bounds[s][1]])
         static = params * (2 + features.optimizer_state_ratio) + features.buffer_bytes
         step = params * features.optimizer_step_ratio
         if world_size > strategy.stages:  # the stages' gradients flattened for the allreduce over the pipelines

@@ -293,6 +293,25 @@ def test_the_last_stage_holds_the_loss_backward_beside_its_micro_batch_and_no_ra
     assert _rank_estimates(replace(f, activation_factor=1.6), one, 2) == [first, last]
 
 
+def test_an_embedding_tables_gradient_comes_last_in_its_stages_backward_when_the_blocks_saved_bytes_are_freed(
+        ) -> None:
+    from dataclasses import replace
+
+    from convoy.strategy.memory import BACKWARD_TRANSIENT, Layer
+
+    f = with_layers(features(per_sample_mb=10))
+    table = Layer(param_bytes=int(8 * MB), weight=1.0, saved_per_sample=0.0, bf16_saved_per_sample=0.0,
+                  out_per_sample=1 * MB, largest_param_bytes=int(8 * MB))
+    block = replace(f.layers[0], largest_param_bytes=int(1 * MB))
+    f = replace(f, layers=(table, block, block, block))  # stages: the table and a block, then two blocks
+    first, _ = _rank_estimates(f, Strategy("pipeline", micro_batch=2, accumulation=4, stages=2, schedule="1f1b"), 2)
+    in_flight = 2 * 2 * (1 + 2 * 1) * MB  # 2 micro-batches of 2 samples: a block's 1 MB saved, 2 MB sent
+    # the block's backward (0.4 of its 2 MB, and its 1 MB gradient) or, once the block's 2 MB are freed, the table's
+    # 8 MB gradient: never both
+    backward = max(BACKWARD_TRANSIENT * 2 * MB + 1 * MB, 8 * MB - 2 * MB)
+    assert first.forward_backward == pytest.approx(in_flight + backward)
+
+
 def test_pipelines_are_candidates_where_the_layers_allow_and_interleaving_where_it_pays() -> None:
     f = with_layers(features(), count=6)
     rows = generate(f, Hardware(1, 4, 10e9, 2))

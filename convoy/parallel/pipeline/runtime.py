@@ -4,7 +4,8 @@ Each rank builds one ``PipelineRuntime`` with the stages it holds and calls ``st
 batch (on the rank of stage 0) and the targets (on the rank of the last stage). The batch is
 cut into the schedule's micro-batches; each compute action runs one stage on one
 micro-batch; runs of consecutive sends and receives go out as one ``batch_isend_irecv``.
-Receives are waited for before the next compute, sends at the end of the step. Gradients
+Receives are waited for before the next compute; a stage's output sent forward is released once its
+gradient has come back, other sends at the end of the step. Gradients
 accumulate in the stages' ``.grad`` over the micro-batches, scaled so that they equal one
 backward of ``loss_fn`` over the whole batch (``loss_fn`` must average over its batch).
 
@@ -169,9 +170,11 @@ class _Step:
         """(stage, mb) -> that stage's input activation, received or handed over locally."""
         self.losses: list[float] = [0.0] * rt.schedule.n_microbatches
         self.pending: list[dist.Work] = []
-        self.sends: list[tuple[dist.Work, torch.Tensor]] = []
-        """Sends in flight and their tensors, which must live until the send completes."""
+        self.sends: list[tuple[dist.Work, torch.Tensor, tuple[int, int] | None]] = []
+        """Sends in flight, their tensors (which must live until the send completes) and, for a stage's output sent
+        forward, its (stage, micro-batch)."""
         self.batch: list[dist.P2POp] = []
+        self.batch_keys: list[tuple[int, int] | None] = []
 
     def run(self) -> list[float] | None:
         rt = self.rt
@@ -189,7 +192,7 @@ class _Step:
             else:
                 self.comm(act)
         self.flush(wait=True)
-        for work, _ in self.sends:
+        for work, _, _ in self.sends:
             work.wait()
         self.sends = []
         if rt.filler is not None:
@@ -199,17 +202,27 @@ class _Step:
     def flush(self, wait: bool) -> None:
         if self.batch:
             works = dist.batch_isend_irecv(self.batch)
-            for op, work in zip(self.batch, works, strict=True):
+            for op, work, key in zip(self.batch, works, self.batch_keys, strict=True):
                 if op.op is dist.irecv:
                     self.pending.append(work)
                 else:
-                    self.sends.append((work, op.tensor))
-            self.batch = []
+                    self.sends.append((work, op.tensor, key))
+            self.batch, self.batch_keys = [], []
         if wait:
             for work in self.pending:
                 work.wait()
             self.pending = []
-            self.sends = [(work, tensor) for work, tensor in self.sends if not work.is_completed()]
+            self.sends = [sent for sent in self.sends if not sent[0].is_completed()]
+
+    def release_output(self, s: int, mb: int) -> None:
+        """Free the send of stage ``s``'s output for micro-batch ``mb``: its gradient came back, so the next stage,
+        whose backward needed that output, has received it (gloo's sends report completion only once waited for,
+        so each would otherwise hold its tensor to the end of the step: every micro-batch's output at once)."""
+        for index, (work, _, key) in enumerate(self.sends):
+            if key == (s, mb):
+                work.wait()  # done already: returns at once
+                del self.sends[index]
+                return
 
     def comm(self, act: Action) -> None:
         rt, s, mb = self.rt, act.stage, act.mb
@@ -229,6 +242,7 @@ class _Step:
             tensor, peer, op = torch.empty(shape, dtype=dtype), place[s + 1], dist.irecv
             self.grads[s, mb] = tensor
         self.batch.append(dist.P2POp(op, tensor, rt._global(peer), rt.group, tag))
+        self.batch_keys.append((s, mb) if act.kind is Kind.SEND_F else None)
 
     def compute(self, act: Action) -> None:
         rt, s, mb = self.rt, act.stage, act.mb
@@ -273,7 +287,8 @@ class _Step:
         if hand_back:
             self._hand_back(s, mb)
         self.outputs.pop((s, mb))
-        self.grads.pop((s, mb), None)
+        if self.grads.pop((s, mb), None) is not None and self.rt.schedule.placement[s + 1] != self.rt.rank:
+            self.release_output(s, mb)  # its gradient was received from the next stage's rank
         if not (s > 0 and self.rt.schedule.placement[s - 1] != self.rt.rank):
             self.inputs.pop((s, mb), None)  # else SEND_B takes it
 
