@@ -31,26 +31,35 @@ DECISIVE = 0.15
 """From the second round on, a fastest this much ahead of the next (a share of its step time) wins without the
 rounds left: a gap wider than most of what separates one measurement from the next on a shared 2-core machine."""
 
+FSDP_ALLREDUCES = 4.0
+"""FSDP's collectives in one micro-step, in allreduces of the parameters, where they were not timed (gloo on 4
+ranks, 54 MB: all-gather 1.0-1.3 allreduces, reduce-scatter 1.4-1.8); fresh buffers' page faults come on top, so
+the search times them (``CommCosts.fsdp_pass_s``)."""
+
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class CommCosts:
     """Measured allreduce time lines (fixed + per byte) over all ranks, by algorithm (``gloo`` = DDP's;
-    ``node``: over one node's ranks only, where nodes hold several)."""
+    ``node``: over one node's ranks only, where nodes hold several), and FSDP's collectives in one micro-step on
+    this model's units, timed (``fsdp_pass_s``; None where not measured)."""
 
     lines: Mapping[str, Link] = field(default_factory=dict)
+    fsdp_pass_s: float | None = None
 
     def allreduce(self, algorithm: str, nbytes: float, messages: int = 1) -> float:
         line = self.lines.get(algorithm) or self.lines["gloo"]
         return messages * line.latency_s + nbytes * line.s_per_byte
 
     def to_dict(self) -> dict:
-        return {name: [link.latency_s, link.s_per_byte] for name, link in self.lines.items()}
+        return {"lines": {name: [link.latency_s, link.s_per_byte] for name, link in self.lines.items()},
+                "fsdp_pass_s": self.fsdp_pass_s}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Sequence[float]]) -> CommCosts:
-        return cls({name: Link(float(a), float(b)) for name, (a, b) in data.items()})
+    def from_dict(cls, data: Mapping) -> CommCosts:
+        lines = {name: Link(float(a), float(b)) for name, (a, b) in data["lines"].items()}
+        return cls(lines, None if data.get("fsdp_pass_s") is None else float(data["fsdp_pass_s"]))
 
 
 def rank_speed(threads: int, cores_per_rank: float) -> float:
@@ -129,9 +138,12 @@ def predict_time(features: ModelFeatures, strategy: Strategy, hardware: Hardware
         buckets = max(1, math.ceil(params / (strategy.bucket_mb * 2 ** 20)))
         within = comm.allreduce("node", params, buckets) if hardware.nproc_per_node > 1 else 0.0
         traffic = within + comm.allreduce("gloo", params) / strategy.sync_every
-    elif strategy.kind == "fsdp":  # gather forward, gather backward, reduce-scatter: 1.5 allreduces, per micro-step
+    elif strategy.kind == "fsdp":  # each micro-step gathers the parameters twice and reduce-scatters the gradients
         units = len(features.block_param_bytes) + 1
-        traffic = strategy.accumulation * 1.5 * comm.allreduce("gloo", params, 3 * units)
+        per_micro = comm.fsdp_pass_s
+        if per_micro is None:  # gloo's all-gather costs about an allreduce, its reduce-scatter about two
+            per_micro = FSDP_ALLREDUCES * comm.allreduce("gloo", params, 3 * units)
+        traffic = strategy.accumulation * per_micro
     else:
         buckets = max(1, math.ceil(params / (strategy.bucket_mb * 2 ** 20)))
         traffic = comm.allreduce(strategy.allreduce, params, buckets)

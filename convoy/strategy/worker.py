@@ -1,8 +1,8 @@
 """One rank of the strategy search's dry runs: ``python -m convoy.strategy.worker SPEC.json`` (torchrun env).
 
 Rank 0 profiles the model (trace + real micro-steps) while the others wait; every rank then
-measures the allreduce lines, calibrates FSDP's memory in two real FSDP micro-steps (where FSDP is a
-candidate), generates and ranks the same candidates, and runs each measured
+measures the allreduce lines and times FSDP's collectives on the model's units, calibrates FSDP's memory in two
+real FSDP micro-steps (where FSDP is a candidate), generates and ranks the same candidates, and runs each measured
 candidate for real (warm-up, then timed steps; the step time is the slowest rank's, local SGD's over
 windows that hold one averaging; the memory the highest rank's peak above its baseline), after one
 unrecorded run per way of communicating. Rank 0 writes the results JSON the planner prints.
@@ -58,9 +58,51 @@ def _allreduce_line(group: Any = None) -> Link:
     return Link.fit_line(points[0], points[1])
 
 
-def measure_comm(topology: Topology, comm: Any, per_node: int) -> CommCosts:
+def fsdp_pass(features: ModelFeatures, timed: int = 2) -> float:
+    """Seconds FSDP's collectives take in one micro-step on this model's units (``fully_shard`` per block and the
+    root), on the slowest rank, the mean of ``timed`` passes after one untimed: in the forward the root's and then
+    each block's parameters gathered into a fresh buffer and copied out (a block's freed after its forward, the
+    root's kept to the end), in the backward each block's gathered again, then every unit's gradient reduce-scattered
+    from a fresh copy. Timed, not modelled: on CPU the fresh buffers' page faults cost more than the bytes moved
+    (0.57 s a micro-step on benchmark case b's 54 MB over 4 ranks, 8x an allreduce of them)."""
+    world = dist.get_world_size()
+    blocks = [int(b) for b in features.block_param_bytes]
+    units = [max(4, int(features.param_bytes) - sum(blocks))] + blocks
+    shards = [torch.ones(-(-size // 4 // world)) for size in units]
+
+    def gather(unit: int) -> torch.Tensor:
+        whole = torch.empty(shards[unit].numel() * world)
+        dist.all_gather_into_tensor(whole, shards[unit])
+        return whole.clone()  # FSDP copies each parameter out of the gathered buffer
+
+    def one_pass() -> None:
+        root = gather(0)
+        for unit in range(1, len(units)):
+            gather(unit)  # the block's forward uses it, then it is freed
+        for unit in reversed(range(len(units))):
+            parameters = gather(unit) if unit else root
+            gradient = torch.ones_like(parameters)
+            dist.reduce_scatter_tensor(torch.empty_like(shards[unit]), gradient.clone())
+            del parameters, gradient
+        del root
+
+    one_pass()
+    times = []
+    for _ in range(timed):
+        dist.barrier()
+        start = time.perf_counter()
+        one_pass()
+        times.append(time.perf_counter() - start)
+    slowest = torch.tensor([statistics.mean(times)], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(slowest)
+
+
+def measure_comm(topology: Topology, comm: Any, per_node: int, features: ModelFeatures) -> CommCosts:
     """DDP's flat allreduce and, where nodes hold several ranks, one within a node, each timed at two
-    sizes; convoy's hierarchical ones from its own cost model."""
+    sizes; convoy's hierarchical ones from its own cost model; FSDP's collectives on ``features``' units
+    (``fsdp_pass``) where FSDP is a candidate."""
+    fsdp = fsdp_pass(features) if features.has_blocks and dist.get_world_size() > 1 else None
     lines = {"gloo": _allreduce_line()}
     world = dist.get_world_size()
     if per_node > 1 and world > per_node:
@@ -71,7 +113,7 @@ def measure_comm(topology: Topology, comm: Any, per_node: int) -> CommCosts:
             small = model.predict(topology, algorithm, 1 << 20)
             large = model.predict(topology, algorithm, 16 << 20)
             lines[algorithm] = Link.fit_line((float(1 << 20), small), (float(16 << 20), large))
-    return CommCosts(lines)
+    return CommCosts(lines, fsdp)
 
 
 def run_candidate(workload: Workload, strategy: Strategy, steps: int, comm: Any,
@@ -252,7 +294,11 @@ def main(spec_path: str) -> int:
         from convoy.parallel.allreduce.collectives import HierarchicalAllreduce
 
         comm = HierarchicalAllreduce(topology, host_memory=False, tune=False)
-    costs = CommCosts.from_dict(_shared(measure_comm(topology, comm, hardware.nproc_per_node).to_dict()))
+    costs = CommCosts.from_dict(_shared(measure_comm(topology, comm, hardware.nproc_per_node, features).to_dict()))
+    if costs.fsdp_pass_s is not None:
+        units = len(features.block_param_bytes) + 1
+        notes = notes + [f"FSDP's gathers and reduce-scatters timed on the model's {units} units: "
+                         f"{costs.fsdp_pass_s:.3f} s a micro-step"]
     phase("links")
     primed: set[Way] = set()
     rows = cands.generate(features, hardware, lambda s: predict_time(features, s, hardware, costs))

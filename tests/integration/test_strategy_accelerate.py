@@ -69,6 +69,8 @@ def test_plan_writes_the_strategy_and_the_script_runs_with_it(procs: ProcessScop
     assert result.returncode == 0, result.explain()
     assert re.search(r"^candidate +pred MB +pred s +search s +meas MB", result.stdout, re.MULTILINE), result.stdout
     assert "PICK" in result.stdout and "dropped: " in result.stdout, result.stdout
+    assert re.search(r"FSDP's gathers and reduce-scatters timed on the model's \d+ units: [\d.]+ s a micro-step",
+                     result.stdout), result.stdout
     planned = json.loads(out.read_text())
     assert planned["world_size"] == 2 and "Transformer of" in planned["model_summary"], planned
     job = procs.start(["run", "--nproc-per-node", 2, "--run-dir", tmp_path / "run", EXAMPLE, *TINY,

@@ -136,6 +136,21 @@ def test_cost_model_prefers_the_hierarchical_allreduce_on_a_slow_link() -> None:
     assert predict_time(f, Strategy(micro_batch=8, checkpointing=True), hardware, slow_flat) > times["gloo"]
 
 
+def test_fsdp_pays_its_timed_collectives_once_a_micro_step_or_four_allreduces_where_untimed() -> None:
+    f = features()
+    hardware = Hardware(1, 4, 10e9, 2)
+    line = CommCosts({"gloo": Link(1e-3, 1e-9)})
+    timed = CommCosts(line.lines, fsdp_pass_s=0.5)
+    plain, split = Strategy("fsdp", micro_batch=8), Strategy("fsdp", micro_batch=4, accumulation=2)
+    assert predict_time(f, split, hardware, timed) - predict_time(f, plain, hardware, timed) == pytest.approx(
+        0.5 + predict_time(f, split, hardware, CommCosts(line.lines, 0.0))
+        - predict_time(f, plain, hardware, CommCosts(line.lines, 0.0)))
+    units = len(f.block_param_bytes) + 1
+    untimed = predict_time(f, plain, hardware, line) - predict_time(f, plain, hardware, CommCosts(line.lines, 0.0))
+    assert untimed == pytest.approx(4 * (3 * units * 1e-3 + f.param_bytes * 1e-9))
+    assert CommCosts.from_dict(timed.to_dict()) == timed and CommCosts.from_dict(line.to_dict()) == line
+
+
 def test_successive_halving_picks_the_fastest_of_the_top_few() -> None:
     table = {"a": 1.0, "b": 0.7, "c": 0.9, "d": 0.5, "e": 0.1}  # the cost model ranked them a, b, c, d, e
     calls: list[tuple[str, int]] = []
