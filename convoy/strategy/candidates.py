@@ -141,7 +141,7 @@ def generate(features: ModelFeatures, hardware: Hardware,
             for micro in micro_batches(features.batch):
                 strategy = Strategy(kind, allreduce, checkpointing, bf16, micro, features.batch // micro,
                                     threads=threads, sync_every=LOCAL_SGD_EVERY if kind == "local" else 1, **shape)
-                memory = predict(features, strategy, world)
+                memory = predict(features, strategy, world, hardware.nproc_per_node)
                 if memory.peak > limit:
                     rows.append(Candidate(strategy, memory, over_the_limit(memory.peak, limit)))
                 elif checkpointing and micro <= largest_plain:

@@ -3,7 +3,9 @@
 The bytes a rank holds above its process baseline (torch and the process group loaded) while it
 trains: parameters, buffers, gradients, optimizer state (each whole or a 1/N share), the unsharded
 units FSDP gathers, and the activations of one micro-batch, scaled by the factor one real micro-step
-measured. The peak is the static part plus the larger of the forward/backward and the optimizer step.
+measured. The peak is the static part plus the larger of the forward/backward and the optimizer step (with
+the gradient allreduce's transient: gloo reduces a copy of the whole gradient, convoy's hierarchical reduce-scatter
+a node's share of it, its leader allreduce works in place).
 FSDP's peak falls in the backward, where gathered units, their unsharded gradients and reduce-scatter
 buffers meet activations already partly freed; two real FSDP micro-steps (``calibrate_fsdp``) measure
 its fixed part and the activations' share, which the traced layout alone over-counts. A pipeline's ranks are
@@ -254,8 +256,10 @@ def sequence_activations(features: ModelFeatures, strategy: Strategy) -> float:
     return factor * (acts.per_sample * strategy.micro_batch / ranks + acts.fixed) + kept
 
 
-def predict(features: ModelFeatures, strategy: Strategy, world_size: int) -> MemoryEstimate:
-    """The peak bytes one rank holds above its baseline while training with ``strategy``."""
+def predict(features: ModelFeatures, strategy: Strategy, world_size: int, per_node: int | None = None
+            ) -> MemoryEstimate:
+    """The peak bytes one rank holds above its baseline while training with ``strategy`` on ``world_size`` ranks,
+    ``per_node`` of them a node (all: None)."""
     if strategy.kind == "pipeline":
         return _pipeline(features, strategy, world_size)
     params, share = float(features.param_bytes), 1.0
@@ -281,11 +285,11 @@ def predict(features: ModelFeatures, strategy: Strategy, world_size: int) -> Mem
     # copy of the parameters comes after the optimizer step, so it is no more than the gradient buckets' copy below)
     state_share = 1.0 / world_size if strategy.kind == "zero" else 1.0
     static = 2 * params + features.buffer_bytes + params * state_share * features.optimizer_state_ratio
-    step = params * state_share * features.optimizer_step_ratio
-    if strategy.kind == "zero":
-        step += params * share / world_size  # the broadcast of each rank's updated shard
-    if world_size > 1:  # gloo reduces a copy of the gradient buckets, late in the backward
-        step = max(step, params)
+    step = params * state_share * features.optimizer_step_ratio  # ZeRO broadcasts each updated shard in place
+    if world_size > 1 and strategy.allreduce == "gloo":  # gloo reduces a copy of the gradient buckets, late in the
+        step = max(step, params)  # backward
+    elif strategy.allreduce == "reduce_scatter":  # a bucket's shards of all its chunks at once (measured on 2x2
+        step = max(step, params / (per_node or world_size))  # ranks: 10.4 MB of a 21 MB model); leader: in place
     return MemoryEstimate(static, activations, step)
 
 

@@ -49,6 +49,16 @@ def test_memory_model_shares_what_each_kind_shards() -> None:
     assert predict(acts, Strategy(micro_batch=8, checkpointing=True), 1).peak == pytest.approx(whole / 5, rel=1e-3)
 
 
+def test_only_gloo_copies_the_whole_gradient_the_hierarchical_allreduces_hold_less() -> None:
+    f = features(per_sample_mb=0)  # the step's transient decides the peak
+    step = {(kind, allreduce): predict(f, Strategy(kind, allreduce, micro_batch=8), 4, per_node=2).optimizer_step
+            for kind in ("ddp", "zero") for allreduce in ("gloo", "leader", "reduce_scatter")}
+    assert step["ddp", "gloo"] == step["zero", "gloo"] == pytest.approx(100 * MB)  # gloo's copy of the buckets
+    assert step["ddp", "reduce_scatter"] == step["zero", "reduce_scatter"] == pytest.approx(50 * MB)  # shards of 2
+    assert step["ddp", "leader"] == pytest.approx(25 * MB)  # in place: Adam's step on the whole model
+    assert step["zero", "leader"] == pytest.approx(25 * MB / 4)  # ... on the rank's quarter
+
+
 def test_each_way_of_running_a_micro_step_has_its_own_measured_activation_factor() -> None:
     from dataclasses import replace
 
