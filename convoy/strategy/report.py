@@ -18,11 +18,10 @@ def parse_bytes(text: str, flag: str = "--memory") -> float:
     return float(found.group(1)) * UNITS[found.group(2).lower()]
 
 
-def _runs(result: dict[str, Any]) -> dict[str, list]:
-    from_search = {}
-    for entry in result.get("measured", []):
-        from_search[_key(entry["strategy"])] = entry["runs"]
-    return from_search
+def _searched(result: dict[str, Any]) -> dict[str, dict]:
+    """The search's measured candidates by key: ``seconds`` (the median of all its steps) and its ``runs``
+    (``steps``, ``seconds``, ``peak`` each)."""
+    return {_key(entry["strategy"]): entry for entry in result.get("measured", [])}
 
 
 def _key(strategy: dict) -> str:
@@ -31,7 +30,7 @@ def _key(strategy: dict) -> str:
 
 def table(result: dict[str, Any], show_dropped: bool = True) -> str:
     """candidate | predicted memory | predicted s | measured s (search) | measured memory | why dropped."""
-    runs = _runs(result)
+    searched_all = _searched(result)
     grid = {_key(g["strategy"]): g for g in result.get("exhaustive", [])}
     winner = _key(result["winner"]) if "winner" in result else None
     head = (f"{'candidate':<39}{'pred MB':>9}{'pred s':>8}{'search s':>10}{'meas MB':>9}{'mem err':>9}"
@@ -41,24 +40,29 @@ def table(result: dict[str, Any], show_dropped: bool = True) -> str:
         key = _key(row["strategy"])
         if row["dropped"] and not show_dropped:
             continue
-        searched = runs.get(key)
-        measured_s = f"{searched[-1][-1]:.3f}" if searched else "-"  # the median of all its steps in the search
-        peak = searched[-1][2] if searched else (grid[key]["peak"] if key in grid else None)
+        searched = searched_all.get(key)
+        measured_s = f"{searched['seconds']:.3f}" if searched else "-"
+        peak = searched["runs"][-1]["peak"] if searched else (grid[key]["peak"] if key in grid else None)
         peak_text = f"{peak / 1e6:.0f}" if peak is not None else "-"
         error = f"{(row['memory'] - peak) / peak:+.1%}" if peak else "-"
         grid_s = f"{grid[key]['seconds']:.3f}" if key in grid else "-"
-        note = "PICK" if key == winner else (f"dropped: {row['dropped']}" if row["dropped"] else
-                                             (f"halving: {len(searched)} round(s)" if searched else "not measured"))
+        rounds = f"halving: {len(searched['runs'])} round(s)" if searched else "not measured"
+        note = "PICK" if key == winner else (f"dropped: {row['dropped']}" if row["dropped"] else rounds)
         lines.append(f"{row['name']:<39}{row['memory'] / 1e6:>9.0f}{row['predicted_s']:>8.3f}{measured_s:>10}"
                      f"{peak_text:>9}{error:>9}{grid_s:>8}  {note}")
     return "\n".join(lines)
 
 
-def memory_errors(result: dict[str, Any]) -> list[float]:
-    """(predicted - measured) / measured for every candidate that ran (search and grid)."""
-    predicted = {_key(r["strategy"]): r["memory"] for r in result["rows"]}
-    errors = [(predicted[_key(e["strategy"])] - run[2]) / run[2] for e in result.get("measured", [])
-              for run in e["runs"]]
-    errors += [(predicted[_key(g["strategy"])] - peak) / peak for g in result.get("exhaustive", [])
-               for peak in g.get("peaks", [g["peak"]])]
+def memory_errors(result: dict[str, Any]) -> list[tuple[str, float]]:
+    """(where, (predicted - measured) / measured) for every run of a candidate (search and grid), ``where`` naming
+    the candidate and whether the search or the grid ran it."""
+    rows = {_key(r["strategy"]): r for r in result["rows"]}
+
+    def error(strategy: dict, peak: float) -> float:
+        return (rows[_key(strategy)]["memory"] - peak) / peak
+
+    errors = [(f"search {rows[_key(e['strategy'])]['name']}", error(e["strategy"], run["peak"]))
+              for e in result.get("measured", []) for run in e["runs"]]
+    errors += [(f"grid {rows[_key(g['strategy'])]['name']}", error(g["strategy"], peak))
+               for g in result.get("exhaustive", []) for peak in g.get("peaks", [g["peak"]])]
     return errors

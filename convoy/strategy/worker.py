@@ -318,27 +318,25 @@ def main(spec_path: str) -> int:
         result["error"] = "none fits"
     else:
         ranked = sorted(feasible, key=lambda s: predicted[s])
-        measured: dict[Strategy, list] = {}
-
-        so_far: dict[Strategy, list[float]] = {}
+        runs: dict[Strategy, list[dict]] = {}
 
         def measure(strategy: Strategy, steps: int) -> list[float]:
             times, peak = run_candidate(workload, strategy, steps, comm)
-            so_far[strategy] = so_far.get(strategy, []) + times  # the halving's figure: all its steps' median
-            measured.setdefault(strategy, []).append([steps, statistics.median(times), peak,
-                                                      statistics.median(so_far[strategy])])
+            runs.setdefault(strategy, []).append({"steps": steps, "seconds": statistics.median(times), "peak": peak})
             return times
 
         prime(workload, ranked[:spec["keep"]], comm, primed)  # among those to be measured
         phase("first runs")
-        winner, _ = successive_halving(ranked, measure, keep=spec["keep"], first_steps=spec["first_steps"])
+        winner, rounds = successive_halving(ranked, measure, keep=spec["keep"], first_steps=spec["first_steps"])
         phase("halving")
+        figure = {m.candidate: m.seconds for results in rounds for m in results}  # the last round's: all steps
         result["search_s"] = time.perf_counter() - started
         result["phases"] = phases
         notes.append(f"search {result['search_s']:.1f} s: " + ", ".join(f"{name} {seconds:.1f} s"
                                                                     for name, seconds in phases.items()))
         result["winner"] = winner.to_dict()
-        result["measured"] = [{"strategy": s.to_dict(), "runs": runs} for s, runs in measured.items()]
+        result["measured"] = [{"strategy": s.to_dict(), "seconds": figure[s], "runs": found}
+                              for s, found in runs.items()]
         if spec["exhaustive_steps"]:
             if not contends and any(c.strategy.kind == "fsdp" for c in rows):  # the grid runs FSDP: calibrated
                 start = time.perf_counter()
