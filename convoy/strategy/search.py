@@ -32,9 +32,9 @@ DECISIVE = 0.15
 rounds left: a gap wider than most of what separates one measurement from the next on a shared 2-core machine."""
 
 FSDP_ALLREDUCES = 4.0
-"""FSDP's collectives in one micro-step, in allreduces of the parameters, where they were not timed (gloo on 4
-ranks, 54 MB: all-gather 1.0-1.3 allreduces, reduce-scatter 1.4-1.8); fresh buffers' page faults come on top, so
-the search times them (``CommCosts.fsdp_pass_s``)."""
+"""FSDP's collectives in one micro-step (two all-gathers, one reduce-scatter), in allreduces of the parameters, where
+they were not timed (gloo on 4 ranks, 54 and 82 MB: an all-gather 0.8-1.3 allreduces, a reduce-scatter 1.4-1.9);
+fresh buffers' page faults come on top, so the search times them (``CommCosts.fsdp_pass_s``)."""
 
 T = TypeVar("T")
 
