@@ -5,7 +5,9 @@ measures the allreduce lines and times FSDP's collectives on the model's units, 
 real FSDP micro-steps (where FSDP is a candidate), generates and ranks the same candidates, and runs each measured
 candidate for real (warm-up, then timed steps; the step time is the slowest rank's, local SGD's over
 windows that hold one averaging; the memory the highest rank's peak above its baseline), after one
-unrecorded run per way of communicating. Rank 0 writes the results JSON the planner prints.
+unrecorded run per way of communicating. Rank 0 writes the results JSON the planner prints. Every rank ends with
+``exit_without_teardown``: through Python's teardown a rank could abort after its work was done (a gloo thread
+freeing a backward's collective needs the GIL of a finalizing interpreter), and the planner would call it failed.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch.distributed as dist
 
 from convoy.errors import ConfigError
 from convoy.parallel.topology import Link, Topology
+from convoy.procs import exit_without_teardown
 from convoy.strategy import candidates as cands
 from convoy.strategy.apply import accelerate, node_groups, train_step
 from convoy.strategy.dryrun import CONFIG_ERROR
@@ -355,14 +358,14 @@ def main(spec_path: str) -> int:
         comm.close()
     if rank == 0:
         Path(spec["out"]).write_text(json.dumps(result, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    dist.barrier()  # every rank past its last collective
     return 0
 
 
 if __name__ == "__main__":
     try:
-        sys.exit(main(sys.argv[1]))
+        code = main(sys.argv[1])
     except ConfigError as exc:  # the script or the plan is wrong: one line the planner shows as it is
         print(f"{CONFIG_ERROR}{exc}", flush=True)
-        sys.exit(2)
+        code = 2
+    exit_without_teardown(code)
