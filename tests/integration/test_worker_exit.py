@@ -46,8 +46,8 @@ def test_a_collective_finishing_during_the_exit_aborts_the_interpreters_teardown
         procs: ProcessScope) -> None:
     """Rank 0's gloo thread finishes an allreduce begun in a backward while rank 0 is exiting, and needs the GIL to
     free it (tests/fixtures/gloo_exit_race.py). Through Python's teardown the process aborts after its work is
-    done, as the strategy search's dry-run ranks and the 4-rank strategy test sometimes did; through
-    ``convoy.exit_without_teardown`` it exits 0."""
+    done, as the 4-rank strategy test's rank 0 did in CI (the strategy search's dry-run ranks ended that way too);
+    through ``convoy.exit_without_teardown`` it exits 0."""
     from convoy.ports import free_port
 
     for ending, code in (("interpreter", -signal.SIGABRT), ("convoy", 0)):
