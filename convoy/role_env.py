@@ -17,8 +17,10 @@ from convoy.errors import ConfigError
 
 ADDRESSES_ENV = "CONVOY_ROLE_ADDRESSES"
 ADDRESSES_FILE_ENV = "CONVOY_ROLE_ADDRESSES_FILE"
-"""A JSON file ``{"version": n, "addresses": {role: [host:port, ...]}}``, replaced whole by the agent whenever
-the master's version of the addresses grows (``""`` for a process that is down)."""
+"""A JSON file ``{"version": n, "addresses": {role: [host:port, ...]}, "incarnations": {role: [n, ...]}}``, replaced
+whole by the agent whenever the master's version of the addresses grows (``""`` for a process that is down)."""
+INCARNATION_ENV = "CONVOY_ROLE_INCARNATION"
+"""Which launch of its rank this process is (the master's count, never reused within the role)."""
 DEFAULT_ROLE = "default"
 
 
@@ -38,16 +40,28 @@ class RoleInfo:
     """Where the agent keeps the current addresses (empty: outside convoy, the addresses never change)."""
     addresses_version: int = 0
     """The master's version of ``addresses`` (0: as the process's environment gave them)."""
+    incarnation: int = 0
+    """Which launch of its rank this process is (``CONVOY_ROLE_INCARNATION``; 0 outside a job of roles)."""
+    incarnations: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Each role's current incarnation by rank, as of ``addresses_version`` (empty until the agent's file has
+    them): a role service refuses a caller whose incarnation is no longer its rank's."""
 
     def refresh(self) -> RoleInfo:
         """This role with the current addresses, read again from ``addresses_file`` (itself when the file is
         absent or not newer)."""
         if not self.addresses_file:
             return self
-        version, addresses = read_addresses(Path(self.addresses_file))
-        if version <= self.addresses_version:
+        published = read_published(Path(self.addresses_file))
+        if published.version <= self.addresses_version:
             return self
-        return replace(self, addresses=addresses, addresses_version=version)
+        return replace(self, addresses=published.addresses, addresses_version=published.version,
+                       incarnations=published.incarnations)
+
+    def current_incarnation(self, role: str, rank: int) -> int | None:
+        """The incarnation ``role`` rank ``rank`` runs as now, as far as this process has heard (None: not known,
+        e.g. outside convoy or before the agent's first file)."""
+        listed = self.incarnations.get(role, ())
+        return listed[rank] if 0 <= rank < len(listed) else None
 
     def peers(self, role: str) -> tuple[str, ...]:
         """The addresses of ``role``'s processes; a ConfigError naming the roles there are if it has none."""
@@ -82,7 +96,13 @@ def role(env: Mapping[str, str] | None = None) -> RoleInfo:
         raise ConfigError(f"{ADDRESSES_ENV}={raw!r} is not a JSON object of role -> [host:port, ...]") from exc
     if not 0 <= rank < world_size:
         raise ConfigError(f"ROLE_RANK {rank} is outside ROLE_WORLD_SIZE {world_size}")
-    info = RoleInfo(env.get("ROLE_NAME", DEFAULT_ROLE), rank, world_size, addresses, env.get(ADDRESSES_FILE_ENV, ""))
+    try:
+        incarnation = int(env.get(INCARNATION_ENV, "0"))
+    except ValueError as exc:
+        raise ConfigError(f"{INCARNATION_ENV}={env[INCARNATION_ENV]!r} is not a whole number; it is set by the "
+                          "convoy agent") from exc
+    info = RoleInfo(env.get("ROLE_NAME", DEFAULT_ROLE), rank, world_size, addresses, env.get(ADDRESSES_FILE_ENV, ""),
+                    incarnation=incarnation)
     return info.refresh()
 
 
@@ -91,27 +111,46 @@ def addresses_file(run_dir: Path, node_id: str) -> Path:
     return Path(run_dir) / "roles" / f"addresses-{re.sub(r'[^A-Za-z0-9_.-]', '_', node_id)}.json"
 
 
-def write_addresses(path: Path, version: int, addresses: Mapping[str, Sequence[str]]) -> None:
+@dataclass(frozen=True)
+class Published:
+    """What the agent's file holds: the master's version, each role's addresses and incarnations by rank."""
+
+    version: int
+    addresses: dict[str, tuple[str, ...]]
+    incarnations: dict[str, tuple[int, ...]]
+
+
+def write_addresses(path: Path, version: int, addresses: Mapping[str, Sequence[str]],
+                    incarnations: Mapping[str, Sequence[int]] | None = None) -> None:
     """Replace the file at once (a reader sees the old whole file or the new one, never part of one)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    partial.write_text(json.dumps({"version": version, "addresses": {r: list(a) for r, a in addresses.items()}}))
+    partial.write_text(json.dumps({"version": version, "addresses": {r: list(a) for r, a in addresses.items()},
+                                   "incarnations": {r: list(i) for r, i in (incarnations or {}).items()}}))
     os.replace(partial, path)
 
 
 def read_addresses(path: Path) -> tuple[int, dict[str, tuple[str, ...]]]:
     """``(version, addresses)`` from ``write_addresses``'s file; ``(0, {})`` when there is none yet."""
+    published = read_published(path)
+    return published.version, published.addresses
+
+
+def read_published(path: Path) -> Published:
+    """All of ``write_addresses``'s file, read once; version 0 and nothing else when there is none yet."""
     try:
         raw = path.read_text()
     except FileNotFoundError:
-        return 0, {}
+        return Published(0, {}, {})
     except OSError as exc:
         raise ConfigError(f"cannot read the role addresses in {path}: {exc}") from exc
     try:
         data = json.loads(raw)
         version = int(data["version"])
         addresses = {str(name): tuple(str(a) for a in listed) for name, listed in data["addresses"].items()}
+        incarnations = {str(name): tuple(int(i) for i in listed)
+                        for name, listed in data.get("incarnations", {}).items()}
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ConfigError(f"{path} does not hold role addresses ({exc}); it is written by the convoy agent "
                           f"({ADDRESSES_FILE_ENV}); do not edit it") from exc
-    return version, addresses
+    return Published(version, addresses, incarnations)

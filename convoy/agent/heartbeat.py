@@ -73,7 +73,7 @@ class Heartbeat(threading.Thread):
             return
         path = addresses_file(self.config.run_dir, self.config.node_id)
         try:
-            write_addresses(path, reply.addresses_version, reply.addresses)
+            write_addresses(path, reply.addresses_version, reply.addresses, reply.incarnations)
         except OSError as exc:  # the processes keep the addresses they have; the next reply tries again
             log.warning(f"convoy agent {self.config.node_id}: cannot write the role addresses to {path}: {exc}")
             return

@@ -34,7 +34,7 @@ from convoy.control import protocol as p
 from convoy.errors import WorkerStartError
 from convoy.ports import free_port
 from convoy.procs import die_with_parent, signal_name
-from convoy.role_env import ADDRESSES_FILE_ENV, addresses_file, role_env
+from convoy.role_env import ADDRESSES_FILE_ENV, INCARNATION_ENV, addresses_file, role_env
 
 ROLE_PORT_ENV = "CONVOY_ROLE_PORT"
 Key = tuple[str, int, int]
@@ -241,7 +241,7 @@ class RoleProcesses:
         return {
             **role_env(assignment.role, assignment.rank, assignment.world_size, assignment.addresses),
             ROLE_PORT_ENV: str(port),
-            "CONVOY_ROLE_INCARNATION": str(assignment.incarnation),
+            INCARNATION_ENV: str(assignment.incarnation),
             "CONVOY_ROLE_RESTORE": "1" if assignment.restore else "0",
             "CONVOY_JOB_ID": context.job_id,
             "CONVOY_NODE_ID": context.node_id,

@@ -176,10 +176,10 @@ class JobMaster(RoleCalls, TrainCalls):
             )
             self._note_outcome_heard(req.node_id)
             assignments, stops = roles.deliver(req.node_id, time.monotonic()) if roles and not self.ended else ([], [])
-            version, addresses = roles.published() if roles else (0, {})
+            version, addresses, incarnations = roles.published() if roles else (0, {}, {})
             return p.HeartbeatResponse(job_status=self.job.status, round_id=self.job.round_id, message=self.job.outcome,
                                        assignments=assignments, stops=stops, addresses=addresses,
-                                       addresses_version=version,
+                                       addresses_version=version, incarnations=incarnations,
                                        train_config=self.train.config_state()
                                        if self.config_version > req.config_version else None)
 

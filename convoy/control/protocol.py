@@ -129,6 +129,9 @@ class HeartbeatResponse(Message):
     addresses: dict[str, list[str]] = Field(default_factory=dict, description="a job of roles: each role's "
                                             "current host:port by rank (\"\" for a process that is down)")
     addresses_version: int = Field(default=0, description="grows whenever ``addresses`` changes (0: no roles)")
+    incarnations: dict[str, list[int]] = Field(default_factory=dict, description="a job of roles: each role's "
+                                               "current incarnation by rank, beside ``addresses`` (a role service "
+                                               "refuses a caller of an incarnation that has ended)")
     train_config: Optional[ConfigState] = Field(default=None, description="the training config's versions, when "
                                                 "newer than the node's ``config_version``")
 
@@ -151,6 +154,9 @@ class RoleReport(Message):
     oom_killed: bool = Field(default=False, description="its memory limit killed it (LimitOutcome.oom_killed)")
     memory_peak_bytes: int = Field(default=0, ge=0, description="the highest memory its limit measured")
     overshoot_bytes: int = Field(default=0, ge=0, description="how far past its limit it was seen")
+    infrastructure: str = Field(default="", max_length=300, description="not empty: the process died of a fault "
+                                "of the node's infrastructure, named here (its fork server died, its node was "
+                                "lost), not of its own; it costs its role no restart")
 
     def describe(self) -> str:
         if self.start_failed:
@@ -223,6 +229,9 @@ class WorkerExit(Message):
     log_tail: list[Text] = Field(default_factory=list, max_length=200)
     port_in_use: bool = Field(default=False, description="the worker could not bind MASTER_PORT (EADDRINUSE): "
                               "the round is retried with a new port, not counted as a restart")
+    infrastructure: str = Field(default="", max_length=300, description="not empty: the worker died of a fault of "
+                                "the node's infrastructure, named here (its fork server died); the job regroups "
+                                "within the node's --max-regroups budget instead of spending a restart")
 
     def describe(self) -> str:
         if self.start_failed:

@@ -89,7 +89,7 @@ class RoleMaster:
         """Lost node -> the round it was lost in: nothing is placed on it until a later round has it again."""
         self.exit_hooks: list[Callable[[str, int, int, str], list[Event]]] = []
         """Told of every process exit, (role, rank, incarnation, how): the shard queues take back its shard."""
-        self._published: tuple[int, dict[str, list[str]]] = (0, {})
+        self._published: tuple[int, dict[str, list[str]], dict[str, list[int]]] = (0, {}, {})
 
     def advance(self) -> list[Event]:
         """Start the roles once the first round has closed, place what waits, and end the job when all is done."""
@@ -196,12 +196,13 @@ class RoleMaster:
         """Whether this process is its rank's current one and has not finished (its calls still count)."""
         member = self.roles.roles[role].members.get(rank) if role in self.roles.roles else None
         return member is not None and member.incarnation == incarnation and member.state != FINISHED
-    def published(self) -> tuple[int, dict[str, list[str]]]:
-        """``(version, addresses)``: every role's current addresses by rank (``""`` while a process is down), the
-        version grown by one whenever they change (heartbeat replies carry them to the agents)."""
-        current = self.roles.addresses()
-        if current != self._published[1]:
-            self._published = (self._published[0] + 1, current)
+    def published(self) -> tuple[int, dict[str, list[str]], dict[str, list[int]]]:
+        """``(version, addresses, incarnations)``: every role's current addresses by rank (``""`` while a process
+        is down) and the incarnation each rank runs as, the version grown by one whenever either changes
+        (heartbeat replies carry them to the agents)."""
+        current = (self.roles.addresses(), self.roles.incarnations())
+        if current != self._published[1:]:
+            self._published = (self._published[0] + 1, *current)
         return self._published
 
     def has_news(self, node_id: str) -> bool:
@@ -250,8 +251,8 @@ class RoleMaster:
         self.homes = {(role, rank): (node, port) for role, rank, node, port in saved["homes"]}
         self.stopping = {(role, rank, inc) for role, rank, inc in saved["stopping"]}
         self.lost = dict(saved["lost"])
-        version, addresses = saved["published"]
-        self._published = (version, addresses)  # agents hold this version: a later change must go above it
+        version, addresses, incarnations = saved["published"]
+        self._published = (version, addresses, incarnations)  # agents hold this version: a change goes above it
         for node, box in saved["outboxes"].items():
             outbox = self.outboxes.setdefault(node, Outbox())
             for assignment in map(p.RoleAssignment.model_validate, box["assignments"]):

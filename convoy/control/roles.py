@@ -201,6 +201,11 @@ class Roles:
         return {name: [state.members[r].address for r in sorted(state.members)]
                 for name, state in self.roles.items()}
 
+    def incarnations(self) -> dict[str, list[int]]:
+        """Each role's current incarnation by rank, in the order of ``addresses``."""
+        return {name: [state.members[r].incarnation for r in sorted(state.members)]
+                for name, state in self.roles.items()}
+
     def world_size(self, role: str) -> int:
         return len(self.roles[self._known(role)].members)
 

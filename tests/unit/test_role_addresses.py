@@ -13,23 +13,25 @@ from test_role_master import exited, ps_job, running_job, started
 
 from convoy.agent.role_procs import _can_listen
 from convoy.errors import ConfigError
-from convoy.role_env import ADDRESSES_FILE_ENV, addresses_file, read_addresses, role, role_env, write_addresses
+from convoy.role_env import ADDRESSES_FILE_ENV, INCARNATION_ENV, addresses_file, read_addresses, role, role_env, write_addresses
 
 
 def test_the_published_version_grows_only_when_an_address_changes() -> None:
     master = ps_job()
     placed = running_job(master)
-    version, addresses = master.published()
+    version, addresses, incarnations = master.published()
+    assert incarnations == {"ps": [0], "worker": [0, 1]}
     assert addresses == {"ps": ["127.0.0.1:5000"], "worker": ["127.0.0.1:6000", "127.0.0.1:6001"]}
     assert master.published()[0] == version, "nothing changed: same version"
     ps_node, ps = placed[("ps", 0)]
     exited(master, ps_node, ps, -9)
-    down_version, down = master.published()
+    down_version, down, down_incarnations = master.published()
     assert down_version == version + 1 and down["ps"] == [""], "a PS that is down has no address"
+    assert down_incarnations["ps"] == [1], "the restarted PS is a new incarnation of rank 0"
     again = master.deliver(ps_node, 10.0)[0]
     assert [(a.role, a.rank, a.restore) for a in again] == [("ps", 0, True)]
     started(master, ps_node, again[0], 5999)
-    assert master.published() == (version + 2, {**addresses, "ps": ["127.0.0.1:5999"]})
+    assert master.published()[:2] == (version + 2, {**addresses, "ps": ["127.0.0.1:5999"]})
 
 
 def test_the_addresses_file_is_replaced_whole_and_read_back(tmp_path: Path) -> None:
@@ -57,6 +59,19 @@ def test_role_and_refresh_read_the_current_addresses_over_the_environment(tmp_pa
     path.write_text(json.dumps({"addresses": {}}))
     with pytest.raises(ConfigError, match=r"addresses.json does not hold role addresses .*do not edit it"):
         fresh.refresh()
+
+
+def test_a_process_knows_its_incarnation_and_reads_every_ranks_current_one(tmp_path: Path) -> None:
+    path = tmp_path / "addresses.json"
+    env = {**role_env("worker", 1, 2, {}), ADDRESSES_FILE_ENV: str(path), INCARNATION_ENV: "3"}
+    info = role(env)
+    assert info.incarnation == 3 and info.current_incarnation("ps", 0) is None, "no file yet: not known"
+    write_addresses(path, 1, {"ps": ["h:1"], "worker": ["h:2", "h:3"]}, {"ps": [4], "worker": [0, 3]})
+    fresh = info.refresh()
+    assert fresh.current_incarnation("ps", 0) == 4 and fresh.current_incarnation("worker", 1) == 3
+    assert fresh.current_incarnation("worker", 2) is None and fresh.current_incarnation("chief", 0) is None
+    with pytest.raises(ConfigError, match="CONVOY_ROLE_INCARNATION='x' is not a whole number"):
+        role({**env, INCARNATION_ENV: "x"})
 
 
 def test_a_port_taken_by_another_listener_is_not_reused() -> None:
