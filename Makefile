@@ -26,7 +26,7 @@ demo: setup
 		--steps 40 --step-time 0.05 --kill-rank 3 --kill-at-step 20
 
 test: setup
-	$(PY) -m pytest -q -rR --durations=40 tests  # the slowest tests are named, to keep CI under 30 minutes; -rR: retried ones
+	$(PY) -m pytest -q --durations=40 tests  # the slowest tests are named, to keep CI under 30 minutes
 
 bench: setup  # each benchmark's full output goes to benchmarks/results/NAME.txt, headed by the command, date and commit
 	set -o pipefail; for name in $(BENCHES); do \

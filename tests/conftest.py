@@ -13,14 +13,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import helpers` fro
 from helpers import ProcessScope  # noqa: E402
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A slow test (real multi-process jobs, timed by a loaded 2-core machine) gets one retry; a retry is printed
-    as R and listed under "rerun test summary info" (``-rR``), so a flaky one stays in view."""
-    for item in items:
-        if item.get_closest_marker("slow") and not item.get_closest_marker("flaky"):
-            item.add_marker(pytest.mark.flaky(reruns=1, reruns_delay=2))
-
-
 @pytest.fixture
 def procs(tmp_path: Path) -> Iterator[ProcessScope]:
     """Starts convoy commands for one test; teardown fails the test if any of its processes
