@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from convoy.data_shards import AGENT_URL_ENV
 from convoy.errors import CheckpointError
 from convoy.runtime import persist
 from convoy.runtime.checkpoint_state import BackgroundCopy, TrainingState, peer_sets
@@ -116,7 +117,8 @@ class Checkpointer:
                          "more room (e.g. docker --shm-size)")
         self._snapshots = RankSnapshots(
             slot_file, rank=self.rank, capture=self.state.capture, stable=self.state.stable_storage,
-            copies=self._copies, fence=self.fence, say=self._say, fallback=fallback, background=async_snapshot)
+            copies=self._copies, fence=self.fence, say=self._say, fallback=fallback, background=async_snapshot,
+            say_events=log is not None or not os.environ.get(AGENT_URL_ENV))  # else the master prints the event
         self._persistent = persist.PersistentRestore(root, self.state, rank=self.rank, world_size=self.world_size,
                                                      peers=peers, group=group, log=self.log)
         self._from_snapshots = SnapshotRestore(

@@ -5,7 +5,8 @@ parameters and optimizer state (which only ``optimizer.step()`` changes) follow 
 copy, after which it is marked complete. The round fence is asked once, before the slot is
 committed: the copy then completes a step the round committed, even if the round ends meanwhile.
 When shared memory cannot hold the slots, snapshots are turned off, said once with what still
-protects progress, and training goes on. The segment's format is ``slots.py``; choosing and
+protects progress (once per rank and round: under an agent by the master, which prints the recorded event),
+and training goes on. The segment's format is ``slots.py``; choosing and
 loading a step at restore is ``peers.py``. CUDA tensors go by DMA on a side stream (``cuda_copy.py``):
 ``optimizer.step()`` then makes the GPU wait for those copies, not the host.
 """
@@ -32,13 +33,15 @@ class RankSnapshots:
 
     ``capture(step)`` gives the state to save, ``stable()`` the storage that only ``optimizer.step()``
     changes (copied in the background when ``background``), ``fallback`` what protects progress once
-    snapshots are off (said with the reason). The caller waits for ``copies`` before each call that
-    writes or drops the segment (``take``, ``check_space``, ``disable``): the background copy writes into it."""
+    snapshots are off (said with the reason; ``say_events`` False: only recorded, where the master prints what is
+    recorded). The caller waits for ``copies`` before each call that writes or drops the segment (``take``,
+    ``check_space``, ``disable``): the background copy writes into it."""
 
     def __init__(self, file: SnapshotFile | None, *, rank: int, capture: Callable[[int], dict[str, Any]],
                  stable: Callable[[], set[int]], copies: BackgroundCopy, fence: Fence, say: Callable[[str], None],
-                 fallback: str, background: bool = True) -> None:
+                 fallback: str, background: bool = True, say_events: bool = True) -> None:
         self.file, self.rank, self.fallback, self.background = file, rank, fallback, background
+        self.say_events = say_events
         self._capture, self._stable, self._copies, self._fence, self._say = capture, stable, copies, fence, say
         self._seq = max((slot[0] for slot in file.slots()), default=0) if file is not None else 0
         self._cuda: CudaCopies | None = None  # made on the first snapshot holding CUDA tensors
@@ -152,7 +155,8 @@ class RankSnapshots:
         self.file.remove()
         self.file = None
         message = f"in-memory snapshots turned off on rank {self.rank}: {why}; {self.fallback}"
-        self._say(message)
+        if self.say_events:
+            self._say(message)
         worker_events.emit("snapshot_disabled", message)
 
     def held(self) -> tuple[list[int], list[int]]:
