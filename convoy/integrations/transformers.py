@@ -7,7 +7,8 @@ streams, the ``TrainerState`` counters and the data position. When convoy starts
 round, ``on_train_begin`` loads the newest snapshot every rank has and makes the running ``train()`` go on
 from the step after it: epochs already done and the batches already trained in the current epoch are
 skipped by the dataloader (``skip_batches``), and the sampler and RNG streams are put back where the
-uninterrupted run had them, so the weights end bit-identical (fixed data order, no random collator).
+uninterrupted run had them, so the weights end bit-identical (fixed data order, no random collator). Only a
+model every rank holds whole (DDP or one process): FSDP, DeepSpeed and DTensor-sharded models are refused.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from accelerate.utils import DistributedType
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from convoy.errors import CheckpointError
@@ -28,6 +32,31 @@ logger = logging.getLogger(__name__)
 PROGRESS_FIELDS = ("global_step", "epoch", "total_flos", "num_input_tokens_seen", "best_metric",
                    "best_global_step", "best_model_checkpoint")
 """The ``TrainerState`` counters a resume restores (log history stays with the round that wrote it)."""
+SHARDING_BACKENDS = {DistributedType.FSDP: "FSDP", DistributedType.DEEPSPEED: "DeepSpeed",
+                     DistributedType.MEGATRON_LM: "Megatron-LM"}
+"""Accelerate's modes that split the model or optimizer state over the ranks."""
+
+
+def sharding(model: torch.nn.Module, optimizer: Any) -> str | None:
+    """What splits the model or optimizer state over the ranks (accelerate's FSDP or DeepSpeed, a module that FSDP
+    wrapped, parameters sharded as DTensors when the model loaded), in words; None when every rank holds it whole."""
+    backend = getattr(getattr(optimizer, "accelerator_state", None), "distributed_type", None)
+    if backend in SHARDING_BACKENDS:
+        return SHARDING_BACKENDS[backend]
+    if any(isinstance(module, (FSDPModule, FullyShardedDataParallel)) for module in model.modules()):
+        return "FSDP"
+    if any(isinstance(param, DTensor) for param in model.parameters()):
+        return "DTensor parameters (a model sharded as it loaded)"
+    return None
+
+
+def check_replicated(model: torch.nn.Module, optimizer: Any) -> None:
+    """Every rank must hold the whole model and optimizer: the snapshots are replicated, a peer's copy stands in."""
+    found = sharding(model, optimizer)
+    if found is not None:
+        raise CheckpointError(f"ConvoyCallback supports DDP or one process, got {found} (each rank holds a different "
+                              "shard, so a restarted rank could load a peer's); train with DDP, or leave out "
+                              "ConvoyCallback and resume from the Trainer's own checkpoints (save_steps)")
 
 
 class TrainerProgress:
@@ -127,6 +156,7 @@ class ConvoyCallback(TrainerCallback):
                            "convoy resume from its newer in-memory snapshots")
             return
         model, optimizer = kwargs["model"], kwargs["optimizer"]
+        check_replicated(model, optimizer)
         scheduler, loader = kwargs.get("lr_scheduler"), kwargs["train_dataloader"]
         if not hasattr(loader, "skip_batches"):
             raise CheckpointError(f"ConvoyCallback needs the Trainer's accelerate dataloader (one with "

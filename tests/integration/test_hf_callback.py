@@ -1,7 +1,7 @@
 """A Hugging Face Trainer with ConvoyCallback under convoy (two ranks, DDP on gloo): a rank SIGKILLed in the
 second epoch or at the first one's end, the job goes on in a new round from the newest snapshot, no optimizer
 step is run twice and the final weights are bit-identical to an uninterrupted run; outside convoy the callback
-changes nothing."""
+changes nothing; a model sharded over the ranks (FSDP2) is refused before its first step."""
 
 from __future__ import annotations
 
@@ -76,3 +76,18 @@ def test_outside_convoy_the_callback_warns_and_training_is_unchanged(procs: Proc
     assert "ConvoyCallback: not under `convoy run`" in result.output, result.explain()
     assert [step for step, _ in _steps(out, 0)] == list(range(1, 21)), "one process, batch 2, 40 samples"
     assert (out / "weights.pt").exists() and not list(out.glob("checkpoints"))
+
+
+def test_a_model_sharded_by_fsdp_is_refused_before_its_first_step(procs: ProcessScope, tmp_path: Path) -> None:
+    """Each rank of an FSDP model holds its own shard, which a snapshot taken as replicated would hand to a peer:
+    the callback names the sharding and what to use instead, and no step runs."""
+    out, run_dir = tmp_path / "fsdp", tmp_path / "fsdp-run"
+    result = procs.run(["run", "--nnodes", 1, "--nproc-per-node", 2, "--max-restarts", 0, "--run-dir", run_dir,
+                        fixture("hf_train.py"), "--out", out, "--fsdp"], env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode != 0, result.explain()
+    said = [line.split("CheckpointError: ")[1] for line in result.stdout.splitlines() if "CheckpointError: " in line]
+    refusals = set(said)
+    assert len(refusals) == 1, result.explain()  # one line, the same from both ranks
+    refusal = refusals.pop()
+    assert "ConvoyCallback" in refusal and "FSDP" in refusal and "DDP" in refusal, refusal
+    assert not list(out.glob("steps.rank*.txt")), "a step ran before the refusal"
