@@ -21,7 +21,7 @@ from convoy.cli_options import (
 )
 from convoy.cli_scale import scale_roles
 from convoy.torchrun_flags import translate as translate_torchrun
-from convoy.procs import Interrupted, raise_interrupted
+from convoy.procs import Interrupted, ignore_interrupts, raise_interrupted
 
 EXIT_USAGE = 2
 """The names in ``convoy.parallel.pipeline.schedule.GENERATORS`` (not imported here, to keep startup light)."""
@@ -184,11 +184,13 @@ def _master(args: argparse.Namespace) -> int:
     previous = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         master.wait_ended()
+        ignore_interrupts()  # the job has ended: the launcher's SIGTERM, sent as it stops, must not break the stop
         code = 0 if master.job.status == "succeeded" else 1
     except Interrupted as exc:
         master.abort(f"master interrupted by {exc}")
         code = exc.exit_code
     finally:
+        ignore_interrupts()
         master.wait_acknowledged(2 * master.config.heartbeat_s + 1.0)  # every agent should hear the outcome
         master.stop()
         for sig, handler in previous.items():

@@ -44,9 +44,18 @@ def raise_interrupted(signum: int, frame: object) -> None:
     Only the first signal counts: both are ignored from then on, so a second one (a terminal's
     Ctrl-C followed by the launcher's SIGTERM) cannot break the orderly stop the first began.
     """
+    ignore_interrupts()
+    raise Interrupted(signum)
+
+
+def ignore_interrupts() -> None:
+    """SIGINT and SIGTERM ignored from here on: what follows is a bounded stop that must run to its end.
+
+    A command calls it once its outcome is decided (and first thing in its cleanup), so that a signal that
+    comes late (the launcher's SIGTERM to a master whose job has just ended) cannot cut the stop short.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise Interrupted(signum)
 
 
 def exit_without_teardown(code: int = 0) -> NoReturn:

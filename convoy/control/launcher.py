@@ -19,7 +19,7 @@ from convoy.control.store import read_status
 from convoy.control.token import TOKEN_FILE, write_token
 from convoy.errors import ConfigError, ConvoyError
 from convoy.ports import free_port
-from convoy.procs import Interrupted, raise_interrupted, signal_name
+from convoy.procs import Interrupted, ignore_interrupts, raise_interrupted, signal_name
 from convoy.shm import remove_segments
 
 if TYPE_CHECKING:
@@ -74,6 +74,7 @@ def run_local_job(config: JobConfig, relaunch: bool = False, console: Callable[[
             scheduler.stop(CHILD_EXIT_GRACE_S)
         job = read_status(run_dir, recent=0)["job"]  # the outcome is the master's: its record may lag (a full disk)
         console(f"convoy: finished in {time.monotonic() - started:.1f} s with {job['restart_count']} restart(s)")
+        ignore_interrupts()  # the job is over: a late signal must not cut the cleanup below short
         return master_code
     except Interrupted as exc:
         if client is not None:
@@ -81,6 +82,7 @@ def run_local_job(config: JobConfig, relaunch: bool = False, console: Callable[[
         scheduler.stop(config.workers.stop_grace_s + CHILD_EXIT_GRACE_S)
         return exc.exit_code
     finally:
+        ignore_interrupts()
         scheduler.stop(CHILD_EXIT_GRACE_S)
         for node_id in scheduler.agents:
             reap(config.master.job_id, node_id)
