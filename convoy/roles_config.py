@@ -25,7 +25,7 @@ FAILURE_POLICIES = {
 """What the master does when a process of the role fails."""
 DEFAULT_FAILURE_POLICY = {"worker": RESTART_ONE, "ps": RESTORE_ONE, "chief": RESTART_JOB}
 """The policy of each well-known role; any other role restarts the job, as a job without roles does."""
-ROLE_KEYS = ("entrypoint", "args", "module", "count", "memory", "cpus", "failure_policy")
+ROLE_KEYS = ("entrypoint", "args", "module", "count", "memory", "cpus", "gpus", "failure_policy")
 """The keys a ``[roles.NAME]`` table may hold."""
 ROLE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,31}")
 MEMORY_UNITS = {"": None, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
@@ -33,6 +33,9 @@ MEMORY_UNITS = {"": None, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**1
 """Decimal (``MB``) and binary (``MiB``) units, any case, the ``B`` optional; a bare number has no unit (refused)."""
 MEMORY = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B?|B)?\s*", re.IGNORECASE)
 ROLE_FLAGS = {"ps": "ps", "workers": "worker"}
+FIXED_COUNT = {"ps": "the parameter servers' layout (which PS holds which tensors) is fixed when the workers set it "
+                     "up"}
+"""Roles whose count cannot change while the job runs, with why: one count, no MIN:MAX, no ``convoy scale``."""
 """The command-line shorthands for a role's count (``--ps 2``, ``--workers auto``) and the role each names."""
 
 
@@ -84,6 +87,9 @@ class RoleSpec:
     least 1); a role that declares none gets 1 thread, as torchrun gives each of several workers a node."""
     failure_policy: str = ""
     """One of FAILURE_POLICIES; empty: the role's default (DEFAULT_FAILURE_POLICY, else restart the job)."""
+    gpus: int = 0
+    """GPUs each process takes from its node: the agent hands out whole devices, visible to the process as
+    ``CUDA_VISIBLE_DEVICES`` (so it sees them as ``cuda:0`` ...); 0: none."""
 
     def __post_init__(self) -> None:
         if not self.failure_policy:
@@ -106,6 +112,10 @@ class RoleSpec:
                 raise ConfigError(f"memory {self.memory_bytes} bytes: need a positive size, e.g. '12GiB'")
             if self.cpus is not None and not (math.isfinite(self.cpus) and self.cpus > 0):
                 raise ConfigError(f"cpus {self.cpus}: need a positive number, e.g. 2 or 0.5")
+            if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 0:
+                raise ConfigError(f"gpus {self.gpus!r}: need a whole number of devices, 0 or more")
+            if self.name in FIXED_COUNT and (self.count.auto or self.count.minimum != self.count.maximum):
+                raise ConfigError(f"count {self.count}: give one count; {FIXED_COUNT[self.name]}")
             if self.failure_policy not in FAILURE_POLICIES:
                 raise ConfigError(f"failure_policy {self.failure_policy!r}: use one of {', '.join(FAILURE_POLICIES)}")
         except ConfigError as exc:
@@ -172,7 +182,7 @@ def role_from_table(name: str, table: dict[str, object], locate: Callable[[str],
         name=name, entrypoint=read("entrypoint", _string, ""), args=tuple(read("args", _strings, [])),
         module=read("module", _boolean, False), count=read("count", parse_count, RoleCount()),
         memory_bytes=memory_bytes, memory_auto=memory_auto, cpus=read("cpus", _cpus, None),
-        failure_policy=read("failure_policy", _policy, ""),
+        gpus=read("gpus", _gpus, 0), failure_policy=read("failure_policy", _policy, ""),
     )
     spec.validate()
     return spec
@@ -242,6 +252,12 @@ def _cpus(value: object) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
         raise ConfigError(f"cpus {value!r}: need a positive number, e.g. 2 or 0.5")
     return float(value)
+
+
+def _gpus(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"gpus {value!r}: need a whole number of devices, 0 or more, e.g. 1")
+    return value
 
 
 def _policy(value: object) -> str:

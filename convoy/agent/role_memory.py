@@ -21,6 +21,7 @@ from pathlib import Path
 
 from convoy import log
 from convoy.agent.client import MasterClient
+from convoy.agent.gpus import node_gpus
 from convoy.agent.memory import MemoryPeak, TreeMemory, TreeSampler
 from convoy.agent.memory_limits import MemoryLimit, MemoryLimiter
 from convoy.agent.reap import CGROUP_ROOT, own_cgroup
@@ -228,13 +229,13 @@ class RoleMemory:
 
 
 def join_memory() -> dict[str, int]:
-    """What a join tells the master of this node's memory and CPUs (the sizing of ``auto`` roles places by it)."""
+    """What a join tells the master of this node's memory, CPUs and GPUs (role processes are placed by them)."""
     available, limit = node_memory()
     try:
         cpus = len(os.sched_getaffinity(0))
     except OSError:
         cpus = os.cpu_count() or 1
-    return {"memory_available_bytes": available, "memory_limit_bytes": limit, "cpus": cpus}
+    return {"memory_available_bytes": available, "memory_limit_bytes": limit, "cpus": cpus, "gpus": len(node_gpus())}
 
 
 def _measured(shape: dict[str, int], baseline: TreeMemory, peak: MemoryPeak, message: str) -> p.MeasuredIterationReport:

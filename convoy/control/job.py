@@ -111,6 +111,9 @@ class Job:
         member = self.membership.member(report.node_id)
         where = f"node {member.node_rank}" if member else f"node {report.node_id}"
         what = f"rank {report.rank} ({where}, local rank {report.local_rank}) {report.describe()}"
+        if report.infrastructure:  # one event names the fault; the rank's exit is recorded beside it
+            return [Event("worker_failed", f"{what} in round {self.round_id}", report.node_id, self.round_id)] + \
+                self._infrastructure_regroup(report.node_id, report.infrastructure, now)
         events = [Event("worker_failed", f"{what} in round {self.round_id}", report.node_id, self.round_id, True)]
         if report.start_failed:
             return events + self._end(FAILED, f"{what}; a worker that cannot start is not retried", report)
@@ -146,6 +149,26 @@ class Job:
             return events
         self.rendezvous.leave(node_id, now)
         return [Event("node_left", f"node {node_id} {why}", node_id, self.round_id)]
+
+    def infrastructure_fault(self, node_id: str, cause: str, now: float) -> list[Event]:
+        """A fault of a node's infrastructure in a job of roles (its fork server died): its processes start
+        again without a new round; it counts in the node's regroup budget, and a node over it is excluded."""
+        if self.status != RUNNING:
+            return []
+        if self._over_budget(node_id, now, 1):
+            return self.node_lost(node_id, f"had one infrastructure fault too many ({cause})", now)
+        self._recent_regroups(node_id, now).append(now)
+        return []
+
+    def _infrastructure_regroup(self, node_id: str, cause: str, now: float) -> list[Event]:
+        """A worker ended by a fault of its node's infrastructure (its fork server died): the same nodes regroup
+        in a new round, within the node's regroup budget, spending no restart; a node over it is lost."""
+        assert self.membership is not None
+        if self._over_budget(node_id, now, 1):
+            return self.node_lost(node_id, f"had one infrastructure fault too many ({cause})", now)
+        count = len(self.membership.members)
+        return self._regroup(f"infrastructure fault: {cause}; the same {count} node(s) regroup, no restart spent",
+                             now, self.membership.node_ids(), node_id)
 
     def succeed(self, outcome: str) -> list[Event]:
         """End a running job as succeeded on another part's word (a job of roles: every role finished)."""

@@ -145,6 +145,8 @@ class JobMaster(RoleCalls, TrainCalls):
             if self.role_master is not None:
                 self.role_master.sizing.node_memory(req.node_id, req.memory_available_bytes, req.memory_limit_bytes,
                                                     req.cpus)
+                memory = min(filter(None, (req.memory_available_bytes, req.memory_limit_bytes)), default=0)
+                self.role_master.node_room(req.node_id, memory, req.cpus, req.gpus)
             self._apply(events)
             refusal = self.job.refusal(req.node_id)
             if refusal is not None:
@@ -358,7 +360,7 @@ class JobMaster(RoleCalls, TrainCalls):
                 for node_id in self.nodes.expired(now):
                     events += self.role_master.node_lost(node_id) if self.role_master else []
                     events += self.job.node_lost(node_id, f"sent no heartbeat for {self.nodes.timeout_s:.0f} s", now)
-                events += self.role_master.advance() if self.role_master else []
+                events += self.role_master.advance(now) if self.role_master else []
                 events += self._train_advance(now)
                 events += self._state_write_give_up(now)
                 retry = self.store.failing_since is not None and now - self._last_write_try >= STATE_RETRY_S

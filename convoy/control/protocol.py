@@ -33,6 +33,7 @@ class JoinRequest(Message):
                                         "(MemAvailable, within the agent's cgroup limit); 0: unknown")
     memory_limit_bytes: int = Field(default=0, ge=0, description="the agent's cgroup memory limit (0: none)")
     cpus: int = Field(default=0, ge=0, le=100000, description="CPUs this agent may use (0: unknown)")
+    gpus: int = Field(default=0, ge=0, le=4096, description="GPUs this agent may hand out to role processes")
     node_rank: int = Field(default=-1, ge=-1, le=100000, description="the node rank asked for (torchrun's "
                            "--node-rank): a first round orders its nodes by it; -1: none")
 
@@ -107,6 +108,10 @@ class RoleAssignment(Message):
                                     "tree (a cgroup, else an RSS watchdog); 0: none")
     measure: bool = Field(default=False, description="sample this process from its start: it measures the "
                           "iteration its role is sized from")
+    gpus: list[int] = Field(default_factory=list, max_length=4096, description="the node's devices (indices into "
+                            "what the agent sees) handed to the process: its CUDA_VISIBLE_DEVICES")
+    cpus: float = Field(default=0.0, ge=0, le=100000, description="the CPUs the process may use (its role's "
+                        "cpus), enforced by its agent; 0: no limit")
     threads: int = Field(default=0, ge=0, le=4096, description="OMP_NUM_THREADS of the process (its role's cpus); "
                          "0: one, unless the job's environment sets it")
 
@@ -155,10 +160,13 @@ class RoleReport(Message):
     memory_peak_bytes: int = Field(default=0, ge=0, description="the highest memory its limit measured")
     overshoot_bytes: int = Field(default=0, ge=0, description="how far past its limit it was seen")
     infrastructure: str = Field(default="", max_length=300, description="not empty: the process died of a fault "
-                                "of the node's infrastructure, named here (its fork server died, its node was "
-                                "lost), not of its own; it costs its role no restart")
+                                "of the node's infrastructure, not of its own, named as a sentence (\"the fork "
+                                "server of node n0 died (SIGKILL)\", \"node n0 was lost\"); it costs its role no "
+                                "restart")
 
     def describe(self) -> str:
+        if self.infrastructure:
+            return f"was ended by an infrastructure fault ({self.infrastructure})"
         if self.start_failed:
             return "could not be started"
         if self.oom_killed:
@@ -166,6 +174,13 @@ class RoleReport(Message):
         if self.signal:
             return f"was killed by {self.signal}"
         return f"exited with code {self.exitcode}"
+
+    def last_lines(self) -> str:
+        """The log's last lines, indented under one line naming the log (empty when there are none)."""
+        if not self.log_tail:
+            return ""
+        lines = "\n".join(f"    {line}" for line in self.log_tail[-10:])
+        return f"\n  last lines of {self.log_path or 'its log'}:\n{lines}"
 
 
 class MeasuredIterationReport(Message):
@@ -236,9 +251,8 @@ class WorkerExit(Message):
     def describe(self) -> str:
         if self.start_failed:
             return "could not be started"
-        if self.signal:
-            return f"was killed by {self.signal}"
-        return f"exited with code {self.exitcode}"
+        how = f"was killed by {self.signal}" if self.signal else f"exited with code {self.exitcode}"
+        return f"{how} in an infrastructure fault ({self.infrastructure})" if self.infrastructure else how
 
 
 class WorkerEvent(Message):

@@ -15,7 +15,7 @@ from typing import Any
 
 from convoy.control.job import Event
 from convoy.errors import ConfigError
-from convoy.roles_config import RESTART_JOB, RESTORE_ONE, RoleSpec
+from convoy.roles_config import FIXED_COUNT, RESTART_JOB, RESTORE_ONE, RoleSpec
 
 SERVICE_ROLES = ("ps",)
 """Roles that serve the others: they run until every other role has finished, then they are stopped."""
@@ -154,10 +154,42 @@ class Roles:
                   + f" (restart {state.restarts} of {self.max_restarts} for role {role})")
         return [Start(role, rank, restore, reason, member.incarnation)], [Event("role_failed", reason, console=True)]
 
+    def displaced(self, role: str, rank: int, incarnation: int, why: str) -> list[Decision]:
+        """A process lost to a fault of its node, not of its own (the node lost, its fork server dead): it starts
+        again as a new incarnation, wherever the master can place it, and its role spends no restart. A role
+        whose policy restarts the job restarts it, spending no restart either."""
+        member = self._current(role, rank, incarnation)
+        if member is None or member.state == FINISHED or self.failed_reason:
+            return []
+        state = self.roles[role]
+        if state.spec.failure_policy == RESTART_JOB:
+            return [RestartJob(f"{role} {rank} {why}; role {role} restarts the whole job (no restart spent)")]
+        member.state, member.address, member.incarnation = STARTING, "", state.launch()
+        return [Start(role, rank, state.spec.failure_policy == RESTORE_ONE, f"{role} {rank} {why}",
+                      member.incarnation)]
+
+    def restart(self, names: Sequence[str], reason: str) -> list[Start]:
+        """Every process of ``names`` starts again as a new incarnation of its rank, a finished one too, as
+        torchelastic restarts a whole group (a whole-job restart, or a change of the training config those roles
+        must restart for); no restart is counted here."""
+        starts = []
+        for name in [self._known(name) for name in names]:  # every name known before anything changes
+            state = self.roles[name]
+            for rank, member in sorted(state.members.items()):
+                member.incarnation, member.state, member.address = state.launch(), STARTING, ""
+                starts.append(Start(name, rank, state.spec.failure_policy == RESTORE_ONE, reason, member.incarnation))
+        return starts
+
+    def restarts_spent(self) -> int:
+        """Restarts the job's roles have spent in all (what the job's end reports)."""
+        return sum(state.restarts for state in self.roles.values())
+
     def scale(self, role: str, count: int) -> tuple[list[Decision], list[Event]]:
         """Run ``count`` processes of ``role``: start the lowest free ranks or stop the highest ones."""
         state = self.roles[self._known(role)]
         count_spec = state.spec.count
+        if role in FIXED_COUNT and count != state.target:
+            raise ConfigError(f"role {role} cannot change its count ({state.target}): {FIXED_COUNT[role]}")
         low, high = (1, None) if count_spec.auto else (count_spec.minimum, count_spec.maximum)
         if count < low or (high is not None and count > high):
             allowed = f"{low} or more" if high is None else f"{low}..{high}"

@@ -372,3 +372,36 @@ def test_port_retries_are_bounded_then_count_as_failures() -> None:
         join_all(job, now=2.0)
     events = job.worker_exited(failure("n0", job.round_id, rank=0, port_in_use=True), now=3.0)
     assert kinds(events) == ["worker_failed", "restart"] and job.restart_count == 1
+
+
+def test_a_worker_ended_by_an_infrastructure_fault_regroups_the_same_nodes_spending_no_restart() -> None:
+    job = make_job(max_restarts=0)
+    job.max_regroups = 2
+    join_all(job, now=0.0)
+    cause = "the fork server of node n1 died (SIGKILL)"
+    events = job.worker_exited(failure("n1", 1, rank=3, local_rank=1, exitcode=None, signal="SIGKILL",
+                                       infrastructure=cause), now=5.0)
+    assert kinds(events) == ["worker_failed", "regroup"]
+    assert [e.console for e in events] == [False, True], "one line names the fault"
+    assert events[0].message == ("rank 3 (node 1, local rank 1) was killed by SIGKILL in an infrastructure fault "
+                                 f"({cause}) in round 1")
+    assert events[1].message == f"infrastructure fault: {cause}; the same 2 node(s) regroup, no restart spent (round 2)"
+    assert job.status == RUNNING and job.restart_count == 0 and job.regroup_count == 1
+    assert kinds(job.worker_exited(failure("n1", 1, rank=2, infrastructure=cause), now=5.1)) == ["stale_report"], \
+        "the same fault's other workers belong to the ended round"
+    join_all(job, now=6.0)
+    job.worker_exited(failure("n1", 2, rank=3, infrastructure=cause), now=7.0)
+    join_all(job, now=8.0)
+    events = job.worker_exited(failure("n1", 3, rank=3, infrastructure=cause), now=9.0)
+    assert "node_excluded" in kinds(events), "a third fault in the window is over the node's budget of 2"
+    assert job.refusal("n1") is not None and job.restart_count == 0
+
+
+def test_an_infrastructure_fault_of_a_job_of_roles_counts_in_the_nodes_regroup_budget() -> None:
+    job = make_job()
+    job.max_regroups = 1
+    join_all(job, now=0.0)
+    assert job.infrastructure_fault("n0", "the fork server of node n0 died", 1.0) == []
+    assert job.round_id == 1 and job.regroup_count == 0, "no round: the roles' processes start again in this one"
+    events = job.infrastructure_fault("n0", "the fork server of node n0 died", 2.0)
+    assert "node_excluded" in kinds(events) and job.refusal("n0") is not None

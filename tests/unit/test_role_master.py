@@ -11,7 +11,8 @@ import pytest
 from convoy.control import protocol as p
 from convoy.control.job import FAILED, RUNNING, SUCCEEDED, Job
 from convoy.control.rendezvous import Rendezvous
-from convoy.control.role_master import REDELIVER_S, RoleMaster, load_roles, save_roles
+from convoy.control.role_master import RoleMaster, load_roles, save_roles
+from convoy.control.role_orders import REDELIVER_S
 from convoy.errors import ConfigError
 from convoy.roles_config import RESTART_JOB, RoleSpec, parse_count
 

@@ -94,11 +94,11 @@ def test_a_spec_built_in_python_gets_the_same_checks(spec: RoleSpec, expected: s
 
 
 def test_a_role_table_with_every_key() -> None:
-    table = {"entrypoint": "ps.py", "args": ["--shards", "2"], "module": False, "count": "1:3", "memory": "512MB",
-             "cpus": 2, "failure_policy": "restart-job"}
-    spec = role_from_table("ps", table, at_line)
-    assert spec == RoleSpec("ps", entrypoint="ps.py", args=("--shards", "2"), count=RoleCount(1, 3),
-                            memory_bytes=512 * 10**6, cpus=2.0, failure_policy=RESTART_JOB)
+    table = {"entrypoint": "eval.py", "args": ["--shards", "2"], "module": False, "count": "1:3", "memory": "512MB",
+             "cpus": 2, "gpus": 1, "failure_policy": "restart-job"}
+    spec = role_from_table("evaluator", table, at_line)
+    assert spec == RoleSpec("evaluator", entrypoint="eval.py", args=("--shards", "2"), count=RoleCount(1, 3),
+                            memory_bytes=512 * 10**6, cpus=2.0, gpus=1, failure_policy=RESTART_JOB)
     assert spec.memory == f"{512 * 10**6}B"
 
 
@@ -116,6 +116,8 @@ def test_an_empty_role_table_is_one_process_of_the_jobs_script() -> None:
     ({"count": "4:2"}, "job.toml:<count>: roles.worker.count: count 4:2: MIN 4 > MAX 2"),
     ({"memory": "12 parsecs"}, "job.toml:<memory>: roles.worker.memory: memory '12 parsecs' is not a size"),
     ({"cpus": 0}, "job.toml:<cpus>: roles.worker.cpus: cpus 0: need a positive number"),
+    ({"gpus": -1}, "job.toml:<gpus>: roles.worker.gpus: gpus -1: need a whole number of devices"),
+    ({"gpus": 0.5}, "job.toml:<gpus>: roles.worker.gpus: gpus 0.5: need a whole number of devices"),
     ({"cpus": -1.5}, "job.toml:<cpus>: roles.worker.cpus: cpus -1.5"),
     ({"cpus": "2"}, "job.toml:<cpus>: roles.worker.cpus: cpus '2'"),
     ({"cpus": True}, "job.toml:<cpus>: roles.worker.cpus: cpus True"),
@@ -128,6 +130,14 @@ def test_a_bad_role_table_names_the_key_and_its_place(table: dict[str, object], 
     with pytest.raises(ConfigError) as info:
         role_from_table("worker", table, at_line)
     assert str(info.value).startswith(expected), str(info.value)
+
+
+def test_the_ps_count_is_fixed_since_its_layout_is() -> None:
+    with pytest.raises(ConfigError, match=r"^role 'ps': count 1:3: give one count; the parameter servers' layout .* "
+                                          r"is fixed when the workers set it up$"):
+        role_from_table("ps", {"count": "1:3"}, at_line)
+    with pytest.raises(ConfigError, match=r"^role 'ps': count auto: give one count"):
+        check_roles((RoleSpec("ps", count=parse_count("auto")),), True)
 
 
 def test_a_bad_role_name_is_placed_at_its_table() -> None:
