@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import Launched, ProcessScope, fixture, gone, read_pid, records, wait_for
+from helpers import CONVOY, Launched, ProcessScope, fixture, gone, read_pid, records, wait_for
 
 from convoy.control.store import read_status
 
@@ -63,6 +63,24 @@ def test_the_record_names_the_signal_that_stopped_the_job(procs: ProcessScope, r
     assert result.returncode == 130, result.explain()
     outcome = read_status(run_dir)["job"]["outcome"]
     assert "SIGINT" in outcome and "SIGTERM" not in outcome, outcome
+
+
+def test_a_launcher_started_with_sigint_ignored_still_stops_on_it(procs: ProcessScope, run_dir: Path,
+                                                                  tmp_path: Path) -> None:
+    """A shell without job control (a script's ``convoy run ... &``, a CI runner) starts a command with SIGINT
+    ignored; convoy run handles it all the same, as torchrun does: a SIGINT that reaches a launcher asks it to
+    stop its job in order."""
+    record_dir = tmp_path / "records"
+    record_dir.mkdir()
+    ignoring = ["/bin/sh", "-c", "trap '' INT; exec \"$@\"", "sh", *CONVOY]
+    job = procs.start(["run", "--preload", "", "--stop-grace", "1", "--run-dir", run_dir, WORKER, "--record",
+                       record_dir, "--hold", 60], command=ignoring)
+    wait_for(lambda: (record_dir / "rank0.round1.pid").exists(), 60, "the worker to start")
+    os.kill(job.pid, signal.SIGINT)
+    result = job.wait(timeout=60)
+    assert result.returncode == 130, result.explain()
+    assert "interrupted by SIGINT" in read_status(run_dir)["job"]["outcome"]
+    assert procs.wait_no_leftovers(timeout=5) == []
 
 
 def test_ctrl_c_in_a_terminal_reaches_the_whole_group(procs: ProcessScope, run_dir: Path, tmp_path: Path) -> None:
