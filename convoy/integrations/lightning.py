@@ -7,9 +7,11 @@ when ``trainer.global_step`` advanced, so gradient accumulation is respected) it
 the LightningModule, the optimizers, LR schedulers, precision plugin, the other callbacks' and the datamodule's
 state, RNG streams, the fit loop's progress and the data position. When convoy starts the worker again in a new
 round, ``on_fit_start`` loads the newest snapshot every rank has and hands the loop progress to Lightning's own
-restart logic (``fit_loop.load_state_dict``, what ``ckpt_path=`` resumes do); ``on_train_start`` then moves the
-fresh dataloader past the batches already trained in the current epoch, with the sampler's epoch and the RNG
-streams the uninterrupted run had, so the weights end bit-identical (fixed data order, no random collator).
+restart logic (``fit_loop.load_state_dict``, what ``ckpt_path=`` resumes do), and leaves the RNG streams as the
+seed made them: Lightning calls ``train_dataloader()`` after ``on_fit_start`` (``setup()`` before it), so data drawn
+there is drawn as in the first fit. ``on_train_start`` then moves the fresh dataloader past the batches already
+trained in the current epoch, with the sampler's epoch and the RNG streams the uninterrupted run had at that point
+of the loop, so the weights end bit-identical (no random collator).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -71,21 +74,37 @@ class DataPosition:
     """Where the training data stands: the epoch, the batches of it already trained, and the RNG streams and
     batch-order generators as the epoch's first batch found them (what makes its order reproducible)."""
 
-    def __init__(self) -> None:
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.trainer = trainer
         self.epoch, self.batches, self.last_batch = 0, 0, False
-        self.epoch_start: dict[str, Any] = {"rng": rng_state(), "generators": []}
+        self.epoch_start = self.streams()
         self.saved: dict[str, Any] | None = None
 
-    def begin_epoch(self, epoch: int, trainer: pl.Trainer) -> None:
+    def streams(self) -> dict[str, Any]:
+        """The RNG streams and the batch-order generators as they stand now."""
+        return {"rng": rng_state(), "generators": [generator.get_state() for generator in generators(self.trainer)]}
+
+    def begin_epoch(self, epoch: int, start: dict[str, Any] | None = None) -> None:
         self.epoch, self.batches, self.last_batch = epoch, 0, False
-        self.epoch_start = {"rng": rng_state(), "generators": [g.get_state() for g in generators(trainer)]}
+        self.epoch_start = start if start is not None else self.streams()
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "batches": self.batches, "last_batch": self.last_batch,
-                "epoch_start": self.epoch_start}
+                "epoch_start": self.epoch_start, "generators_now": self.streams()["generators"]}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         self.saved = saved
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a resumed ``fit()`` picks the data up: ``batches`` into ``epoch``, whose iterator is made from the
+    streams of ``epoch_start``; then ``rng_now`` (the streams right after the saved step) when that was mid-epoch."""
+
+    epoch: int
+    batches: int
+    epoch_start: dict[str, Any]
+    rng_now: dict[str, Any] | None
 
 
 def check_strategy(trainer: pl.Trainer) -> None:
@@ -112,7 +131,7 @@ class ConvoyCallback(pl.Callback):
         """The global step this ``fit()`` started from (0: from the beginning)."""
         self._own_group = False
         self._last_step = 0
-        self._skip: dict[str, Any] | None = None
+        self._resume_point: ResumePoint | None = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not os.environ.get("CONVOY_JOB_ID"):
@@ -129,7 +148,7 @@ class ConvoyCallback(pl.Callback):
         shared: dict[str, Any] = {f"optimizer{index + 1}": opt for index, opt in enumerate(others)}
         for index, config in enumerate(trainer.lr_scheduler_configs):
             shared[f"lr_scheduler{index}"] = config.scheduler
-        self.position = DataPosition()
+        self.position = DataPosition(trainer)
         own = {"loops": StateOf(trainer.fit_loop.state_dict, trainer.fit_loop.load_state_dict),
                "data": self.position, "callbacks": self._callback_states(trainer),
                "precision": StateOf(trainer.precision_plugin.state_dict, trainer.precision_plugin.load_state_dict)}
@@ -138,10 +157,12 @@ class ConvoyCallback(pl.Callback):
         self.checkpointer = Checkpointer(
             pl_module, first, state=own, model_state=shared, persist_every=self.persist_every,
             async_snapshot=self.async_snapshot and not others, replicated=dist.get_world_size() > 1)
+        seeded = rng_state()  # the streams a first fit() builds its dataloaders from, after setup() drew its own
         self.resumed_at = self.checkpointer.restore()
         self._last_step = trainer.global_step
         if self.resumed_at:
             self._resume(trainer)
+            set_rng_state(seeded)  # the snapshot's streams come back in on_train_start, once the data is built
 
     def _callback_states(self, trainer: pl.Trainer) -> StateOf:
         """The other callbacks' ``state_dict()`` (ModelCheckpoint's best scores, EarlyStopping's patience...)."""
@@ -163,45 +184,51 @@ class ConvoyCallback(pl.Callback):
             logger.warning(f"ConvoyCallback: convoy's snapshot of step {self.resumed_at} is newer than "
                            f"ckpt_path={trainer.ckpt_path}; resuming from the snapshot")
             pending._loaded_checkpoint = {}
-        if saved["last_batch"]:  # the saved step ended its epoch: the next one starts on the restored streams
-            self.position.epoch, skipped = saved["epoch"] + 1, 0
+        rng_now = rng_state()  # what the Checkpointer restored: the streams right after the saved step
+        if saved["last_batch"]:  # the saved step ended its epoch: the next one starts on the streams it left
+            # (Lightning calls no on_train_epoch_start for it)
+            self.position.begin_epoch(saved["epoch"] + 1, {"rng": rng_now, "generators": saved["generators_now"]})
+            point = ResumePoint(self.position.epoch, 0, self.position.epoch_start, None)
         else:
             self.position.epoch, self.position.batches = saved["epoch"], saved["batches"]
             self.position.epoch_start = saved["epoch_start"]
-            self._skip = {"rng_now": rng_state(), **saved}
+            point = ResumePoint(saved["epoch"], saved["batches"], saved["epoch_start"], rng_now)
             # Lightning warns that a plain dataloader cannot resume mid-epoch: on_train_start moves it on instead
             warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
-            skipped = saved["batches"]
+        self._resume_point = point
         logger.warning(f"ConvoyCallback: resuming at global step {self.resumed_at} (epoch "
-                       f"{self.position.epoch}, {skipped} batches of it already trained)")
+                       f"{point.epoch}, {point.batches} batches of it already trained)")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """In a resumed epoch, draw past the batches already trained, as the uninterrupted run drew them."""
-        skip, self._skip = self._skip, None
-        if skip is None:
+        """In a resumed fit, with its dataloaders built from the seed's streams as the first fit built them, put the
+        snapshot's streams back where the loop took them: make the epoch's iterator from the streams of its start,
+        draw past the batches already trained, and go on with the streams right after the saved step."""
+        point, self._resume_point = self._resume_point, None
+        if point is None:
             return
         fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
         iterator = getattr(fetcher, "iterator", None)
         if iterator is None:
             raise CheckpointError("ConvoyCallback could not find the training data iterator of this Lightning "
-                                  f"version ({pl.__version__}) to skip the {skip['batches']} batches already trained")
+                                  f"version ({pl.__version__}) to resume epoch {point.epoch} at batch {point.batches}")
         for loader in loaders(trainer):
             for sampler in samplers(loader):
                 if hasattr(sampler, "set_epoch"):
-                    sampler.set_epoch(skip["epoch"])
-        set_rng_state(skip["epoch_start"]["rng"])
-        for generator, state in zip(generators(trainer), skip["epoch_start"]["generators"]):
+                    sampler.set_epoch(point.epoch)
+        set_rng_state(point.epoch_start["rng"])
+        for generator, state in zip(generators(trainer), point.epoch_start["generators"]):
             generator.set_state(state)
-        if skip["epoch"] > 0:  # Lightning makes a later epoch's iterator after its start hooks (drawing a seed)
+        if point.epoch > 0:  # Lightning makes a later epoch's iterator after its start hooks (drawing a seed)
             iter(fetcher)
             iterator = fetcher.iterator
-        for _ in range(skip["batches"]):  # the iterator below Lightning's counters, so they stay the restored ones
+        for _ in range(point.batches):  # the iterator below Lightning's counters, so they stay the restored ones
             next(iterator)
-        set_rng_state(skip["rng_now"])
+        if point.rng_now is not None:
+            set_rng_state(point.rng_now)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.checkpointer is not None:
-            self.position.begin_epoch(trainer.current_epoch, trainer)
+            self.position.begin_epoch(trainer.current_epoch)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
