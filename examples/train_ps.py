@@ -52,7 +52,7 @@ from convoy.parallel.ps.client import PSClient, Pulled, Tally  # noqa: E402
 from convoy.parallel.ps.optimizers import OptimizerSpec  # noqa: E402
 from convoy.parallel.ps.placement import DenseSpec, TableSpec, place  # noqa: E402
 from convoy.parallel.ps.service import from_role_env  # noqa: E402
-from convoy.parallel.ps.transport import TransportError  # noqa: E402
+from convoy.parallel.transport import TransportError  # noqa: E402
 
 CONNECT_S = 60.0
 

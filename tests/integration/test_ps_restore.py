@@ -16,7 +16,9 @@ import pytest
 from helpers import REPO, Launched, ProcessScope, agent_of, wait_for
 
 from convoy.control.store import read_status
-from convoy.parallel.ps.transport import Connection, ConnectionLost, Message
+from convoy.control.token import TOKEN_FILE, read_token
+from convoy.parallel.transport import Connection, ConnectionLost, Credentials, Identity, Message
+from convoy.role_env import service_secret
 
 pytestmark = pytest.mark.slow
 EXAMPLE = str(REPO / "examples" / "train_ps.py")
@@ -32,11 +34,16 @@ def serving_ports(run_dir: Path, rank: int) -> list[int]:
     return [int(port) for port in re.findall(rf"parameter server {rank} serving on port (\d+)", text)]
 
 
-def status_when_training(port: int, pushes: int) -> dict | None:
+def owner(run_dir: Path) -> Credentials:
+    """The job's owner may ask its role services: it reads the job's token and derives their secret, as agents do."""
+    return Credentials(bytes.fromhex(service_secret(read_token(run_dir / TOKEN_FILE))), Identity("test", 0, 0))
+
+
+def status_when_training(run_dir: Path, port: int, pushes: int) -> dict | None:
     """The server's status once it has applied ``pushes`` pushes and holds a push its newest snapshot lacks (so
     that a kill now loses one that must be resent); None before, or while it cannot be reached."""
     try:
-        connection = Connection(f"127.0.0.1:{port}", timeout=5)
+        connection = Connection(f"127.0.0.1:{port}", timeout=5, credentials=owner(run_dir))
     except ConnectionLost:
         return None
     try:
@@ -56,7 +63,7 @@ def kill_mid_training(procs: ProcessScope, run_dir: Path, rank: int,
     job = procs.start(["run", "--ps", 2, "--workers", 2, "--preload", "", "--stop-grace", 1, "--run-dir", run_dir,
                        EXAMPLE, *ARGS])
     port = wait_for(lambda: serving_ports(run_dir, rank), 60, f"ps{rank} to serve")[0]
-    status = wait_for(lambda: status_when_training(port, STEPS), 60, f"ps{rank} to apply {STEPS} pushes",
+    status = wait_for(lambda: status_when_training(run_dir, port, STEPS), 60, f"ps{rank} to apply {STEPS} pushes",
                       interval=0.02)
     agent = agent_of(status["pid"])
     if take_port:
@@ -135,7 +142,8 @@ def test_a_ps_whose_node_is_lost_comes_back_on_the_other_node(procs: ProcessScop
     job = procs.start(["run", "--nnodes", "1:2", "--rdzv-wait", 1, "--ps", 2, "--workers", 2, "--preload", "",
                        "--stop-grace", 1, "--run-dir", run_dir, EXAMPLE, *ARGS])
     port = wait_for(lambda: serving_ports(run_dir, 0), 60, "ps0 to serve")[0]
-    status = wait_for(lambda: status_when_training(port, STEPS), 60, f"ps0 to apply {STEPS} pushes", interval=0.02)
+    status = wait_for(lambda: status_when_training(run_dir, port, STEPS), 60, f"ps0 to apply {STEPS} pushes",
+                      interval=0.02)
     agent = agent_of(status["pid"])
     lost = agent.cmdline()[agent.cmdline().index("--node-id") + 1]
     agent.kill()

@@ -22,9 +22,12 @@ from convoy.parallel.ps.resume import ServerLost, Unkept, find_server
 from convoy.parallel.ps.server import ParameterServer, shard_of
 from convoy.parallel.ps.service import ServerProcess, from_role_env
 from convoy.parallel.ps.snapshots import NoShardToRestore, ShardSnapshots
-from convoy.parallel.ps.transport import Message
+from convoy.parallel.transport import Credentials, Identity, Message
+from convoy.role_env import SERVICE_HOST_ENV, SERVICE_SECRET_ENV
 
 ROWS, DIM = 30, 4
+JOB = Credentials.fresh(Identity("worker", 0, 0))
+AS_PS = JOB.as_process(Identity("ps", 0, 0))
 
 
 def placement(servers: int = 1):
@@ -120,10 +123,11 @@ def test_without_a_segment_the_persistent_save_is_used_and_without_either_a_clea
 
 def test_a_ps_of_a_job_restores_only_when_told_and_fails_clearly_without_a_shard(tmp_path: Path) -> None:
     env = {"CONVOY_ROLE_PORT": "0", "CONVOY_JOB_ID": f"test-{tmp_path.name}", "CONVOY_RUN_DIR": str(tmp_path),
-           "ROLE_RANK": "3", "CONVOY_ROLE_RESTORE": "1"}
+           "ROLE_NAME": "ps", "ROLE_RANK": "3", "ROLE_WORLD_SIZE": "4", "CONVOY_ROLE_RESTORE": "1",
+           SERVICE_HOST_ENV: "127.0.0.1", SERVICE_SECRET_ENV: JOB.secret.hex()}
     with pytest.raises(NoShardToRestore, match="ps3"):
         from_role_env(env)
-    with pytest.raises(Exception, match="CONVOY_JOB_ID not set"):
+    with pytest.raises(Exception, match="CONVOY_JOB_ID, CONVOY_ROLE_HOST not set"):
         from_role_env({"CONVOY_ROLE_PORT": "0", "CONVOY_RUN_DIR": str(tmp_path)})
 
 
@@ -144,9 +148,10 @@ def test_a_worker_goes_on_through_a_killed_server_restored_on_a_new_port(tmp_pat
     dense, tables = whole_model()
     layout = placement(2)
     segments = [ShardSnapshots(tmp_path / f"seg{s}", tmp_path / f"ckpt{s}") for s in range(2)]
-    servers = [ServerProcess(snapshots=segments[s]) for s in range(2)]
+    servers = [ServerProcess(snapshots=segments[s], credentials=AS_PS) for s in range(2)]
     published = [server.address for server in servers]
-    client = PSClient(layout, list(published), "w0", staleness=0, follow=lambda: published, follow_s=10)
+    client = PSClient(layout, list(published), "w0", staleness=0, follow=lambda: published, follow_s=10,
+                      credentials=JOB)
     client.setup(OptimizerSpec("sgd", 0.1), dense, tables)
     ids = {"emb": torch.arange(ROWS)}
     steps = 0
@@ -166,8 +171,9 @@ def test_a_worker_goes_on_through_a_killed_server_restored_on_a_new_port(tmp_pat
     servers[1].listener.close()  # the server dies: its connections drop
     published[1] = ""
     with pytest.raises(ServerLost, match=r"parameter server 1 \(last at .*\) went away"):
-        find_server(lambda: published, 1, "w0", servers[1].address, timeout=0.3)
-    again = ServerProcess(snapshots=ShardSnapshots(tmp_path / "seg1", tmp_path / "ckpt1"), restore=True)
+        find_server(lambda: published, 1, "w0", servers[1].address, JOB, timeout=0.3)
+    again = ServerProcess(snapshots=ShardSnapshots(tmp_path / "seg1", tmp_path / "ckpt1"), restore=True,
+                          credentials=AS_PS)
     assert again.restored is not None and again.restored.server.applied == {"w0": 4}
     published[1] = again.address
     train(2)
@@ -221,9 +227,9 @@ def test_a_server_killed_while_it_snapshots_leaves_a_whole_shard_of_one_version(
 
 
 def test_a_stale_address_taken_by_another_listener_does_not_hold_up_the_wait(tmp_path: Path) -> None:
-    server = ServerProcess(snapshots=ShardSnapshots(tmp_path / "seg"))
+    server = ServerProcess(snapshots=ShardSnapshots(tmp_path / "seg"), credentials=AS_PS)
     dense, tables = whole_model()
-    client = PSClient(placement(), [server.address], "w0")
+    client = PSClient(placement(), [server.address], "w0", credentials=JOB)
     client.setup(OptimizerSpec("sgd", 0.1), dense, tables)
     client.close()
     with socket.create_server(("127.0.0.1", 0)) as taker:  # accepts (its backlog) and never answers
@@ -237,7 +243,7 @@ def test_a_stale_address_taken_by_another_listener_does_not_hold_up_the_wait(tmp
             return list(published)
 
         started = time.monotonic()
-        found = find_server(follow, 0, "w0", published[0], timeout=20)
+        found = find_server(follow, 0, "w0", published[0], JOB, timeout=20)
         assert found.address == server.address and time.monotonic() - started < 10
         assert looks[0] != server.address
         found.connection.close()

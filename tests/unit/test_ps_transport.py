@@ -1,6 +1,7 @@
 """The parameter-server wire on real loopback sockets, in one process: tensors of every kind arrive intact, a
 server's ConfigError reaches the worker as a ConfigError, a vanished server is a TransportError, and a client
-at staleness 0 always pulls what it pushed."""
+at staleness 0 always pulls what it pushed. Servers and clients share one job's credentials (``JOB``); what a
+stranger gets is tests/unit/test_role_transport.py's."""
 
 from __future__ import annotations
 
@@ -14,18 +15,24 @@ from convoy.parallel.ps.client import PSClient
 from convoy.parallel.ps.optimizers import OptimizerSpec
 from convoy.parallel.ps.placement import DenseSpec, TableSpec, place
 from convoy.parallel.ps.service import ServerProcess
-from convoy.parallel.ps.transport import Connection, Listener, Message, TransportError
+from convoy.parallel.transport import Connection, Credentials, Identity, Listener, Message, TransportError
+
+JOB = Credentials.fresh(Identity("worker", 0, 0))
 
 
-def echo(message: Message) -> Message:
+def serve() -> ServerProcess:
+    return ServerProcess(credentials=JOB.as_process(Identity("ps", 0, 0)))
+
+
+def echo(message: Message, caller: Identity) -> Message:
     if message.op == "bad":
         raise ConfigError("no such thing; do the other thing")
     return Message("echo", message.meta, message.tensors)
 
 
 def test_tensors_of_every_kind_cross_intact() -> None:
-    listener = Listener(echo)
-    connection = Connection(listener.address)
+    listener = Listener(echo, credentials=JOB)
+    connection = Connection(listener.address, credentials=JOB)
     tensors = {"f32": torch.randn(3, 4), "bf16": torch.randn(5).to(torch.bfloat16), "i64": torch.arange(7),
                "empty": torch.empty(0, 8), "scalar": torch.tensor(2.5), "strided": torch.randn(4, 6)[:, ::2],
                "bool": torch.tensor([True, False]), "big": torch.randn(300_000)}
@@ -39,14 +46,14 @@ def test_tensors_of_every_kind_cross_intact() -> None:
     assert connection.request(Message("again")).op == "echo"  # the connection survives an error reply
     connection.close()
     listener.close()
-    with pytest.raises(TransportError, match="cannot reach the parameter server"):
-        Connection(listener.address, timeout=2.0)
+    with pytest.raises(TransportError, match="cannot reach the role service"):
+        Connection(listener.address, timeout=2.0, credentials=JOB)
 
 
 def test_a_client_at_staleness_0_pulls_every_push_it_made() -> None:
-    servers = [ServerProcess() for _ in range(2)]
+    servers = [serve() for _ in range(2)]
     placement = place([DenseSpec("w", (3,)), DenseSpec("v", (2, 2))], [TableSpec("emb", 9, 2)], 2)
-    client = PSClient(placement, [server.address for server in servers], "w0", staleness=0)
+    client = PSClient(placement, [server.address for server in servers], "w0", staleness=0, credentials=JOB)
     client.setup(OptimizerSpec("sgd", 1.0), {"w": torch.zeros(3), "v": torch.zeros(2, 2)},
                  {"emb": torch.zeros(9, 2)})
     for step in range(1, 6):
@@ -60,13 +67,13 @@ def test_a_client_at_staleness_0_pulls_every_push_it_made() -> None:
     client.close()
     assert all(server.wait(5.0) for server in servers)
     with pytest.raises(ConfigError, match="2 parameter servers but 1 addresses"):
-        PSClient(placement, [servers[0].address], "w0")
+        PSClient(placement, [servers[0].address], "w0", credentials=JOB)
 
 
 def test_tagged_pushes_cross_and_each_server_counts_them() -> None:
-    servers = [ServerProcess() for _ in range(2)]
+    servers = [serve() for _ in range(2)]
     placement = place([DenseSpec("w", (3,))], [TableSpec("emb", 9, 2)], 2)
-    client = PSClient(placement, [server.address for server in servers], "w0")
+    client = PSClient(placement, [server.address for server in servers], "w0", credentials=JOB)
     client.setup(OptimizerSpec("sgd", 1.0), {"w": torch.zeros(3)}, {"emb": torch.zeros(9, 2)})
     for tag in (2, 0, 2, 1, 3):
         client.push({"w": torch.ones(3)}, {"emb": (torch.tensor([4, 7]), torch.ones(2, 2))}, tag=tag)
@@ -76,7 +83,7 @@ def test_tagged_pushes_cross_and_each_server_counts_them() -> None:
     assert tallies[0].exactly_once(5) == ([4], []) and tallies[0].exactly_once(3) == ([], [3])
     assert torch.equal(client.pull({"emb": torch.tensor([4])}).dense["w"], torch.full((3,), -4.0))
     client.close()
-    again = PSClient(placement, [server.address for server in servers], "w0")  # the rank started again
+    again = PSClient(placement, [server.address for server in servers], "w0", credentials=JOB)  # the rank started again
     assert again.pushed_to == [5, 5], "it goes on from its predecessor's count"
     again.push({"w": torch.ones(3)}, {"emb": (torch.tensor([4]), torch.ones(1, 2))}, tag=4)
     assert again.pull({"emb": torch.tensor([4])}).applied == [6, 6]
@@ -89,9 +96,9 @@ def test_tagged_pushes_cross_and_each_server_counts_them() -> None:
 def test_a_worker_waits_only_when_more_than_s_pushes_ahead() -> None:
     """Server 0's pushes are held up (its push link is kept busy); at staleness 1 the first pull still returns,
     the second waits until the held pushes are applied."""
-    servers = [ServerProcess() for _ in range(2)]
+    servers = [serve() for _ in range(2)]
     placement = place([DenseSpec("w", (2,))], [TableSpec("emb", 4, 2)], 2)
-    client = PSClient(placement, [server.address for server in servers], "w0", staleness=1)
+    client = PSClient(placement, [server.address for server in servers], "w0", staleness=1, credentials=JOB)
     client.setup(OptimizerSpec("sgd", 1.0), {"w": torch.zeros(2)}, {"emb": torch.zeros(4, 2)})
     slow_link = client.pushers[0].connection.lock
     slow_link.acquire()

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
-from convoy.errors import ConfigError
+from convoy.errors import ConfigError, ConvoyError
 from convoy.parallel.ps.optimizers import OptimizerSpec
 from convoy.parallel.ps.placement import Placement
-from convoy.parallel.ps.resume import FOLLOW_S, Follow, Found, Unkept, find_server
+from convoy.parallel.ps.resume import FOLLOW_S, SERVICE, Follow, Found, Unkept, find_server
 from convoy.parallel.ps.server import shard_of
-from convoy.parallel.ps.transport import Connection, ConnectionLost, Message, TransportError
+from convoy.parallel.transport import Connection, ConnectionLost, Credentials, Message
 
 
 @dataclass
@@ -59,8 +59,8 @@ class _Pusher:
     """Sends one server's pushes in order from a background thread, so that ``push`` returns at once; trims
     ``unkept`` (if given) by what each reply says the server has kept."""
 
-    def __init__(self, address: str, unkept: Unkept | None = None) -> None:
-        self.connection = Connection(address)
+    def __init__(self, address: str, credentials: Credentials, unkept: Unkept | None = None) -> None:
+        self.connection = Connection(address, credentials=credentials, service=SERVICE)
         self.unkept = unkept
         self.pending: queue.Queue[Message | None] = queue.Queue()
         self.failure: Exception | None = None
@@ -77,7 +77,7 @@ class _Pusher:
                     reply = self.connection.request(message)
                     if self.unkept is not None and "kept" in reply.meta:
                         self.unkept.trim(int(reply.meta["kept"]))
-            except (TransportError, ConfigError) as exc:
+            except ConvoyError as exc:  # lost, refused (a stale worker), or an error reply: raised on the next call
                 self.failure = exc
             finally:
                 self.pending.task_done()
@@ -91,10 +91,12 @@ class _Pusher:
 class PSClient:
     """One worker's links to every parameter server of ``placement`` (``addresses[s]`` is server ``s``). With
     ``follow`` (the servers' current addresses), a lost server is waited for (``follow_s``) and its unkept pushes
-    resent; ``resent``, ``lost`` (per server) and ``moves`` ((server, old, new) addresses) count what happened."""
+    resent; ``resent``, ``lost`` (per server) and ``moves`` ((server, old, new) addresses) count what happened.
+    ``credentials``: what the servers must see (default: this process's, from its agent)."""
 
     def __init__(self, placement: Placement, addresses: list[str], worker: str, staleness: int = 0,
-                 follow: Follow | None = None, follow_s: float = FOLLOW_S) -> None:
+                 follow: Follow | None = None, follow_s: float = FOLLOW_S,
+                 credentials: Credentials | None = None) -> None:
         if staleness < 0:
             raise ConfigError(f"parameter-server staleness bound must be >= 0 (got {staleness}); use 0 for "
                               f"synchronous training or s > 0 to let a worker run s pushes ahead")
@@ -103,7 +105,8 @@ class PSClient:
                               f"{len(addresses)} addresses were given; pass one address per server")
         self.placement, self.worker, self.staleness = placement, worker, staleness
         self.addresses = list(addresses)
-        self.requests = [Connection(address) for address in addresses]
+        self.credentials = credentials or Credentials.from_env()
+        self.requests = [Connection(address, credentials=self.credentials, service=SERVICE) for address in addresses]
         self.pushed = 0
         self.pushed_to = [0] * placement.num_servers
         """Pushes each server should have from this worker (a restored server may have fewer than ``pushed``)."""
@@ -113,7 +116,7 @@ class PSClient:
         self.resent = [0] * placement.num_servers
         self.lost = [0] * placement.num_servers
         self.moves: list[tuple[int, str, str]] = []
-        self.pushers = [_Pusher(address, self._log(s)) for s, address in enumerate(addresses)]
+        self.pushers = [_Pusher(address, self.credentials, self._log(s)) for s, address in enumerate(addresses)]
         # a worker started again under its predecessor's id goes on from the count that one left on each server,
         # so that its staleness bound and its resends after a server's restore count from there
         self.pushed_to = self.applied()
@@ -161,7 +164,7 @@ class PSClient:
         self.requests[server].close()
         self.pushers[server].stop()
         assert self.follow is not None
-        found = find_server(self.follow, server, self.worker, self.addresses[server], self.follow_s)
+        found = find_server(self.follow, server, self.worker, self.addresses[server], self.credentials, self.follow_s)
         if found.address != self.addresses[server]:
             self.moves.append((server, self.addresses[server], found.address))
         self._resume(server, found)
@@ -172,7 +175,7 @@ class PSClient:
         self.pushed_to[server] = found.applied + len(resend)
         self.resent[server] += len(resend)
         self.lost[server] += lost
-        self.pushers[server] = _Pusher(found.address, self._log(server))
+        self.pushers[server] = _Pusher(found.address, self.credentials, self._log(server))
         for message in resend:
             self.pushers[server].pending.put(message)
 
@@ -306,7 +309,7 @@ class PSClient:
         this worker's pushes as the restored shard does."""
         self.requests[server].close()
         self.pushers[server].stop()
-        connection = Connection(address)
+        connection = Connection(address, credentials=self.credentials, service=SERVICE)
         if restore_from is not None:
             connection.request(Message("restore", {"path": str(restore_from)}))
         status = connection.request(Message("status", {"worker": self.worker}))

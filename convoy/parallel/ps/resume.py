@@ -11,8 +11,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from convoy.errors import ConfigError
-from convoy.parallel.ps.transport import REQUEST_S, Connection, ConnectionLost, Message, TransportError
+from convoy.parallel.transport import REQUEST_S, Connection, ConnectionLost, Credentials, Message, Refused, \
+    StaleIncarnation, TransportError
 
+SERVICE = "parameter server"
+"""What a PS is called in its connections' errors."""
 FOLLOW_S = 60.0
 """How long a worker waits for a lost server to answer again before it gives up."""
 FOLLOW_POLL_S = 0.2
@@ -68,7 +71,8 @@ class Found:
     kept: int
 
 
-def find_server(follow: Follow, server: int, worker: str, last: str, timeout: float = FOLLOW_S) -> Found:
+def find_server(follow: Follow, server: int, worker: str, last: str, credentials: Credentials,
+                timeout: float = FOLLOW_S) -> Found:
     """Wait until server ``server`` answers, holding a shard, at the address ``follow`` publishes for it; a
     ``ServerLost`` naming the last address and why after ``timeout``."""
     deadline = time.monotonic() + timeout
@@ -80,7 +84,7 @@ def find_server(follow: Follow, server: int, worker: str, last: str, timeout: fl
         except ConfigError as exc:
             address, why = "", str(exc)
         if address:
-            found = _ask(address, worker)
+            found = _ask(address, worker, credentials)
             if isinstance(found, Found):
                 return found
             why = found
@@ -90,11 +94,14 @@ def find_server(follow: Follow, server: int, worker: str, last: str, timeout: fl
         time.sleep(FOLLOW_POLL_S)
 
 
-def _ask(address: str, worker: str) -> Found | str:
-    """The server at ``address`` if it answers holding a shard, else why not."""
+def _ask(address: str, worker: str, credentials: Credentials) -> Found | str:
+    """The server at ``address`` if it answers holding a shard, else why not (a refusal of this worker as stale
+    is raised: it must stop, not wait)."""
     try:
-        connection = Connection(address, timeout=PROBE_S)
-    except ConnectionLost as exc:
+        connection = Connection(address, PROBE_S, credentials, service=SERVICE)
+    except StaleIncarnation:
+        raise
+    except (ConnectionLost, Refused) as exc:  # not up yet, or another job's service on a stale address
         return str(exc)
     try:
         status = connection.request(Message("status", {"worker": worker}))
