@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import statistics
 import subprocess
 import sys
@@ -36,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks" / "scripts"))
 from convoy.ports import free_port  # noqa: E402
+from convoy.role_env import SERVICE_SECRET_ENV  # noqa: E402
 from ranks import rank_env, run_ranks  # noqa: E402
 
 WORKER = REPO / "benchmarks" / "scripts" / "ps_worker.py"
@@ -66,18 +68,19 @@ def run_once(system: str, args: argparse.Namespace, out: Path) -> dict:
     common = ["--batches", str(args.batches), "--batch", str(args.batch), "--rows", str(args.rows),
               "--held-out", str(args.held_out), "--world", str(args.workers)]
     servers, addresses = [], []
+    job = {SERVICE_SECRET_ENV: secrets.token_hex(32)}  # what an agent hands servers and workers: one secret
     if mode == "ps":
         for _ in range(SERVERS):
             port = free_port()
             addresses.append(f"127.0.0.1:{port}")
             servers.append(subprocess.Popen([sys.executable, str(WORKER), "--mode", "server", "--port", str(port)],
-                                            env=rank_env(0, 1, "0")))
+                                            env=rank_env(0, 1, "0", **job)))
         common += ["--servers", ",".join(addresses), "--staleness", str(args.staleness), "--lr", str(args.ps_lr),
                    "--ps-optimizer", args.ps_optimizer]
         wait_listening(addresses)
     store = str(free_port())
     commands = [([sys.executable, str(WORKER), "--mode", mode, "--rank", str(rank), "--store-port", store,
-                  "--out", str(out / f"{mode}-{rank}.json"), *common], rank_env(rank, args.workers, store))
+                  "--out", str(out / f"{mode}-{rank}.json"), *common], rank_env(rank, args.workers, store, **job))
                 for rank in range(args.workers)]
     try:
         run_ranks(commands, system, timeout=900)
