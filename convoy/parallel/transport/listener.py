@@ -57,7 +57,11 @@ class Listener:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
-            tune(conn)
+            try:
+                tune(conn)
+            except OSError:  # reset by the peer already: nothing to serve
+                conn.close()
+                continue
             thread = threading.Thread(target=self._serve, args=(conn,), name="service-conn", daemon=True)
             with self._lock:
                 full = len(self._open) >= MAX_CONNECTIONS
