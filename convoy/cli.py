@@ -8,6 +8,7 @@ import importlib
 import importlib.util
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 from typing import NoReturn, Sequence
@@ -20,9 +21,11 @@ from convoy.cli_options import (
     RUN_DESCRIPTION, add_master_options, add_run_options, add_worker_options, job_config, master_config, worker_config,
 )
 from convoy.cli_scale import scale_roles
-from convoy.torchrun_flags import translate as translate_torchrun
-from convoy.procs import Interrupted, ignore_interrupts, raise_interrupted
+from convoy.torchrun_flags import stop_signals, translate as translate_torchrun
+from convoy.procs import Interrupted, ignore_interrupts, raise_interrupted, restore_handlers, stop_on
 
+SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+"""torchrun's variable in its workers' environment: the signals the launcher stops the job on."""
 EXIT_USAGE = 2
 """The names in ``convoy.parallel.pipeline.schedule.GENERATORS`` (not imported here, to keep startup light)."""
 EXTRAS = {"transformers": "llm", "gguf": "llm", "safetensors": "llm", "accelerate": "llm", "lightgbm": "gbdt",
@@ -107,18 +110,40 @@ def _run(args: argparse.Namespace, run_argv: Sequence[str]) -> int:
     from convoy.control.launcher import run_local_job
 
     config, args = job_config(args, run_argv)
+    stopping = [sig for sig in stop_signals(args.signals_to_handle) if sig not in (signal.SIGINT, signal.SIGTERM)]
+    if args.local_addr:
+        check_local_address(args.local_addr)
     if args.strategy:
         _prepare_strategy(args, config)
-    if args.endpoint:
-        from convoy.control.endpoint import run_endpoint_job
-
-        host, port = parse_address(args.endpoint, "--endpoint")
-        return run_endpoint_job(config, (host, port), token=args.join_token, token_file=args.token_file,
-                                relaunch=args.relaunch, console=_console, node_rank=args.node_rank)
-    if args.join_token or args.token_file or args.node_rank != -1:
+    if not args.endpoint and (args.join_token or args.token_file or args.node_rank != -1):
         raise ConfigError("--join-token, --token-file and --node-rank are for a job of several hosts: give --endpoint "
                           "HOST:PORT (torchrun's --rdzv-endpoint) too")
-    return run_local_job(config, relaunch=args.relaunch, console=_console)
+    os.environ[SIGNALS_ENV] = args.signals_to_handle  # as torchrun: its workers see the signals their launcher handles
+    previous = stop_on(stopping)  # SIGINT and SIGTERM: each launcher's own, whatever this process inherited
+    try:
+        if args.endpoint:
+            from convoy.control.endpoint import run_endpoint_job
+
+            host, port = parse_address(args.endpoint, "--endpoint")
+            return run_endpoint_job(config, (host, port), token=args.join_token, token_file=args.token_file,
+                                    relaunch=args.relaunch, console=_console, node_rank=args.node_rank,
+                                    agent_host=args.local_addr or None)
+        return run_local_job(config, relaunch=args.relaunch, console=_console,
+                             agent_host=args.local_addr or "127.0.0.1")
+    except Interrupted as exc:  # a stop signal before the launcher had its own handlers: nothing had started
+        return exc.exit_code
+    finally:
+        restore_handlers(previous)
+
+
+def check_local_address(host: str) -> None:
+    """``--local-addr``: an address of this host (one its workers and the other hosts can reach it at)."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.bind((host.strip("[]"), 0))
+    except OSError as exc:
+        raise ConfigError(f"--local-addr {host}: not an address of this host ({exc.strerror}); give one of its "
+                          "addresses or names, or leave it out") from None
 
 
 def _prepare_strategy(args: argparse.Namespace, config: JobConfig) -> None:
@@ -162,8 +187,6 @@ def _master(args: argparse.Namespace) -> int:
 
     listener = None
     if args.listen_fd is not None:  # bound by the launcher that claimed the job's endpoint
-        import socket
-
         listener = socket.socket(fileno=args.listen_fd)
     if args.resume is not None:
         if not (args.resume / STATE_FILE).is_file():

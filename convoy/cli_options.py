@@ -16,6 +16,8 @@ from convoy.jobfile import JOB_FILE_SUFFIX, load_job_file
 from convoy.roles_config import apply_role_counts, role_counts_from_flags
 
 _WORKERS, _MASTER, _RDZV = WorkerConfig(), MasterConfig(run_dir=Path(".")), RendezvousConfig()
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+"""torchrun's default ``--signals-to-handle``."""
 
 class ExplicitOnly:
     """Adds each option with no default, so that a parse holds only the options a command line names (what
@@ -121,6 +123,15 @@ def add_run_options(parser: Options) -> None:
                              "iteration needs)")
     parser.add_argument("--role", action="append", default=[], metavar="NAME=COUNT",
                         help="a role and its count (N, MIN:MAX or auto), e.g. --role actor=4; repeatable")
+    parser.add_argument("--signals-to-handle", default=TORCHRUN_SIGNALS, metavar="SIG,...",
+                        help="signals on which convoy run stops the job in order and exits 128+N, as torchrun does "
+                             "(SIGINT and SIGTERM always; one it was started with ignored, as nohup does SIGHUP, "
+                             "stays ignored); the workers see the list as TORCHELASTIC_SIGNALS_TO_HANDLE "
+                             "(default %(default)s)")
+    parser.add_argument("--local-addr", default="", metavar="HOST",
+                        help="this host's address, the one its workers and the other hosts reach it at (MASTER_ADDR "
+                             "where it runs rank 0; torchrun's --local-addr; default 127.0.0.1 on one host, else the "
+                             "address towards the master)")
     parser.add_argument("--strategy", default="", metavar="auto|PATH",
                         help="auto: search SCRIPT's training strategy for this job's nodes and ranks first (convoy "
                              "plan), then run with it; PATH: a strategy file convoy plan wrote. The workers' "

@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 import threading
-from typing import NoReturn
+from typing import Any, Iterable, NoReturn
 
 _PR_SET_PDEATHSIG = 1
 
@@ -31,7 +31,8 @@ def signal_name(returncode: int) -> str | None:
 
 
 class Interrupted(Exception):
-    """SIGINT or SIGTERM arrived; ``exit_code`` is the shell's 128 + signal number."""
+    """A signal that stops the command arrived (SIGINT, SIGTERM, ...); ``exit_code`` is the shell's 128 + signal
+    number."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
@@ -39,23 +40,36 @@ class Interrupted(Exception):
 
 
 def raise_interrupted(signum: int, frame: object) -> None:
-    """A signal handler that turns SIGINT/SIGTERM into ``Interrupted`` in the main thread.
+    """A signal handler that turns SIGINT, SIGTERM (or another stop signal) into ``Interrupted`` in the main thread.
 
-    Only the first signal counts: both are ignored from then on, so a second one (a terminal's
-    Ctrl-C followed by the launcher's SIGTERM) cannot break the orderly stop the first began.
+    Only the first signal counts: each is ignored from then on, so a second one (a terminal's Ctrl-C
+    followed by the launcher's SIGTERM) cannot break the orderly stop the first began.
     """
     ignore_interrupts()
     raise Interrupted(signum)
 
 
 def ignore_interrupts() -> None:
-    """SIGINT and SIGTERM ignored from here on: what follows is a bounded stop that must run to its end.
+    """SIGINT, SIGTERM and every other signal that raises ``Interrupted`` ignored from here on: what follows is a
+    bounded stop that must run to its end.
 
     A command calls it once its outcome is decided (and first thing in its cleanup), so that a signal that
     comes late (the launcher's SIGTERM to a master whose job has just ended) cannot cut the stop short.
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for sig in signal.valid_signals():
+        if sig in (signal.SIGINT, signal.SIGTERM) or signal.getsignal(sig) is raise_interrupted:
+            signal.signal(sig, signal.SIG_IGN)
+
+
+def stop_on(signals: Iterable[int]) -> dict[int, Any]:
+    """``raise_interrupted`` for each of ``signals`` but one this process was started with ignored: a shell or
+    ``nohup`` that ignores a signal (SIGHUP) asks that it not stop the command. Returns the handlers replaced."""
+    return {sig: signal.signal(sig, raise_interrupted) for sig in signals if signal.getsignal(sig) != signal.SIG_IGN}
+
+
+def restore_handlers(previous: dict[int, Any]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
 
 
 def exit_without_teardown(code: int = 0) -> NoReturn:

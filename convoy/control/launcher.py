@@ -37,15 +37,17 @@ def describe_exit(returncode: int) -> str:
     return f"killed by {name}" if name else f"exit code {returncode}"
 
 
-def run_local_job(config: JobConfig, relaunch: bool = False, console: Callable[[str], None] = print) -> int:
-    """Run the job to its end; return 0 on success, 1 on failure, 128+N on signal N."""
+def run_local_job(config: JobConfig, relaunch: bool = False, console: Callable[[str], None] = print,
+                  agent_host: str = "127.0.0.1") -> int:
+    """Run the job to its end; return 0 on success, 1 on failure, 128+N on signal N. ``agent_host``: the address
+    the workers reach their node at (MASTER_ADDR; torchrun's --local-addr)."""
     config.validate()
     run_dir = config.master.run_dir
     config.master.job_id = config.master.job_id or secrets.token_hex(4)
     port = _usable_port(config.master.port)
     token_file = run_dir / TOKEN_FILE
     token = write_token(token_file)
-    scheduler = LocalScheduler(config, token_file, port)
+    scheduler = LocalScheduler(config, token_file, port, agent_host=agent_host)
     client: MasterClient | None = None
     previous = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
     started = time.monotonic()

@@ -19,6 +19,7 @@ from convoy.control.store import read_status
 pytestmark = pytest.mark.slow
 
 WORKER = fixture("worker.py")
+ENV_DUMP = fixture("env_dump.py")
 
 
 def start_long_job(procs: ProcessScope, run_dir: Path, record_dir: Path, *worker_args: object,
@@ -81,6 +82,41 @@ def test_a_launcher_started_with_sigint_ignored_still_stops_on_it(procs: Process
     assert result.returncode == 130, result.explain()
     assert "interrupted by SIGINT" in read_status(run_dir)["job"]["outcome"]
     assert procs.wait_no_leftovers(timeout=5) == []
+
+
+@pytest.mark.parametrize(("options", "sig"), [
+    ((), signal.SIGHUP),  # torchrun's default list: SIGTERM, SIGINT, SIGHUP, SIGQUIT
+    ((), signal.SIGQUIT),
+    (("--signals_to_handle", "SIGTERM,SIGUSR1"), signal.SIGUSR1),  # a scheduler's warning signal (SLURM's)
+])
+def test_a_signal_torchrun_handles_stops_the_job_in_order(procs: ProcessScope, run_dir: Path, tmp_path: Path,
+                                                          options: tuple[str, ...], sig: signal.Signals) -> None:
+    """torchrun's --signals-to-handle: each signal it names stops the job as SIGTERM does, 128+N and one line."""
+    job = procs.start(["run", "--preload", "", "--stop-grace", "1", "--run-dir", run_dir, *options, ENV_DUMP,
+                       "--out", tmp_path / "out", "--until", tmp_path / "never"])
+    wait_for(lambda: (tmp_path / "out" / "rank0.json").exists(), 60, "the worker to start")
+    os.kill(job.pid, sig)
+    result = job.wait(timeout=60)
+    assert result.returncode == 128 + sig, result.explain()
+    assert re.findall(r"^convoy: job failed: .*", result.stdout, re.MULTILINE) == [
+        f"convoy: job failed: interrupted by {sig.name}"], result.explain()
+    assert "Traceback" not in result.output, result.explain()
+    assert procs.wait_no_leftovers(timeout=5) == []
+
+
+def test_a_job_started_under_nohup_outlives_its_terminal(procs: ProcessScope, run_dir: Path, tmp_path: Path) -> None:
+    """SIGHUP, ignored by nohup when the job started, stays ignored (torchrun handles it all the same, and a job
+    started under nohup stops when its terminal closes)."""
+    release = tmp_path / "release"
+    nohup = ["/bin/sh", "-c", "trap '' HUP; exec \"$@\"", "sh", *CONVOY]
+    job = procs.start(["run", "--preload", "", "--stop-grace", "1", "--run-dir", run_dir, ENV_DUMP, "--out",
+                       tmp_path / "out", "--until", release], command=nohup)
+    wait_for(lambda: (tmp_path / "out" / "rank0.json").exists(), 60, "the worker to start")
+    os.kill(job.pid, signal.SIGHUP)
+    release.touch()
+    result = job.wait(timeout=60)
+    assert result.returncode == 0, result.explain()
+    assert read_status(run_dir)["job"]["status"] == "succeeded"
 
 
 def test_ctrl_c_in_a_terminal_reaches_the_whole_group(procs: ProcessScope, run_dir: Path, tmp_path: Path) -> None:

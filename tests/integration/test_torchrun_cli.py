@@ -1,6 +1,7 @@
 """torchrun's command lines, run under torchrun and under ``convoy run`` with the same flags: the workers get the
 same variables (RANK, LOCAL_RANK, WORLD_SIZE, GROUP_RANK, ROLE_*, MASTER_*, TORCHELASTIC_*) and the launchers
-exit with the same code. Flags convoy cannot honour are one line naming them, exit 2, nothing started."""
+exit with the same code. Flags convoy cannot honour are one line naming them and why, exit 2, nothing started
+(``tests/unit/test_torchrun_flags.py`` goes through every flag of torchrun's own parser)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,11 @@ def case_argv(case: str, tmp: Path, port: int) -> tuple[list[str], list[str]]:
         "fails": ["--standalone", "--nproc-per-node", "2", "--max-restarts", "0"],
         "no-python": ["--standalone", "--nproc-per-node", "2", "--no-python", "--max-restarts", "0"],
         "module": ["--standalone", "--nproc-per-node", "2", "--max-restarts", "0", "-m"],
+        # taken and meaning nothing more here: how workers start, where torch's own events go, what to copy out
+        "launch": ["--standalone", "--nproc_per_node", "2", "--start-method", "fork", "--event_log_handler", "null",
+                   "--duplicate-stdout-filters", "", "--shutdown_timeout", "5", "--signals-to-handle",
+                   "SIGTERM,SIGINT,SIGUSR1", "--max-restarts", "0"],
+        "local-addr": ["--standalone", "--nproc-per-node", "2", "--local_addr", "127.0.0.2", "--max-restarts", "0"],
     }[case]
     if case == "no-python":
         wrapper = tmp / "env_dump.sh"
@@ -62,7 +68,8 @@ def run_under(procs: ProcessScope, launcher: str, case: str, tmp: Path) -> tuple
     return result.returncode, ranks, result.output
 
 
-@pytest.mark.parametrize("case", ["standalone", "rdzv", "static", "streams", "fails", "no-python", "module"])
+@pytest.mark.parametrize("case", ["standalone", "rdzv", "static", "streams", "fails", "no-python", "module", "launch",
+                                  "local-addr"])
 def test_a_torchrun_command_line_means_the_same_under_convoy(procs: ProcessScope, tmp_path: Path, case: str) -> None:
     torch_code, torch_ranks, torch_output = run_under(procs, "torchrun", case, tmp_path)
     convoy_code, convoy_ranks, convoy_output = run_under(procs, "convoy", case, tmp_path)
@@ -73,7 +80,7 @@ def test_a_torchrun_command_line_means_the_same_under_convoy(procs: ProcessScope
         for name, value in theirs.items():
             if name == "MASTER_PORT":
                 assert ours[name].isdigit(), ours
-            elif name == "MASTER_ADDR":
+            elif name == "MASTER_ADDR" and case != "local-addr":
                 assert {ours[name], value} <= LOOPBACK, (ours[name], value)
             elif name == "TORCHELASTIC_RUN_ID" and case not in ("rdzv",):
                 assert ours[name], "a run id is set"
@@ -99,6 +106,14 @@ def test_a_torchrun_command_line_means_the_same_under_convoy(procs: ProcessScope
     (["--standalone", "--nnodes", "2"], "--standalone"),
     (["--rdzv-conf", "foo=1"], "--rdzv-conf foo"),
     (["--no-such-flag"], "--no-such-flag"),
+    (["--numa-binding", "node"], "--numa-binding node: convoy does not bind"),
+    (["--logs_specs", "mine"], "--logs-specs mine: convoy loads no"),
+    (["--virtual-local-rank"], "--virtual-local-rank: convoy gives each worker"),
+    (["--duplicate-stdout-filters", "loss"], "--duplicate-stdout-filters loss: convoy captures"),
+    (["--event-log-handler", "kafka"], "--event-log-handler kafka"),
+    (["--start_method", "thread"], "--start-method thread"),
+    (["--signals-to-handle", "SIGTERM,SIGFOO"], "--signals-to-handle SIGFOO"),
+    (["--local-addr", "192.0.2.1"], "--local-addr 192.0.2.1: not an address of this host"),
 ])
 def test_a_flag_convoy_cannot_honour_is_one_line_naming_it(procs: ProcessScope, tmp_path: Path, argv: list[str],
                                                            named: str) -> None:
