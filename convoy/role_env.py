@@ -6,6 +6,8 @@ and a script reads them (``convoy.role()``); both sides of the contract live her
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import re
@@ -154,3 +156,32 @@ def read_published(path: Path) -> Published:
         raise ConfigError(f"{path} does not hold role addresses ({exc}); it is written by the convoy agent "
                           f"({ADDRESSES_FILE_ENV}); do not edit it") from exc
     return Published(version, addresses, incarnations)
+
+
+# --- The secret of the job's role services (agent -> process) -------------------------------------------------
+# Every role service (a parameter server; later a replay buffer, a sample store, a weight sync) and its callers
+# prove on connect that they hold one key (convoy/parallel/transport/). The agent derives it from the job's token,
+# which therefore never reaches a process, and hands it to each role process with where to listen and whether the
+# job runs with TLS.
+
+SERVICE_SECRET_ENV = "CONVOY_ROLE_SECRET"
+"""The key, 64 hex digits: ``service_secret(job token)``."""
+SERVICE_TLS_ENV = "CONVOY_ROLE_TLS"
+"""``1`` where the job runs with TLS (its agents reach the master through ``--tls-ca``): so do its role services."""
+SERVICE_HOST_ENV = "CONVOY_ROLE_HOST"
+"""The node's own address: a role service listens there (all interfaces only when its script asks)."""
+SERVICE_SECRET_LABEL = b"convoy role services v1"
+
+
+def service_secret(job_token: str) -> str:
+    """The role services' key: HMAC-SHA256 of a fixed label under the job's token (one-way: holding the key
+    gives no way back to the token, which alone reaches the master's API)."""
+    return hmac.new(job_token.encode(), SERVICE_SECRET_LABEL, hashlib.sha256).hexdigest()
+
+
+def service_env(job_token: str, host: str, tls: bool) -> dict[str, str]:
+    """What the agent adds to a role process's environment for the job's role services (no key without a token)."""
+    env = {SERVICE_HOST_ENV: host, SERVICE_TLS_ENV: "1" if tls else "0"}
+    if job_token:
+        env[SERVICE_SECRET_ENV] = service_secret(job_token)
+    return env
