@@ -27,7 +27,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from convoy.control.store import read_status  # noqa: E402
-from convoy.parallel.ps.transport import Connection, ConnectionLost, Message  # noqa: E402
+from convoy.control.token import TOKEN_FILE, read_token  # noqa: E402
+from convoy.parallel.transport import Connection, ConnectionLost, Credentials, Identity, Message  # noqa: E402
+from convoy.role_env import service_secret  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "train_ps.py"
 STEPS, SHARD = 300, 10
@@ -88,8 +90,9 @@ def ps_status(run_dir: Path, rank: int) -> dict | None:
     ports = re.findall(rf"parameter server {rank} serving on port (\d+)", log.read_text()) if log.exists() else []
     if not ports:
         return None
-    try:
-        connection = Connection(f"127.0.0.1:{ports[-1]}", timeout=5)
+    owner = Credentials(bytes.fromhex(service_secret(read_token(run_dir / TOKEN_FILE))), Identity("bench", 0, 0))
+    try:  # the job's owner asks, as its token lets it: the PS serves only callers that prove the job's secret
+        connection = Connection(f"127.0.0.1:{ports[-1]}", timeout=5, credentials=owner)
     except ConnectionLost:
         return None
     try:
