@@ -121,3 +121,21 @@ def test_a_flag_convoy_cannot_honour_is_one_line_naming_it(procs: ProcessScope, 
     assert result.returncode == 2, result.explain()
     assert result.stderr.count("\n") == 1 and named in result.stderr, result.explain()
     assert not (tmp_path / "run").exists() and not (tmp_path / "out").exists(), "nothing started"
+
+
+def test_local_addr_on_several_hosts_is_where_the_others_reach_node_rank_0(procs: ProcessScope,
+                                                                             tmp_path: Path) -> None:
+    """The same torchrun line on two "hosts" (two launchers on loopback), each with its own --local-addr: every
+    worker's MASTER_ADDR is the address node rank 0 gave, as under torchrun."""
+    port = free_port()
+    launchers = [procs.start(["run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job7", "--rdzv-conf", "token=abc",
+                              "--node-rank", node_rank, "--local-addr", f"127.0.0.{node_rank + 2}", "--preload", "",
+                              "--run-dir", tmp_path / f"run{node_rank}", SCRIPT, "--out", tmp_path / "out"])
+                 for node_rank in (0, 1)]
+    for launcher in launchers:
+        result = launcher.wait(timeout=120)
+        assert result.returncode == 0, result.explain()
+    ranks = {path.stem: json.loads(path.read_text()) for path in (tmp_path / "out").glob("rank*.json")}
+    assert {name: env["MASTER_ADDR"] for name, env in ranks.items()} == {"rank0": "127.0.0.2", "rank1": "127.0.0.2"}
+    assert {env["GROUP_RANK"] for env in ranks.values()} == {"0", "1"}
