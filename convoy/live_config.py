@@ -115,9 +115,10 @@ class Generation:
         return self._map[:GENERATION_BYTES]
 
 
-def effective(versions: list[tp.VersionInfo], step: int) -> tp.VersionInfo | None:
-    """The version ``step`` runs with: the newest whose ``at_step`` is at or before it."""
-    live = [v for v in versions if v.at_step <= step]
+def effective(versions: list[tp.VersionInfo], step: int, role: str = "") -> tp.VersionInfo | None:
+    """The version ``step`` of a process of ``role`` runs with: the newest whose first step (the role's own, where
+    roles count steps of their own) is at or before it."""
+    live = [v for v in versions if v.step_for(role) <= step]
     return max(live, key=lambda v: v.number) if live else None
 
 
@@ -125,8 +126,10 @@ class LiveConfig:
     """The script's config object and the versions behind it; ``boundary`` runs after every step."""
 
     def __init__(self, instance: Any, state: tp.ConfigState, path: Path | None,
-                 on_change: Callable[[Any, dict[str, Any]], None] | None, kinds: dict[str, str]) -> None:
-        self.instance, self.path, self.on_change, self.kinds = instance, path, on_change, kinds
+                 on_change: Callable[[Any, dict[str, Any]], None] | None, kinds: dict[str, str],
+                 role: str = "default") -> None:
+        """``role``: this process's role, whose own step a version names (a plain worker's is ``default``)."""
+        self.instance, self.path, self.on_change, self.kinds, self.role = instance, path, on_change, kinds, role
         self.versions = list(state.versions)
         self.applied: tp.VersionInfo | None = None
         self.switched: dict[str, int] = {}
@@ -145,7 +148,7 @@ class LiveConfig:
 
     def seek(self, step: int) -> None:
         """Set the values of the version ``step`` runs with (at the start, or after a restore)."""
-        version = effective(self.versions, step)
+        version = effective(self.versions, step, self.role)
         if version is not None:
             self._set(version, None)
 
@@ -155,7 +158,7 @@ class LiveConfig:
         if self._first is not None:
             self.switched[self._first], self._first = finished, None
         self._refresh()
-        version = effective(self.versions, finished + 1)
+        version = effective(self.versions, finished + 1, self.role)
         if version is None or (self.applied is not None and version.number == self.applied.number):
             return None
         if self.applied is not None and self._needs_restart(self.applied, version):
@@ -238,7 +241,8 @@ def train_config(cls: type[T], *, restartable: bool = True, step: int | None = N
     if isinstance(answer, str):
         raise ConfigError(f"the training config was refused: {answer}")
     kinds = {decl.name: decl.kind for decl in fields}
-    live = LiveConfig(instance, answer, config_file(link.run_dir, link.node_id), on_change, kinds)  # type: ignore
+    live = LiveConfig(instance, answer, config_file(link.run_dir, link.node_id), on_change, kinds,  # type: ignore
+                      link.task["role"])
     if step is None:
         newest = max(answer.versions, key=lambda v: v.number) if answer.versions else None
         if newest is not None:

@@ -1,8 +1,9 @@
 """The master's calls of the training manager (a mixin of JobMaster): the ranks' status and the live config.
 
 ``TrainMaster`` decides; these calls take the master's lock, feed it, record its events, write the status
-rows, and open the round that applies a restart field. The config's versions ride in the store's parts, so a
-restarted master keeps them.
+rows, tell it who runs now when the membership changes, and apply a restart field: by a new round (a plain job)
+or by restarting the processes of the roles that declared the config (a job of roles, whose rounds restart no
+process). The config's versions ride in the store's parts, so a restarted master keeps them.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Callable
 from convoy.config import MasterConfig
 from convoy.control import train_protocol as tp
 from convoy.control.job import Event, Job
+from convoy.control.roles import FINISHED
 from convoy.control.shard_master import PLAIN_ROLE
 from convoy.control.status_store import StatusStore, latest_by_task, read_metrics
 from convoy.control.store import Store, read_part
@@ -43,7 +45,14 @@ class TrainCalls:
         self.train = TrainMaster.from_state(json.loads(saved) if saved else None, dict(config.train_overrides),
                                             config.auto_apply, json.loads(proposals) if proposals else None,
                                             lambda: checkpoint_steps(run_dir))
+        self.train.job_of_roles = self.role_master is not None
         self._train_round = self.job.round_id
+        self._train_members = -1
+        """The round whose membership the training master was last told (a plain job)."""
+        self._train_processes_changed = False
+        """A role process exited since the training master was last told who runs (a job of roles)."""
+        if self.role_master is not None:
+            self.role_master.exit_hooks.append(self._train_process_exited)
 
     def _save_train_with(self, store: Store) -> None:
         store.parts[STATE_PART] = lambda: json.dumps(self.train.state_json(), sort_keys=True)
@@ -78,6 +87,7 @@ class TrainCalls:
         with self._changed:
             if self.ended:
                 raise ConflictError(f"job {self.job.job_id} has ended ({self.job.status}): its config cannot change")
+            self._train_membership_seen()  # a process that exited since the last tick plans no step
             version, events = self.train.set(req, time.monotonic(), req.at_step)
             self._apply(events)
             return tp.version_info(version)
@@ -131,27 +141,60 @@ class TrainCalls:
             raise ConflictError(f"refused: {req.task_id} may not {what}: it {gone}")
 
     def _expected_ranks(self) -> int:
-        """The ranks that must switch: the round's world (plain workers), or the processes that report (roles)."""
+        """The ranks that must switch: the round's world (plain workers), or the processes of the roles that
+        declared the config that report (roles)."""
         if self.role_master is None:
             membership = self.job.membership
             return membership.world_size if membership is not None else 0
-        return len(self.train.tasks)
+        return self.train.configured_ranks()
 
     def _train_advance(self, now: float) -> list[Event]:
-        """Open the round a restart version waits for; tell the manager when a new round has begun."""
+        """Apply the restart version that waits (a round, or the roles' processes restarted); tell the manager
+        when a new round has begun and who runs now."""
         self._train_round_seen()
+        self._train_membership_seen()
         events = self.train.tick(now, self._expected_ranks())
         if self.train.restart_due is not None:
-            events += self.job.reconfigure(self.train.restart_due, now)
+            events += self._train_restart(self.train.restart_due, now)
+        return events
+
+    def _train_restart(self, reason: str, now: float) -> list[Event]:
+        if self.role_master is None:
             self.train.restart_due = None
+            return self.job.reconfigure(reason, now)
+        roles = self.train.restart_roles()
+        events = [Event("reconfigure", f"{reason}: the processes of role(s) {', '.join(roles)} start again to apply "
+                                       "it (not a restart)", console=True)]
+        events += self.role_master.restart_roles(roles, reason)
+        self.train.roles_restarted(roles)
         return events
 
     def _train_round_seen(self) -> None:
-        """Tell the training master once that a new round has begun: at the next tick, or sooner, when the first
-        member asks for the round's info (which carries the step a rollback restores at most)."""
+        """Tell the training master once that a new round of a plain job has begun: at the next tick, or sooner,
+        when the first member asks for the round's info (which carries the step a rollback restores at most).
+        A job of roles' rounds only gather its nodes: its processes go on through them."""
         if self.job.round_id != self._train_round:
             self._train_round = self.job.round_id
-            self.train.round_started(self.job.round_id)
+            if self.role_master is None:
+                self.train.round_started(self.job.round_id)
+
+    def _train_membership_seen(self) -> None:
+        """Tell the training master who runs now once that changed: the ranks of a plain job's newly closed round,
+        or the current process of each rank of a job of roles after one exited."""
+        membership = self.job.membership
+        if self.role_master is None and membership is not None and membership.round_id != self._train_members:
+            self._train_members = membership.round_id
+            self.train.retain({f"{PLAIN_ROLE}:{rank}": membership.round_id for rank in range(membership.world_size)})
+        elif self.role_master is not None and self._train_processes_changed:
+            self._train_processes_changed = False
+            self.train.retain({f"{name}:{rank}": member.incarnation
+                               for name, state in self.role_master.roles.roles.items()
+                               for rank, member in state.members.items() if member.state != FINISHED})
+
+    def _train_process_exited(self, role: str, rank: int, incarnation: int, how: str) -> list[Event]:
+        """A role process exited (finished, failed, stopped, lost with its node): who runs changed."""
+        self._train_processes_changed = True
+        return []
 
     def _train_failed(self, now: float) -> list[Event]:
         """A worker failed: revert a config that was not trusted yet (before the restart reads it)."""

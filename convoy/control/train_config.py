@@ -180,6 +180,13 @@ class Version:
     """Task (``role:rank``) -> the first step it ran with this version (from the ranks' own reports)."""
     trusted: bool = False
     """Every rank ran ``trust_steps`` steps with it: a failure after that is not this version's."""
+    role_steps: dict[str, int] = field(default_factory=dict)
+    """Role -> its first step with this version, where the roles of a job count steps of their own (an actor's
+    episodes, a learner's updates); a role not named here switches at ``at_step``."""
+
+    def step_for(self, role: str) -> int:
+        """The first step of ``role`` that runs with this version."""
+        return self.role_steps.get(role, self.at_step)
 
     def public(self) -> dict[str, Any]:
         return asdict(self)
@@ -240,22 +247,26 @@ class ConfigHistory:
         return changed, RESTART if restart else HOT
 
     def add(self, changed: dict[str, Value], apply: str, at_step: int, author: str, reason: str,
-            kind: str = CHANGE, rollback: bool = False) -> Version:
-        """A new version: the current values with ``changed``, from ``at_step`` on (no earlier than any version
-        before it, except for a ``rollback``, whose steps from ``at_step`` on run again)."""
+            kind: str = CHANGE, rollback: bool = False, role_steps: dict[str, int] | None = None) -> Version:
+        """A new version: the current values with ``changed``, from ``at_step`` on (``role_steps``: a role's own
+        first step), each no earlier than any version before it, except for a ``rollback``, whose steps from
+        ``at_step`` on run again."""
         current = self.current
         assert current is not None and self.schema is not None
+        role_steps = dict(role_steps or {})
         if not rollback:
             at_step = max(at_step, max((v.at_step for v in self.versions), default=0))
+            role_steps = {role: max(step, max(v.step_for(role) for v in self.versions))
+                          for role, step in role_steps.items()}
         version = Version(current.number + 1, current.values | changed, dict(changed), kind, apply, at_step, author,
-                          reason, time.time())
+                          reason, time.time(), role_steps=role_steps)
         self.versions.append(version)
         del self.versions[:-MAX_VERSIONS]
         return version
 
-    def effective(self, step: int) -> Version | None:
-        """The version step ``step`` runs with."""
-        live = [v for v in self.versions if v.status != REVERTED and v.at_step <= step]
+    def effective(self, step: int, role: str = "") -> Version | None:
+        """The version step ``step`` (of ``role``) runs with."""
+        live = [v for v in self.versions if v.status != REVERTED and v.step_for(role) <= step]
         return live[-1] if live else None
 
     def number(self, number: int) -> Version | None:

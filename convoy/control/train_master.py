@@ -3,7 +3,8 @@ takes effect. Pure (JobMaster holds its lock around each call, records the event
 and persists ``state()``); it tells the master when a round must restart to apply a restart field.
 
 A change takes effect at one global step for every rank: the first step boundary every rank can still reach,
-estimated from each rank's last reported step and step time plus the time a push takes to reach them.
+estimated from each rank's last reported step and step time plus the time a push takes to reach them; in a job
+of roles, each role's own step (an actor's episodes and a learner's updates are not the same count).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Collection, Iterable, Mapping
 
 from convoy.control import train_protocol as tp
 from convoy.control.job import Event
@@ -36,6 +37,7 @@ RESTART_WAIT_S = 30.0
 class TaskState:
     """What the master knows of one rank's progress."""
 
+    role: str
     incarnation: int
     step: int = -1
     point_time: float = 0.0
@@ -44,7 +46,7 @@ class TaskState:
     step_time_s: float = 0.0
     parked: int | None = None
     stale: bool = False
-    """Of a round before the current one: the process now starting in its place resumes at about ``step``."""
+    """Of an ended round or incarnation: the process now starting in its place resumes at about ``step``."""
 
     def estimated_step(self, now: float) -> float:
         """The step this rank is at ``now`` (master's monotonic clock), extrapolated from its last report (not
@@ -77,6 +79,11 @@ class TrainMaster:
         self.rollback_round: tuple[int, int] | None = None
         """(round, step): the round a rollback opened restores at most that step."""
         self.tasks: dict[str, TaskState] = {}
+        """The processes the job runs now that reported (``role:rank``); ``retain`` forgets those that left."""
+        self.job_of_roles = False
+        """Set by the master for a job of roles: a restart version restarts the processes of the roles that
+        declared the config (no round restarts them), and a rollback is refused."""
+        self.declared_roles: set[str] = set()
         self.restart_due: str | None = None
         """Set when a restart version should restart the round now (the reason); the master clears it."""
         self._restart_asked: float | None = None
@@ -87,6 +94,7 @@ class TrainMaster:
         schema = Schema(tuple(FieldSpec(d.name, d.type, d.kind, d.default, d.minimum, d.maximum, tuple(d.choices),
                                         d.doc) for d in req.fields), req.restartable)
         first = self.history.declare(schema, req.task_id)
+        self.declared_roles.add(req.role)
         events = []
         if first is not None:
             hot = sum(spec.kind == HOT for spec in schema.fields)
@@ -98,7 +106,7 @@ class TrainMaster:
         """Take a rank's points and what it did with the config; ``expected``: ranks the job runs now."""
         task = self.tasks.get(req.task_id)
         if task is None or task.incarnation != req.incarnation:
-            task = self.tasks[req.task_id] = TaskState(req.incarnation)
+            task = self.tasks[req.task_id] = TaskState(req.role, req.incarnation)
         rows = Rows()
         for point in req.points:
             self._take_point(task, point)
@@ -131,24 +139,22 @@ class TrainMaster:
         if version is None or task_id in version.switched:
             return []
         version.switched[task_id] = step
-        events = []
-        if len(version.switched) >= expected:
-            steps = sorted(set(version.switched.values()))
-            if version.status == PENDING:
-                version.status = ACTIVE
-                for older in self.history.versions:
-                    if older.number < number and older.status == ACTIVE:
-                        older.status = SUPERSEDED
-            took = time.time() - version.created_at
-            if steps == [version.at_step]:
-                events.append(Event("config_applied", f"config version {number} ({_words(version.changed)}) runs on "
-                                                      f"all {len(version.switched)} ranks from step {steps[0]}, "
-                                                      f"{took:.2f} s after it was set", console=True))
-            else:
-                events.append(Event("config_split", f"config version {number} was planned for step {version.at_step} "
-                                                    f"but ranks switched at steps {steps}: {version.switched}",
-                                    console=True))
-        return events
+        # a rank that left the job (a smaller round, a role scaled down) switched, or not, for nothing
+        switched = {task: at for task, at in version.switched.items() if task in self.tasks}
+        if len(switched) < expected:
+            return []
+        if version.status == PENDING:
+            version.status = ACTIVE
+            for older in self.history.versions:
+                if older.number < number and older.status == ACTIVE:
+                    older.status = SUPERSEDED
+        took = time.time() - version.created_at
+        if all(at == version.step_for(self.tasks[task].role) for task, at in switched.items()):
+            return [Event("config_applied", f"config version {number} ({_words(version.changed)}) runs on all "
+                                            f"{len(switched)} ranks from step {_steps_text(version)}, {took:.2f} s "
+                                            "after it was set", console=True)]
+        return [Event("config_split", f"config version {number} was planned for step {_steps_text(version)} but ranks "
+                                      f"switched at steps {sorted(set(switched.values()))}: {switched}", console=True)]
 
     def _judge(self, req: tp.StatusReport, now: float) -> list[Event]:
         """The rules over the new points: each new proposal is an event, and applied when its rule is opted in."""
@@ -169,6 +175,10 @@ class TrainMaster:
         """A proposal's values from the first step every rank can still reach, or, with a rollback, from the step
         after the checkpoint it rolls back to (by a restart)."""
         kept = self.proposals.find(number)
+        if kept.rollback_to is not None and self.job_of_roles:
+            raise ConflictError(f"proposal {number} rolls back to step {kept.rollback_to}, and a job of roles cannot "
+                                "roll back (each process restores its own newest snapshot); set its values with "
+                                "convoy config set instead")
         if kept.rollback_to is not None:
             version, events = self.proposals.rollback(kept, self.history, author)
             self.restart_due = f"config version {version.number} rolls back to step {kept.rollback_to}"
@@ -183,28 +193,30 @@ class TrainMaster:
 
     # --- calls of users (and of the rules) ---
 
-    def plan_step(self, now: float) -> int:
-        """The first step boundary every rank can still reach once a version pushed ``now`` arrives."""
-        running = [t for t in self.tasks.values() if t.step >= 0]
-        if not running:
-            return 0
-        fastest = min((t.step_time_s for t in running if t.step_time_s > 0), default=0.0)
-        ahead = math.ceil(PUSH_S / fastest) if fastest > 0 else 1
-        return int(max(t.estimated_step(now) for t in running)) + max(ahead, 1) + 1
+    def plan_steps(self, now: float) -> dict[str, int]:
+        """Per role: the first step boundary each of its ranks can still reach once a version pushed ``now``
+        arrives (a plain job's one role is ``default``)."""
+        by_role: dict[str, list[TaskState]] = {}
+        for task in self._configured():
+            if task.step >= 0:
+                by_role.setdefault(task.role, []).append(task)
+        return {role: _reach(tasks, now) for role, tasks in sorted(by_role.items())}
 
     def set(self, req: tp.ConfigSet, now: float, at_step: int | None = None,
             kind: str = CHANGE) -> tuple[Version, list[Event]]:
-        """A target config: a ConfigError (bad field or value) or ConflictError (not now) changes nothing."""
+        """A target config: a ConfigError (bad field or value) or ConflictError (not now) changes nothing.
+        ``at_step``: the first step of every role (else each role's earliest)."""
         changed, apply = self.history.prepare(dict(req.values))
-        earliest = self.plan_step(now)
-        if at_step is not None and at_step < earliest:
-            raise ConflictError(f"step {at_step} is too soon: the ranks may reach it before the change does; the "
-                                f"earliest step every rank can still switch at is {earliest}")
-        version = self.history.add(changed, apply, earliest if at_step is None else at_step, req.author,
-                                   req.reason, kind)
-        how = "by a restart of the round" if apply == RESTART else "in place"
+        plans = self.plan_steps(now)
+        if at_step is not None:
+            _check_reach(at_step, plans)
+        version = self.history.add(changed, apply, max(plans.values(), default=0) if at_step is None else at_step,
+                                   req.author, req.reason, kind,
+                                   role_steps=plans if at_step is None and len(plans) > 1 else {})
+        how = ("by a restart of its roles" if self.job_of_roles else "by a restart of the round") \
+            if apply == RESTART else "in place"
         events = [Event("config_set", f"config version {version.number} by {version.author}: "
-                                      f"{_words(changed)}, applied {how} from step {version.at_step}"
+                                      f"{_words(changed)}, applied {how} from step {_steps_text(version)}"
                                       + (f" ({req.reason})" if req.reason else ""), console=True)]
         if apply == RESTART:
             self._restart_asked = now
@@ -234,29 +246,65 @@ class TrainMaster:
         return []
 
     def round_started(self, round_id: int) -> None:
-        """A new round: the ranks start again (a pending restart version takes effect as they resume). Until a
-        rank reports from it, it is taken to be where it resumes: the restart's gap is not steps it ran (counted,
-        the next version's step would be planned seconds too late)."""
-        self.restart_due = None
-        for task in self.tasks.values():
-            task.stale = True
-        for version in self.history.versions:  # its round resumes with it: a next change may come
-            if version.status == PENDING and version.apply == RESTART:
-                version.status = ACTIVE
+        """A new round of a plain job: the ranks start again (a pending restart version takes effect as they
+        resume)."""
         if self.proposals.rollback_step is not None:
             self.rollback_round = (round_id, self.proposals.rollback_step)
             self.proposals.rollback_step = None
+        self._resumed(self.tasks.values())
+
+    def restart_roles(self) -> list[str]:
+        """The roles a restart version restarts in a job of roles: those whose processes declared the config
+        (they hold its values; a role that only reports its status does not)."""
+        return sorted(self.declared_roles)
+
+    def configured_ranks(self) -> int:
+        """How many reporting processes run with the config: those that switch to a version, and park for a
+        restart one."""
+        return len(self._configured())
+
+    def _configured(self) -> list[TaskState]:
+        """The reporting processes of the roles that declared the config (all, from a state that did not say)."""
+        return [task for task in self.tasks.values() if not self.declared_roles or task.role in self.declared_roles]
+
+    def roles_restarted(self, roles: Collection[str]) -> None:
+        """The processes of ``roles`` start again as new incarnations (a restart version takes effect as they
+        resume)."""
+        self._resumed([task for task in self.tasks.values() if task.role in roles])
+
+    def _resumed(self, restarted: Iterable[TaskState]) -> None:
+        """Until a restarted rank reports, it is taken to be where it resumes: the restart's gap is not steps it
+        ran (counted, the next version's step would be planned seconds too late)."""
+        self.restart_due = None
+        for task in restarted:
+            task.stale = True
+        for version in self.history.versions:  # its processes resume with it: a next change may come
+            if version.status == PENDING and version.apply == RESTART:
+                version.status = ACTIVE
         for task in self.tasks.values():
             task.parked = None
 
+    def retain(self, running: Mapping[str, int]) -> None:
+        """The job's membership changed: ``running`` maps each process it runs now (``role:rank``) to its
+        incarnation. A rank that left (a smaller round, a role scaled down, a finished process) is forgotten: its
+        frozen step would hold back every trust and plan. One running as a new incarnation is taken to be where
+        it resumes until it reports."""
+        for task_id, task in list(self.tasks.items()):
+            incarnation = running.get(task_id)
+            if incarnation is None:
+                del self.tasks[task_id]
+            elif incarnation != task.incarnation:
+                task.stale, task.parked = True, None
+
     def trust(self) -> None:
-        """Versions every rank ran TRUST_STEPS steps with are no longer reverted on a failure."""
-        running = [t.step for t in self.tasks.values() if t.step >= 0]
+        """Versions every rank ran TRUST_STEPS steps with (each counted in its role's steps) are no longer
+        reverted on a failure."""
+        running = [t for t in self._configured() if t.step >= 0]
         if not running:
             return
-        slowest = min(running)
         for version in self.history.versions:
-            if not version.trusted and version.status != REVERTED and slowest >= version.at_step + TRUST_STEPS:
+            if not version.trusted and version.status != REVERTED and \
+                    all(t.step >= version.step_for(t.role) + TRUST_STEPS for t in running):
                 version.trusted = True
                 if version.status == PENDING:
                     version.status = ACTIVE
@@ -267,7 +315,7 @@ class TrainMaster:
         current = self.history.current
         if current is None or current.trusted or current.kind != CHANGE or current.number == 1:
             return []
-        reached = any(t.estimated_step(now) + 1 >= current.at_step for t in self.tasks.values()) or \
+        reached = any(t.estimated_step(now) + 1 >= current.step_for(t.role) for t in self._configured()) or \
             current.apply == RESTART and current.status != PENDING
         if not reached and not current.switched:
             return []
@@ -277,7 +325,7 @@ class TrainMaster:
         current.status = REVERTED
         revert = self.history.add(back, current.apply, current.at_step, "convoy",
                                   f"the workers failed within {TRUST_STEPS} steps of version {current.number}",
-                                  REVERT)
+                                  REVERT, role_steps=current.role_steps)
         revert.status = ACTIVE if current.apply == HOT else PENDING
         return [Event("config_reverted", f"the workers failed after config version {current.number} "
                                          f"({_words(current.changed)}) took effect: version {revert.number} puts "
@@ -293,7 +341,8 @@ class TrainMaster:
         return self.rollback_round[1] if self.rollback_round and self.rollback_round[0] == round_id else None
 
     def state_json(self) -> dict[str, Any]:
-        return self.history.state() | {"rollback_round": self.rollback_round}
+        return self.history.state() | {"rollback_round": self.rollback_round,
+                                       "declared_roles": sorted(self.declared_roles)}
 
     @classmethod
     def from_state(cls, data: dict[str, Any] | None, overrides: dict[str, str], auto_apply: tuple[str, ...] = (),
@@ -303,7 +352,32 @@ class TrainMaster:
                      JobProposals(auto_apply, proposals), checkpoints)
         if data and data.get("rollback_round"):
             master.rollback_round = tuple(data["rollback_round"])  # type: ignore[assignment]
+        master.declared_roles = set(data.get("declared_roles", ())) if data else set()
         return master
+
+
+def _reach(tasks: list[TaskState], now: float) -> int:
+    """The first step boundary every one of ``tasks`` (ranks that count the same steps) can still reach once a
+    version pushed ``now`` arrives."""
+    fastest = min((t.step_time_s for t in tasks if t.step_time_s > 0), default=0.0)
+    ahead = math.ceil(PUSH_S / fastest) if fastest > 0 else 1
+    return int(max(t.estimated_step(now) for t in tasks)) + max(ahead, 1) + 1
+
+
+def _check_reach(at_step: int, plans: dict[str, int]) -> None:
+    """A ConflictError when a role's ranks may reach ``at_step`` before a version pushed now does."""
+    for role, earliest in plans.items():
+        if at_step < earliest:
+            whose = "every rank" if len(plans) == 1 else f"every rank of role {role}"
+            raise ConflictError(f"step {at_step} is too soon: the ranks may reach it before the change does; the "
+                                f"earliest step {whose} can still switch at is {earliest}")
+
+
+def _steps_text(version: Version) -> str:
+    """``40``, or where roles count steps of their own, ``1031 of actor, 12 of learner``."""
+    if not version.role_steps:
+        return str(version.at_step)
+    return ", ".join(f"{step} of {role}" for role, step in sorted(version.role_steps.items()))
 
 
 def _row(req: tp.StatusReport, point: tp.StatusPoint) -> tuple[Any, ...]:

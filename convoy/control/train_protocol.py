@@ -74,10 +74,16 @@ class VersionInfo(Message):
     kind: str
     apply: Literal["hot", "restart"]
     at_step: int
+    role_steps: dict[Annotated[str, Field(max_length=200)], int] = Field(
+        default_factory=dict, description="a role's own first step with this version (others: at_step)")
     author: str = ""
     reason: str = ""
     created_at: float = 0.0
     status: str = ""
+
+    def step_for(self, role: str) -> int:
+        """The first step of ``role`` that runs with this version."""
+        return self.role_steps.get(role, self.at_step)
 
 
 class ConfigState(Message):
@@ -124,5 +130,6 @@ class ProposalAction(Message):
 def version_info(version: Any) -> VersionInfo:
     """A ``train_config.Version`` on the wire."""
     return VersionInfo(number=version.number, values=version.values, changed=version.changed, kind=version.kind,
-                       apply=version.apply, at_step=version.at_step, author=version.author, reason=version.reason,
+                       apply=version.apply, at_step=version.at_step, role_steps=version.role_steps,
+                       author=version.author, reason=version.reason,
                        created_at=version.created_at, status=version.status)
