@@ -4,7 +4,8 @@ The agent keeps one standby per local worker, so a (re)start pays for ``import t
 the round even closes (argv: the preload list and a fd to signal readiness). The order arrives
 as one JSON line on stdin:
 ``{"env": {...}, "argv": [...], "entrypoint": "...", "module": false}``. An unmodified script
-runs as it would under ``python script.py`` (``__name__ == "__main__"``, ``sys.argv``, ``sys.path[0]``).
+runs as it would under ``python script.py`` (``__name__ == "__main__"``, ``sys.argv``, ``sys.path[0]``),
+beside the watcher of its round lease, where it has one (``lease_watch.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 import traceback
 
 from convoy.agent.round_store import serve_if_asked
+from convoy.lease_watch import watch_from_child, watch_lease
 from convoy.procs import exit_without_teardown
 
 _AGENT_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -83,6 +85,7 @@ def main() -> int:
     sys.argv = list(order["argv"])  # type: ignore[call-overload]
     if order.get("no_python"):  # --no-python: this process becomes the executable (same pid, output, session)
         sys.stdout.flush()
+        watch_from_child()  # the program it becomes runs no thread of ours: a child watches its lease
         try:
             os.execvp(sys.argv[0], sys.argv)
         except OSError as exc:
@@ -93,7 +96,9 @@ def main() -> int:
 
 
 def run_script(entrypoint: str, module: bool) -> int:
-    """Run the script as ``python script.py`` would; return its exit code."""
+    """Run the script as ``python script.py`` would, its lease watched (a process a convoy agent started under a
+    round lease stops itself once the lease has expired); return its exit code."""
+    watch_lease()
     try:
         if module:
             runpy.run_module(entrypoint, run_name="__main__", alter_sys=True)

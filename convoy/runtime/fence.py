@@ -3,7 +3,8 @@
 Read before a snapshot slot is committed and before a persistent save starts or is sealed. A
 worker not started by a convoy agent (plain python, torchrun) has no lease and is never
 fenced. A refusal is said once per reason and recorded as an event; training goes on, since the
-agent stops this worker as soon as it learns its round ended.
+agent stops this worker as soon as it learns its round ended, and a worker whose lease ran out
+stops itself (``convoy/lease_watch.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from convoy import worker_events
-from convoy.lease import LEASE_ENV, read_lease
+from convoy.lease import LEASE_ENV, own_round, read_lease
 
 
 class Fence(Protocol):
@@ -29,7 +30,9 @@ class RoundFence:
     def __init__(self, say: Callable[[str], None], lease_file: str | Path | None = None,
                  round_id: int | None = None) -> None:
         self.lease_file = lease_file if lease_file is not None else os.environ.get(LEASE_ENV) or None
-        self.round_id = round_id if round_id is not None else int(os.environ.get("CONVOY_ROUND", "0"))
+        self.round_id = round_id if round_id is not None else own_round()
+        """This worker's round (None: a process that lives across rounds, which any current round's lease lets
+        write)."""
         self.say = say
         self.refused: dict[str, str] = {}
         """Each reason refused so far (``stale_round``, ``lease_lapsed``) and the first message said for it."""
@@ -42,13 +45,14 @@ class RoundFence:
         now = time.monotonic()
         if lease is None or lease.holds(self.round_id, now):
             return True
-        if lease.round_id == self.round_id:
-            self._refuse("lease_lapsed", f"round lease lapsed (the agent has not heard from the master for longer "
-                         f"than the lease term; lapsed {now - lease.valid_until:.1f} s ago): not committing {what} "
-                         "until it is renewed")
+        if lease.of(self.round_id):
+            self._refuse("lease_lapsed", f"round lease lapsed (the agent's last answer from the master is nearly "
+                         f"a heartbeat timeout old, so the master may declare this node lost; lapsed "
+                         f"{now - lease.valid_until:.1f} s ago): not committing {what} until it is renewed")
         else:
-            self._refuse("stale_round", f"round {self.round_id} is no longer current: {what} not committed; "
-                         "the agent will stop this worker")
+            ended = f"round {self.round_id} is no longer current" if self.round_id is not None else \
+                "this node runs no round of the job any more"
+            self._refuse("stale_round", f"{ended}: {what} not committed; the agent will stop this worker")
         return False
 
     def _refuse(self, reason: str, message: str) -> None:

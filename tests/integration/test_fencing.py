@@ -1,5 +1,5 @@
 """A worker of an ended round never writes state: a stopped agent's workers are fenced by the
-round lease, killed when the agent wakes, and the readmitted node resumes where the job is.
+round lease, stop themselves once it has expired, and the readmitted node resumes where the job is.
 
 Also: what workers record with ``convoy.worker_events.emit`` reaches the job's events.
 """
@@ -14,12 +14,14 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import ProcessScope, fixture, wait_for
+from helpers import ProcessScope, fixture, gone, wait_for
+
+from convoy.lease import read_lease
 
 pytestmark = pytest.mark.slow
 
 FENCED = fixture("fenced_train.py")
-HEARTBEAT_TIMEOUT_S = 3.0
+HEARTBEAT_TIMEOUT_S = 4.0
 
 
 def lines(run_dir: Path, round_id: int, rank: int) -> list[dict]:
@@ -44,20 +46,26 @@ def events(run_dir: Path) -> list[tuple[float, str, str]]:
         db.close()
 
 
-def test_a_stopped_agents_worker_commits_nothing_after_its_node_is_lost(procs: ProcessScope, tmp_path: Path) -> None:
+def test_a_stopped_agents_worker_stops_itself_once_its_lease_expires(procs: ProcessScope, tmp_path: Path) -> None:
+    """Its agent SIGSTOPped past the heartbeat timeout, the worker commits nothing once its lease lapsed and stops
+    itself (one line) once it expired, while the agent is still stopped: it used to train on until the agent woke
+    and killed it."""
     run_dir = tmp_path / "run"
     job = procs.start(["run", "--nnodes", "1:2", "--nproc-per-node", 1, "--rdzv-wait", 5, "--stop-grace", 1,
                        "--heartbeat-timeout", HEARTBEAT_TIMEOUT_S, "--run-dir", run_dir,
                        FENCED, "--steps", 320, "--sleep", 0.05])
     wait_for(lambda: len([s for s in lines(run_dir, 1, 1) if "step" in s]) >= 10, 90, "rank 1 to train 10 steps")
-    agent = next(s["agent"] for s in lines(run_dir, 1, 1) if "agent" in s)
+    started = next(s for s in lines(run_dir, 1, 1) if "agent" in s)
+    agent, worker = started["agent"], started["pid"]
     os.kill(agent, signal.SIGSTOP)
     stopped_at = time.time()
     try:
+        wait_for(lambda: gone(worker), 30, "the stopped agent's worker to stop itself")
+        lease = read_lease(started["lease"])  # as the stopped agent left it
         wait_for(lambda: any(kind == "regroup" and "sent no heartbeat" in message
                              for _, kind, message in events(run_dir)), 30, "the stopped node to be declared lost")
         lost_at = next(ts for ts, kind, message in events(run_dir) if kind == "regroup" and "sent no heartbeat" in message)
-        time.sleep(max(0.0, lost_at + 1.5 - time.time()))  # the stale worker trains on meanwhile
+        wait_for(lambda: [s for s in lines(run_dir, 2, 0) if "step" in s], 60, "the job to go on without the node")
     finally:
         os.kill(agent, signal.SIGCONT)
     result = job.wait(timeout=90)
@@ -66,9 +74,14 @@ def test_a_stopped_agents_worker_commits_nothing_after_its_node_is_lost(procs: P
     stale = [s for s in lines(run_dir, 1, 1) if "step" in s]
     committed = [s for s in stale if not s["refused"]]
     assert committed and committed[-1]["t"] < lost_at, "no step is committed once the node may be declared lost"
-    after = [s for s in stale if s["t"] > lost_at]
-    assert after, "the stopped agent's worker trained on after the loss (it is fenced, not frozen)"
-    assert all("lease_lapsed" in s["refused"] for s in after), after[:3]
+    lapsed = [s for s in stale if s["mono"] > lease.valid_until]
+    assert lapsed and all("lease_lapsed" in s["refused"] for s in lapsed), lapsed[:3]
+    past_expiry = [s["step"] for s in stale if s["mono"] > lease.expires_at]
+    assert len(past_expiry) <= 2, f"{len(past_expiry)} steps after the lease expired (the one under way at most)"
+    log = (run_dir / "logs" / "round1" / "rank1.log").read_text()
+    said = [line for line in log.splitlines() if "lease expired" in line]
+    assert len(said) == 1 and said[0].startswith("convoy: round 1's lease expired") and \
+        f"stopping process {worker} now (exit code 75)" in said[0], log[-2000:]
     assert lost_at - stopped_at >= HEARTBEAT_TIMEOUT_S - 1.0
 
     # the node is readmitted: its snapshot holds only steps it committed before the loss, and it

@@ -67,3 +67,18 @@ def test_removed_lease_file_reads_as_ended(lease: LeaseWriter) -> None:
     fence = RoundFence(lambda message: None, lease.path, 3)
     lease.close()  # the agent removed it: its round is over
     assert not fence.allows("snapshot of step 1") and "stale_round" in fence.refused
+
+
+def test_a_process_of_no_round_is_fenced_by_whichever_round_is_current(lease: LeaseWriter,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CONVOY_ROUND", raising=False)  # a role process lives across its job's rounds
+    lease.grant(5, time.monotonic(), 30.0)
+    said: list[str] = []
+    fence = RoundFence(said.append, lease.path)
+    assert fence.round_id is None and fence.allows("snapshot of step 1")
+    lease.grant(6, time.monotonic(), 30.0)  # a node joined: a new round, the process goes on
+    assert fence.allows("snapshot of step 2")
+    lease.revoke()
+    assert not fence.allows("snapshot of step 3")
+    assert said == ["this node runs no round of the job any more: snapshot of step 3 not committed; the agent "
+                    "will stop this worker"]
