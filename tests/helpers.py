@@ -163,6 +163,7 @@ class ProcessScope:
             proc = subprocess.Popen(
                 [*command, *map(str, args)], stdin=subprocess.DEVNULL, stdout=out_file, stderr=err_file,
                 cwd=cwd or self.tmp_path, env=self.env(env), start_new_session=True,
+                preexec_fn=as_a_terminal_starts_it,
             )
         launched = Launched(proc, out, err, self)
         self.launched.append(launched)
@@ -230,6 +231,14 @@ class ProcessScope:
                 launched.proc.wait(5)
             except subprocess.TimeoutExpired:
                 pass
+
+
+def as_a_terminal_starts_it() -> None:
+    """In a child before exec: SIGINT and SIGQUIT at their defaults, as a terminal's foreground command has them,
+    whatever the test runner inherited (a shell without job control, a CI's among them, starts a background
+    command with both ignored, and a Python program started so never sees a Ctrl-C)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
 
 
 def _describe(proc: psutil.Process) -> str:

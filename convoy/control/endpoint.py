@@ -56,9 +56,11 @@ def claim(host: str, port: int) -> socket.socket | None:
 
 
 def run_endpoint_job(config: JobConfig, endpoint: tuple[str, int], token: str, token_file: Path | None,
-                     relaunch: bool, console: Callable[[str], None] = print, node_rank: int = -1) -> int:
+                     relaunch: bool, console: Callable[[str], None] = print, node_rank: int = -1,
+                     agent_host: str | None = None) -> int:
     """Run this host's node of the job at ``endpoint`` (and its master, if this launcher claims it);
-    ``node_rank``: the rank this node asks for in the first round (torchrun's --node-rank)."""
+    ``node_rank``: the rank this node asks for in the first round (torchrun's --node-rank); ``agent_host``: the
+    address the other hosts reach this one at (torchrun's --local-addr; None: the one towards the master)."""
     if node_rank != -1 and not 0 <= node_rank < config.master.rendezvous.max_nodes:
         raise ConfigError(f"--node-rank {node_rank}: give 0..{config.master.rendezvous.max_nodes - 1} (--nnodes "
                           f"is {config.master.rendezvous.max_nodes} at most)")
@@ -76,9 +78,9 @@ def run_endpoint_job(config: JobConfig, endpoint: tuple[str, int], token: str, t
     previous = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         if listener is not None:
-            return _serve(config, listener, shared, token, (node_id, node_rank), relaunch, console)
+            return _serve(config, listener, shared, token, (node_id, node_rank), relaunch, console, agent_host)
         private = run_dir / "nodes" / f"token-{node_id}" if token else None
-        scheduler = LocalScheduler(config, private or shared, port, master_host=host, agent_host=None)
+        scheduler = LocalScheduler(config, private or shared, port, master_host=host, agent_host=agent_host)
         fork_server = scheduler.start_fork_servers([node_id]).get(node_id)  # imports torch while the token comes
         try:
             if private is not None:
@@ -105,14 +107,14 @@ def run_endpoint_job(config: JobConfig, endpoint: tuple[str, int], token: str, t
 
 
 def _serve(config: JobConfig, listener: socket.socket, token_path: Path, token: str, node: tuple[str, int],
-           relaunch: bool, console: Callable[[str], None]) -> int:
+           relaunch: bool, console: Callable[[str], None], agent_host: str | None = None) -> int:
     """This launcher claimed the endpoint: the master, this host's agent, and the job's outcome."""
     node_id, node_rank = node
     master = config.master
     host, port = listener.getsockname()[:2]
     master.job_id = master.job_id or secrets.token_hex(4)
     job_token = write_token(token_path, token or None)
-    scheduler = LocalScheduler(config, token_path, port, master_host=host, listener=listener, agent_host=None)
+    scheduler = LocalScheduler(config, token_path, port, master_host=host, listener=listener, agent_host=agent_host)
     fork_server = scheduler.start_fork_servers([node_id]).get(node_id)  # its import of torch first
     from convoy.agent.client import MasterClient  # pydantic's models: once the server is on its way
 
