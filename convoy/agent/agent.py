@@ -13,7 +13,7 @@ from convoy.agent.client import MasterClient
 from convoy.agent.local_api import ClientPool, LocalApi
 from convoy.agent.reap import NodeCgroup, reap
 from convoy.agent.role_memory import RoleMemory, join_memory
-from convoy.agent.forked import ForkServer, fork_server_for
+from convoy.agent.forked import ForkServer, fault_of, fork_server_for, start_fork_server
 from convoy.agent.agent_config import AgentConfig
 from convoy.agent.heartbeat import Heartbeat
 from convoy.agent.role_procs import JobContext, RoleProcesses
@@ -49,6 +49,9 @@ class Agent:
         """Bound to the port this node offered as MASTER_PORT, from its join until its workers start."""
         self._role_processes: RoleProcesses | None = None
         self._forks = forks  # the role processes' fork server (``convoy agent`` may have started it)
+        if forks is not None:
+            forks.node_id = config.node_id
+        self.group.name_node(config.node_id)
         self.local_api = LocalApi(ClientPool(lambda: MasterClient(
             config.master_host, config.master_port, config.token, config.master_timeout_s, config.tls_ca)).forward)
         """The node's processes reach the master through it (data shards); they hold no job token."""
@@ -72,8 +75,8 @@ class Agent:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             self.heartbeat.stopping.set()
             self._revoke()
-            if self._role_processes is not None:
-                self._role_processes.stop_all()
+            if self._role_processes is not None:  # unreported: the node has left (the master counted its
+                self._role_processes.stop_all()    # processes out) or cannot reach the master
             if self._forks is not None:
                 self._forks.close()  # no process of the job is forked from it any more
             self.group.close()
@@ -194,14 +197,15 @@ class Agent:
                              self.local_api.env())
         memory = RoleMemory(self.config.node_id)
         processes = self._role_processes = RoleProcesses(self.config.workers, context, self.group.cgroup,
-                                                         memory=memory, forks=self._forks)
+                                                         memory=memory, forks=self._forks,
+                                                         fresh_forks=self._fresh_fork_server)
         while True:
             if self.heartbeat.error is not None:
                 raise self.heartbeat.error
             latest = self.heartbeat.latest
             if latest is not None and latest.job_status != "running":
                 self._final_status = latest.job_status
-                processes.stop_all()
+                processes.stop_all()  # their exits are not sent: the job's books are closed, nothing is decided
                 return True
             if latest is not None and latest.round_id > round_id:
                 round_id = latest.round_id
@@ -227,6 +231,14 @@ class Agent:
                 return
             for report in processes.carry_out(assignments, stops):
                 self.client.call("/role_report", report, p.Ack)
+
+    def _fresh_fork_server(self) -> ForkServer | None:
+        """A fresh fork server for the role processes, in place of one that failed (``RoleProcesses`` closes that
+        one); None where it cannot start."""
+        self._forks = start_fork_server(self.config.workers, self.config.host, self._job_id, self.config.node_id)
+        if self._forks is not None and self.group.cgroup is not None:
+            self.group.cgroup.add(self._forks.pid)
+        return self._forks
 
     def _start_fork_server(self, job_id: str) -> None:
         """The role processes' fork server, once per agent: its import of torch overlaps the rest of the start."""
@@ -262,7 +274,7 @@ class Agent:
             node_id=self.config.node_id, round_id=round_info.round_id, rank=worker.rank,
             local_rank=worker.local_rank, exitcode=code if code >= 0 else None, signal=signal_name(code),
             log_path=worker.pump.log_path, log_tail=list(worker.pump.tail),
-            port_in_use=worker.rank == 0 and port_taken(worker.pump.tail),
+            port_in_use=worker.rank == 0 and port_taken(worker.pump.tail), infrastructure=fault_of(worker.proc),
         )
         self.client.call("/worker_exit", report, p.Ack)
 

@@ -7,6 +7,11 @@ and the port it serves on (CONVOY_ROLE_PORT), and the threads of its role's ``cp
 role declares none and the job's environment sets none, as torchrun gives each of several workers a node: the
 processes of a node share its cores). Its output goes through a LogPump to
 ``RUN_DIR/logs/roles/<role><rank>.log`` and, prefixed ``[<role><rank>]``, to the console.
+
+Every exit is reported once, with its incarnation, however it came: on its own, stopped on the master's word,
+stopped by the agent to make room for a newer incarnation of its rank, ended at the job's end, or killed with a
+fork server that died or stopped answering (then with the server's fault as ``infrastructure``; a fresh server
+takes its place). Every wait on a process is bounded.
 """
 
 from __future__ import annotations
@@ -20,11 +25,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Callable
 
 from convoy import log
 from convoy.agent.env import STEADY_MALLOC, spawn_env
-from convoy.agent.forked import ForkedProcess, ForkServer
+from convoy.agent.forked import KILL_WAIT_S, ForkedProcess, ForkServer, fault_of, wait_bounded
 from convoy.agent.memory_limits import CgroupMemoryLimit, MemoryLimit
 from convoy.agent.reap import NodeCgroup
 from convoy.agent.role_memory import RoleMemory
@@ -80,19 +85,24 @@ class RoleProcesses:
 
     def __init__(self, workers: WorkerConfig, context: JobContext, cgroup: NodeCgroup | None = None,
                  console: BinaryIO | None = None, memory: RoleMemory | None = None,
-                 forks: ForkServer | None = None) -> None:
+                 forks: ForkServer | None = None, fresh_forks: Callable[[], ForkServer | None] | None = None) -> None:
         self.workers, self.context, self.cgroup, self.memory = workers, context, cgroup, memory
         self.forks = forks
         """Where the processes are forked from (None: each starts as ``python SCRIPT``)."""
+        self.fresh_forks = fresh_forks
+        """Starts a fresh fork server in place of one that failed (None, or returning None: none can start)."""
         self.running: dict[Key, RoleProcess] = {}
         self.seen: set[Key] = set()
+        self._ended: list[tuple[RoleProcess, p.RoleReport]] = []
+        """Processes ended outside ``poll`` (stopped to make room), their reports not yet handed out."""
         self._console = console or sys.stdout.buffer
         self._console_lock = threading.Lock()
         self._env = spawn_env(1, host=context.host)
 
     def start(self, assignment: p.RoleAssignment) -> RoleProcess | None:
         """Start the process, or None when this incarnation was started already. An older incarnation of the
-        same rank still running is stopped first (it may hold the port)."""
+        same rank still running is stopped first (it may hold the port); ``carry_out`` and ``poll`` report its
+        exit."""
         key = (assignment.role, assignment.rank, assignment.incarnation)
         if key in self.seen:
             return None
@@ -131,16 +141,21 @@ class RoleProcesses:
         """Fork the process from the fork server, which joins it to its cgroups (the node's, its limit's)
         before it runs anything; a process of its own where there is no server or it fails."""
         entry, module, args = self._entry(assignment)
-        if self.forks is not None:
-            cgroups = [str(self.cgroup.path)] if self.cgroup is not None else []
-            if isinstance(limit, CgroupMemoryLimit):
-                cgroups.append(str(limit.path))
+        cgroups = [str(self.cgroup.path)] if self.cgroup is not None else []
+        if isinstance(limit, CgroupMemoryLimit):
+            cgroups.append(str(limit.path))
+        for _ in range(2):  # a server that died or did not answer gives way to a fresh one, which gets a try
+            server = self.forks
+            if server is None:
+                break
             try:
-                return self.forks.spawn(env, [entry, *args], entry, module, cgroups, FORK_READY_S,
-                                        own_pages=limit is not None or assignment.measure)
+                return server.spawn(env, [entry, *args], entry, module, cgroups, FORK_READY_S,
+                                    own_pages=limit is not None or assignment.measure)
             except WorkerStartError as exc:
-                log.warning(f"convoy agent {self.context.node_id}: {exc}; {name} and the role processes after it start "
-                            "as processes of their own")
+                failure = exc
+            if self.keep_fork_server() and self.forks is server:  # it works, yet could not fork this one
+                log.warning(f"convoy agent {self.context.node_id}: {failure}; {name} and the role processes after it "
+                            "start as processes of their own")
                 self.forks = None
         try:
             proc = subprocess.Popen(
@@ -156,7 +171,7 @@ class RoleProcesses:
 
     def carry_out(self, assignments: list[p.RoleAssignment], stops: list[p.RoleStop]) -> list[p.RoleReport]:
         """Stops first (a rank's old process may hold the port its new one gets), then starts; the reports for
-        the master."""
+        the master (the exit of an older incarnation stopped to make room before its successor's start)."""
         for stop in stops:
             self.stop(stop)
         reports = []
@@ -168,7 +183,9 @@ class RoleProcesses:
             except (WorkerStartError, OSError) as exc:
                 log.warning(f"convoy agent {self.context.node_id}: {exc}")
                 report.state, report.start_failed, report.log_tail = "exited", True, [str(exc)]
-            else:
+                process = None
+            reports += [ended for _, ended in self._take_ended()]  # an older incarnation stopped to make room
+            if report.state == "started":
                 if process is None:
                     # a repeat of the assignment (redelivered, or from a restarted master that missed the
                     # report): say again that it runs; one that exited since is reported by poll
@@ -187,8 +204,10 @@ class RoleProcesses:
             process.kill_at = time.monotonic() + self.workers.stop_grace_s
 
     def poll(self) -> list[tuple[RoleProcess, p.RoleReport]]:
-        """The processes that exited since the last call, each with its report for the master."""
-        exited = []
+        """The processes that exited since the last call, each with its report for the master (a fork server that
+        failed is replaced first: the processes that died with it are among them)."""
+        self.keep_fork_server()
+        exited = self._take_ended()
         now = time.monotonic()
         for key, process in list(self.running.items()):
             code = process.proc.poll()
@@ -199,24 +218,44 @@ class RoleProcesses:
             process.signal(signal.SIGKILL)  # what it left running in its group
             process.pump.join(timeout=2.0)  # its group is gone, so the pipe closes: its last lines reach the tail
             del self.running[key]
-            report = self.exit_report(process, code)
-            exited.append((process, self.memory.exited(key, report) if self.memory is not None else report))
+            exited.append((process, self._exit_report(process, code)))
         return exited
 
     def exit_report(self, process: RoleProcess, code: int) -> p.RoleReport:
         role, rank, incarnation = process.key
         return p.RoleReport(node_id=self.context.node_id, role=role, rank=rank, incarnation=incarnation,
                             state="exited", exitcode=code if code >= 0 else None, signal=signal_name(code),
-                            log_path=process.pump.log_path, log_tail=list(process.pump.tail))
+                            log_path=process.pump.log_path, log_tail=list(process.pump.tail),
+                            infrastructure=fault_of(process.proc))
 
-    def stop_all(self) -> None:
-        """The end of the job on this node: SIGTERM every process, SIGKILL what is left after the grace."""
+    def stop_all(self) -> list[p.RoleReport]:
+        """The end of the job on this node: SIGTERM every process, SIGKILL what is left after the grace; the
+        exit reports not yet handed out (these, and any ended since the last ``poll``)."""
         self._stop_now(list(self.running.values()))
         self.running.clear()
+        reports = [report for _, report in self._take_ended()]
         if self.memory is not None:
             self.memory.close()
+        return reports
+
+    def keep_fork_server(self) -> bool:
+        """Whether the processes are forked from a working server: one that died, or stopped answering (and was
+        killed for it), gives way to a fresh one, with one line saying so (the processes that died with it are
+        reported with its fault)."""
+        if self.forks is None:
+            return False
+        fault = self.forks.check()
+        if not fault:
+            return True
+        fresh = self.fresh_forks() if self.fresh_forks is not None else None
+        what = "a fresh one takes its place" if fresh is not None else "role processes start as processes of their own"
+        log.warning(f"convoy agent {self.context.node_id}: {fault}; {what}")
+        self.forks.close()
+        self.forks = fresh
+        return fresh is not None
 
     def _stop_now(self, processes: list[RoleProcess]) -> None:
+        """SIGTERM, SIGKILL after the grace, each wait bounded; their exits are kept for the next report."""
         for process in processes:
             process.signal(signal.SIGTERM)
         deadline = time.monotonic() + self.workers.stop_grace_s
@@ -224,11 +263,22 @@ class RoleProcesses:
             time.sleep(0.01)
         for process in processes:
             process.signal(signal.SIGKILL)
-            process.proc.wait()
+            code = wait_bounded(process.proc, KILL_WAIT_S)
+            if code is None:
+                log.warning(f"convoy agent {self.context.node_id}: {process.assignment.role} {process.assignment.rank} "
+                            f"(pid {process.proc.pid}) did not end within {KILL_WAIT_S:.0f} s of SIGKILL; reported "
+                            "killed, the node's reap ends it")
             process.pump.join(timeout=2.0)
             self.running.pop(process.key, None)
-            if self.memory is not None:
-                self.memory.forget(process.key)
+            self._ended.append((process, self._exit_report(process, -signal.SIGKILL if code is None else code)))
+
+    def _exit_report(self, process: RoleProcess, code: int) -> p.RoleReport:
+        report = self.exit_report(process, code)
+        return self.memory.exited(process.key, report) if self.memory is not None else report
+
+    def _take_ended(self) -> list[tuple[RoleProcess, p.RoleReport]]:
+        ended, self._ended = self._ended, []
+        return ended
 
     def _entry(self, assignment: p.RoleAssignment) -> tuple[str, bool, list[str]]:
         """(script or module, whether a module, arguments) of the assignment's process."""

@@ -4,8 +4,9 @@ A node's workers are forked from one fork server (``forkserver.py``) that import
 round's workers, and every restart's, start in milliseconds, and nproc workers cost one import of torch rather
 than nproc at once (on 2 cores, two concurrent imports take each about twice as long). Where the server cannot
 be used (``--no-python``: a worker becomes another executable; an empty ``--preload``; a server that cannot
-start or dies), each worker is a standby of its own: a process that imports the preload list ahead of its
-round, then waits for its rank."""
+start or dies before it has preloaded), each worker is a standby of its own: a process that imports the preload
+list ahead of its round, then waits for its rank. A server that dies later, or stops answering (and is killed
+for it), gives way to a fresh one; the workers that died with it carry its fault (``ForkedProcess.fault``)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, BinaryIO
 
 from convoy import log
 from convoy.agent.env import spawn_env, worker_env
-from convoy.agent.forked import ForkedProcess, ForkServer
+from convoy.agent.forked import KILL_WAIT_S, ForkedProcess, ForkServer, wait_bounded
 from convoy.agent.log_pump import Failures, LogPump
 from convoy.agent.round_store import STORE_BIND, hosted_by_rank0
 from convoy.agent.reap import NodeCgroup
@@ -107,12 +108,21 @@ class WorkerGroup:
         """Events the workers recorded, ``(rank, kind, message)``, for the agent to send on."""
         self.failures = Failures()
         """The first failure of the running round (the workers failing after it get a line each)."""
+        self.node_id = ""
+        """The node's id (``name_node``)."""
+
+    def name_node(self, node_id: str) -> None:
+        """The node's id, for the lines that name it and its fork server."""
+        self.node_id = node_id
+        if self._forks is not None:
+            self._forks.node_id = node_id
 
     def adopt(self, forks: ForkServer) -> None:
         """Fork the workers from ``forks``, which the launcher started before this agent; closed at once where the
         workers are not forked (``--no-python``, an empty ``--preload``)."""
         if self._forking and self._forks is None:
             self._forks = forks
+            forks.node_id = self.node_id
         else:
             forks.close()
 
@@ -124,6 +134,7 @@ class WorkerGroup:
             except OSError as exc:
                 self._stop_forking(f"cannot start the fork server ({exc})")
             else:
+                self._forks.node_id = self.node_id
                 if self.cgroup is not None:
                     self.cgroup.add(self._forks.pid)  # what it forks is born in the node's cgroup
         if self._forking:
@@ -138,13 +149,17 @@ class WorkerGroup:
         """Start the fork server or standbys if needed and wait (bounded) until they have imported their preload
         list."""
         self.fill_standbys()
-        if self._forks is not None:
+        for _ in range(2):  # a server that dies once ready gives way to a fresh one, once per call
+            self.keep_fork_server()
+            if self._forks is None:
+                break
             if self._forks.wait_ready(timeout):
                 return True
             if self._forks.alive:
                 return False
-            self._stop_forking("the fork server is gone")
-            self.fill_standbys()
+            if not self._forks.preloaded:  # a fresh one would fare no better
+                self._stop_forking(f"{self._forks.check()} before it had preloaded")
+                self.fill_standbys()
         deadline = time.monotonic() + timeout
         while not all(standby.preloaded() for standby in self._standbys):
             if time.monotonic() > deadline:
@@ -181,6 +196,18 @@ class WorkerGroup:
                        self.failures)
         pump.start()
         return Worker(proc, pump, ready_read)
+
+    def keep_fork_server(self) -> None:
+        """A fork server that died once it had preloaded, or stopped answering (and was killed for it), gives way
+        to a fresh one, with one line saying so (the workers that died with it report its fault)."""
+        if self._forks is None or not self._forks.preloaded:
+            return
+        fault = self._forks.check()
+        if fault:
+            log.warning(f"convoy agent {self.node_id}: {fault}; a fresh one takes its place")
+            old, self._forks = self._forks, None
+            old.close()
+            self.fill_standbys()
 
     def _stop_forking(self, why: str) -> None:
         """Start each worker as a standby of its own from now on (the fork server, if any, ends with its
@@ -235,11 +262,7 @@ class WorkerGroup:
         if serves and store is None:
             envs[0][STORE_BIND] = "1"  # no socket to hand over: rank 0 binds the port itself
         if self._forks is not None:
-            try:
-                self.workers = self._fork(envs, store if serves else None)
-            except WorkerStartError as exc:
-                self._stop_forking(str(exc))
-                self.fill_standbys()
+            self.workers = self._fork_round(envs, store if serves else None)
         if not self.workers:
             if store is not None:
                 store.close()  # the standby of rank 0 binds the port itself
@@ -260,6 +283,23 @@ class WorkerGroup:
             except BrokenPipeError:
                 pass  # the standby died before its order arrived; poll() reports its exit
 
+    def _fork_round(self, envs: list[dict[str, str]], store: socket.socket | None) -> list[Worker]:
+        """The round's workers from the fork server; where it died or did not answer, once more from a fresh one;
+        none (and standbys from now on) where that fails too."""
+        try:
+            return self._fork(envs, store)
+        except WorkerStartError as exc:
+            failure = exc
+        self.keep_fork_server()
+        if self._forks is not None and self._forks.alive:
+            try:
+                return self._fork(envs, store)
+            except WorkerStartError as exc:
+                failure = exc
+        self._stop_forking(str(failure))
+        self.fill_standbys()
+        return []
+
     def _fork(self, envs: list[dict[str, str]], store: socket.socket | None) -> list[Worker]:
         """One process per environment from the fork server (each already holds the preloaded modules; the
         first serves the round's store on ``store``, if given); where one cannot be forked, those forked before it
@@ -278,7 +318,7 @@ class WorkerGroup:
         except WorkerStartError:
             for worker in forked:
                 worker.signal(signal.SIGKILL)
-                worker.proc.wait()
+                wait_bounded(worker.proc, KILL_WAIT_S)
                 worker.pump.join(timeout=2.0)
             raise
         return forked
@@ -289,7 +329,8 @@ class WorkerGroup:
         return [first, *self.config.args]
 
     def poll(self) -> tuple[list[Worker], list[Worker]]:
-        """Return (finished with 0, failed) among this round's workers."""
+        """Return (finished with 0, failed) among this round's workers (and keep the fork server working)."""
+        self.keep_fork_server()
         done = [w for w in self.workers if w.returncode == 0]
         failed = [w for w in self.workers if w.returncode not in (None, 0)]
         return done, failed
@@ -306,7 +347,9 @@ class WorkerGroup:
             alive = [w for w in alive if w.returncode is None]
         for worker in self.workers:
             worker.signal(signal.SIGKILL)  # also reaches children a finished worker left behind
-            worker.proc.wait()
+            if wait_bounded(worker.proc, KILL_WAIT_S) is None:
+                log.warning(f"convoy agent {self.node_id}: rank {worker.rank} (pid {worker.proc.pid}) did not end "
+                            f"within {KILL_WAIT_S:.0f} s of SIGKILL; the node's reap ends it")
             worker.pump.join(timeout=2.0)
             worker.release()
         self.workers = []
@@ -316,7 +359,7 @@ class WorkerGroup:
         self.stop()
         for standby in self._standbys:
             standby.signal(signal.SIGKILL)
-            standby.proc.wait()
+            wait_bounded(standby.proc, KILL_WAIT_S)
             standby.release()
         self._standbys = []
         if self._forks is not None:

@@ -1,7 +1,7 @@
 """A node's workers are forked from its fork server, which the launcher starts before the master and the agent
 (the agent takes it over): every round's (a restart's too) from the same server, with the environment a worker
 started on its own would have; a killed fork server takes its workers with it, and the
-job goes on, each worker then a standby of its own; ``--preload ''`` keeps standbys from the start."""
+job regroups on a fresh server, spending no restart; ``--preload ''`` keeps standbys from the start."""
 
 from __future__ import annotations
 
@@ -66,9 +66,11 @@ def test_every_rounds_workers_are_forked_from_the_nodes_one_server(procs: Proces
     procs.wait_no_leftovers()
 
 
-def test_a_killed_fork_server_takes_its_workers_and_the_job_goes_on_with_standbys(procs: ProcessScope,
-                                                                                   run_dir: Path,
-                                                                                   tmp_path: Path) -> None:
+def test_a_killed_fork_server_takes_its_workers_and_the_job_regroups_on_a_fresh_one(procs: ProcessScope,
+                                                                                      run_dir: Path,
+                                                                                      tmp_path: Path) -> None:
+    """One infrastructure fault: the workers that died with the server are reported as such, the node regroups
+    without spending a restart, and round 2 forks from a fresh server (the dead one reaped at once)."""
     records = tmp_path / "records"
     job = start(procs, run_dir, records, "json")
     first = pids(records, 1)
@@ -76,11 +78,16 @@ def test_a_killed_fork_server_takes_its_workers_and_the_job_goes_on_with_standby
     server.kill()
     wait_for(lambda: not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
                              for pid in first), 10, "the server's workers to die with it")
-    assert all("convoy agent" in parent for _, parent in parents(records, 2)), \
-        "round 2's workers are standbys of their own, the agent's children"
+    wait_for(lambda: not psutil.pid_exists(server.pid), 10, "the dead server to be reaped while the job runs")
+    second = parents(records, 2)
+    assert len({ppid for ppid, _ in second}) == 1 and second[0][0] != server.pid, second
+    assert all("convoy.agent.forkserver" in parent for _, parent in second), "round 2 forks from a fresh server"
     result = job.wait(60)
     assert result.returncode == 0, result.explain()
-    assert "the fork server is gone; each worker starts as a process of its own" in result.output, result.output
+    fault = "the fork server of node local0 died"
+    assert f"{fault}; a fresh one takes its place" in result.stderr, result.explain()
+    assert f"convoy: infrastructure fault: {fault}" in result.stdout, result.explain()
+    assert "restart 1/" not in result.stdout, "the fault spent no restart: " + result.stdout
     procs.wait_no_leftovers()
 
 
