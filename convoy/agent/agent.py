@@ -194,7 +194,7 @@ class Agent:
         self.group.close()  # no worker per local rank: the workers' fork server is not needed
         self._start_fork_server(self._job_id)
         context = JobContext(self._job_id, self.config.node_id, self.config.host, self.config.run_dir, self.master_url,
-                             self.local_api.env())
+                             self.local_api.env(), job_token=self.config.token, tls=bool(self.config.tls_ca))
         memory = RoleMemory(self.config.node_id)
         processes = self._role_processes = RoleProcesses(self.config.workers, context, self.group.cgroup,
                                                          memory=memory, forks=self._forks,

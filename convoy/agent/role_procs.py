@@ -39,7 +39,7 @@ from convoy.control import protocol as p
 from convoy.errors import WorkerStartError
 from convoy.ports import free_port
 from convoy.procs import die_with_parent, signal_name
-from convoy.role_env import ADDRESSES_FILE_ENV, INCARNATION_ENV, addresses_file, role_env
+from convoy.role_env import ADDRESSES_FILE_ENV, INCARNATION_ENV, addresses_file, role_env, service_env
 
 ROLE_PORT_ENV = "CONVOY_ROLE_PORT"
 Key = tuple[str, int, int]
@@ -78,6 +78,10 @@ class JobContext:
     master_url: str
     agent_env: dict[str, str] = field(default_factory=dict)
     """How the processes reach the agent's local API (``CONVOY_AGENT_URL``, ``CONVOY_AGENT_TOKEN``)."""
+    job_token: str = ""
+    """The job's token: never given to a process; the role services' key is derived from it (``service_env``)."""
+    tls: bool = False
+    """The job runs with TLS (the agent reaches the master through ``--tls-ca``): so do its role services."""
 
 
 class RoleProcesses:
@@ -300,6 +304,7 @@ class RoleProcesses:
             "CONVOY_LOG_FILE": str(log_path),
             **context.agent_env,
             ADDRESSES_FILE_ENV: str(addresses_file(context.run_dir, context.node_id)),
+            **service_env(context.job_token, context.host, context.tls),
         }
 
 
