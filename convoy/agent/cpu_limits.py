@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from convoy.agent.reap import CGROUP_ROOT, cgroup_pids, own_cgroup
+from convoy.agent.reap import CGROUP_ROOT, cgroup_add, cgroup_pids, own_cgroup
 
 CGROUP_V2, CGROUP_V1, AFFINITY = "cgroup-v2", "cgroup-v1", "affinity"
 PERIOD_US = 100_000
@@ -39,9 +39,10 @@ class CpuLimit:
         return f"{self.cpus:g} CPU(s) by {self.mechanism}{where}"
 
     def apply(self, pid: int) -> None:
-        """Pin every thread of ``pid`` (affinity only; a cgroup was joined at the start). A thread it starts
-        later inherits the mask."""
-        if self.mechanism != AFFINITY:
+        """Hold ``pid`` to the limit: into the cgroup (a no-op for a process that joined it as it started), or
+        every thread of it pinned (a thread it starts later inherits the mask)."""
+        if self.cgroup is not None:
+            cgroup_add(self.cgroup, pid)
             return
         try:
             threads = [int(task) for task in os.listdir(f"/proc/{pid}/task")]
@@ -68,6 +69,9 @@ class CpuLimiter:
     cpus_allowed: tuple[int, ...] = field(default_factory=lambda: tuple(sorted(os.sched_getaffinity(0))))
     mechanism: str | None = None
     refusals: list[str] = field(default_factory=list)
+    """Why each cgroup mechanism was not used."""
+    warned: bool = False
+    """Whether the fallback to pinning was said (once per agent)."""
     _pinned: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def limit(self, name: str, cpus: float, memory_cgroup: Path | None = None, v2: bool = False) -> CpuLimit:

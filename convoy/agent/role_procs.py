@@ -28,7 +28,9 @@ from pathlib import Path
 from typing import BinaryIO, Callable
 
 from convoy import log
+from convoy.agent.cpu_limits import AFFINITY, CpuLimit, CpuLimiter
 from convoy.agent.env import STEADY_MALLOC, spawn_env
+from convoy.agent.gpus import node_gpus, visible_devices
 from convoy.agent.forked import KILL_WAIT_S, ForkedProcess, ForkServer, fault_of, wait_bounded
 from convoy.agent.memory_limits import CgroupMemoryLimit, MemoryLimit
 from convoy.agent.reap import NodeCgroup
@@ -55,6 +57,10 @@ class RoleProcess:
     address: str
     kill_at: float | None = None
     """When a process told to stop gets SIGKILL (None: not told to stop)."""
+    cpu: CpuLimit | None = None
+    """The kernel's hold on its role's ``cpus`` (None: the role declares none)."""
+    slot: int = 0
+    """Its LOCAL_RANK: the lowest not taken by the node's other role processes when it started."""
 
     @property
     def key(self) -> Key:
@@ -102,6 +108,9 @@ class RoleProcesses:
         self._console = console or sys.stdout.buffer
         self._console_lock = threading.Lock()
         self._env = spawn_env(1, host=context.host)
+        self.cpus = CpuLimiter()
+        self.gpus = node_gpus()
+        """The node's devices as CUDA names them: an assignment's ``gpus`` index into this list."""
 
     def start(self, assignment: p.RoleAssignment) -> RoleProcess | None:
         """Start the process, or None when this incarnation was started already. An older incarnation of the
@@ -117,16 +126,22 @@ class RoleProcesses:
             else free_port(self.context.host)  # a rank's old port taken: a new one, which the master publishes
         name = f"{assignment.role}{assignment.rank}"
         log_path = self.context.run_dir / "logs" / "roles" / f"{name}.log"
-        env = {**STEADY_MALLOC, **self._env, **self._job_env(assignment, port, log_path)}
+        slot = min(set(range(len(self.running) + 1)) - {other.slot for other in self.running.values()})
+        env = {**STEADY_MALLOC, **self._env, **self._job_env(assignment, port, log_path), **self._devices(assignment, slot)}
         if assignment.threads or "OMP_NUM_THREADS" not in env:  # several processes share a node's cores
             env["OMP_NUM_THREADS"] = str(assignment.threads or 1)
         limit = self.memory.limit_for(assignment) if self.memory is not None else None
+        cpu = self._cpu_limit(name, assignment, limit)
         try:
-            proc = self._spawn(name, assignment, env, limit)
+            proc = self._spawn(name, assignment, env, limit, cpu)
         except BaseException:
             if limit is not None:
                 limit.close()
+            if cpu is not None:
+                self.cpus.release(cpu)
             raise
+        if cpu is not None:
+            cpu.apply(proc.pid)  # a forked process joined its cgroup before it ran anything; pinned, or moved here
         if limit is not None:
             limit.add(proc.pid)  # a forked process is in its cgroup already; the watchdog learns of it here
         if self.memory is not None:
@@ -136,18 +151,43 @@ class RoleProcesses:
         pump = LogPump(proc.stdout, self._console, self._console_lock, sink)  # type: ignore[arg-type]
         pump.assign(assignment.rank, log_path, label=name)
         pump.start()
-        process = RoleProcess(assignment, proc, pump, f"{self.context.host}:{port}")
+        process = RoleProcess(assignment, proc, pump, f"{self.context.host}:{port}", cpu=cpu, slot=slot)
         self.running[key] = process
         return process
 
-    def _spawn(self, name: str, assignment: p.RoleAssignment, env: dict[str, str],
-               limit: MemoryLimit | None) -> subprocess.Popen[bytes] | ForkedProcess:
-        """Fork the process from the fork server, which joins it to its cgroups (the node's, its limit's)
+    def _cpu_limit(self, name: str, assignment: p.RoleAssignment, memory: MemoryLimit | None) -> CpuLimit | None:
+        """The kernel's hold on the role's ``cpus``: in the process's v2 memory cgroup where it has one (a v2
+        process is in one cgroup only), else a cgroup of its own, else pinned CPUs."""
+        if not assignment.cpus:
+            return None
+        shared = memory.path if isinstance(memory, CgroupMemoryLimit) else None
+        v2 = isinstance(memory, CgroupMemoryLimit) and memory.v2
+        cpu = self.cpus.limit(name, assignment.cpus, shared if v2 else None, v2)
+        if cpu.mechanism == AFFINITY and len(self.cpus.refusals) and not self.cpus.warned:
+            self.cpus.warned = True
+            log.warning(f"convoy agent {self.context.node_id}: no writable cpu cgroup ({'; '.join(self.cpus.refusals)})"
+                        "; a role's cpus pin its processes to that many CPUs instead")
+        return cpu
+
+    def _devices(self, assignment: p.RoleAssignment, slot: int) -> dict[str, str]:
+        """LOCAL_RANK (the process's slot on the node) and, where the job hands out GPUs, the devices it was
+        handed as CUDA_VISIBLE_DEVICES (it sees them as cuda:0, ...; none for a role that takes none). A job whose
+        roles declare no GPUs leaves each process the node's devices, as before."""
+        env = {"LOCAL_RANK": str(slot)}
+        if assignment.gpus_managed:
+            env["CUDA_VISIBLE_DEVICES"] = visible_devices(self.gpus, assignment.gpus)
+        return env
+
+    def _spawn(self, name: str, assignment: p.RoleAssignment, env: dict[str, str], limit: MemoryLimit | None,
+               cpu: CpuLimit | None = None) -> subprocess.Popen[bytes] | ForkedProcess:
+        """Fork the process from the fork server, which joins it to its cgroups (the node's, its limits')
         before it runs anything; a process of its own where there is no server or it fails."""
         entry, module, args = self._entry(assignment)
         cgroups = [str(self.cgroup.path)] if self.cgroup is not None else []
         if isinstance(limit, CgroupMemoryLimit):
             cgroups.append(str(limit.path))
+        if cpu is not None and cpu.cgroup is not None and cpu.own_cgroup:
+            cgroups.append(str(cpu.cgroup))
         for _ in range(2):  # a server that died or did not answer gives way to a fresh one, which gets a try
             server = self.forks
             if server is None:
@@ -197,6 +237,7 @@ class RoleProcesses:
                     if process is None:
                         continue
                 report.address, report.pid = process.address, process.proc.pid
+                report.cpu_limit = process.cpu.describe() if process.cpu is not None else ""
             reports.append(report)
         return reports
 
@@ -222,6 +263,7 @@ class RoleProcesses:
             process.signal(signal.SIGKILL)  # what it left running in its group
             process.pump.join(timeout=2.0)  # its group is gone, so the pipe closes: its last lines reach the tail
             del self.running[key]
+            self._release(process)
             exited.append((process, self._exit_report(process, code)))
         return exited
 
@@ -274,11 +316,16 @@ class RoleProcesses:
                             "killed, the node's reap ends it")
             process.pump.join(timeout=2.0)
             self.running.pop(process.key, None)
+            self._release(process)
             self._ended.append((process, self._exit_report(process, -signal.SIGKILL if code is None else code)))
 
     def _exit_report(self, process: RoleProcess, code: int) -> p.RoleReport:
         report = self.exit_report(process, code)
         return self.memory.exited(process.key, report) if self.memory is not None else report
+
+    def _release(self, process: RoleProcess) -> None:
+        if process.cpu is not None:
+            self.cpus.release(process.cpu)
 
     def _take_ended(self) -> list[tuple[RoleProcess, p.RoleReport]]:
         ended, self._ended = self._ended, []

@@ -13,6 +13,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from convoy.config import STATE_FILE, JobConfig
+from convoy.agent.gpus import check_local_gpus
 from convoy.agent.reap import reap
 from convoy.control.schedulers.local import LocalScheduler
 from convoy.control.store import read_status
@@ -42,6 +43,7 @@ def run_local_job(config: JobConfig, relaunch: bool = False, console: Callable[[
     """Run the job to its end; return 0 on success, 1 on failure, 128+N on signal N. ``agent_host``: the address
     the workers reach their node at (MASTER_ADDR; torchrun's --local-addr)."""
     config.validate()
+    check_local_gpus([(role.name, role.gpus) for role in config.roles])  # every node of this job is this host
     run_dir = config.master.run_dir
     config.master.job_id = config.master.job_id or secrets.token_hex(4)
     port = _usable_port(config.master.port)

@@ -110,6 +110,8 @@ class RoleAssignment(Message):
                           "iteration its role is sized from")
     gpus: list[int] = Field(default_factory=list, max_length=4096, description="the node's devices (indices into "
                             "what the agent sees) handed to the process: its CUDA_VISIBLE_DEVICES")
+    gpus_managed: bool = Field(default=False, description="some role of the job declares gpus: the process sees "
+                               "exactly its ``gpus`` (none: an empty CUDA_VISIBLE_DEVICES), not the node's")
     cpus: float = Field(default=0.0, ge=0, le=100000, description="the CPUs the process may use (its role's "
                         "cpus), enforced by its agent; 0: no limit")
     threads: int = Field(default=0, ge=0, le=4096, description="OMP_NUM_THREADS of the process (its role's cpus); "
@@ -151,6 +153,8 @@ class RoleReport(Message):
     state: Literal["started", "exited"]
     address: str = Field(default="", max_length=300)
     pid: int = Field(default=0, ge=0, le=2**31, description="the started process's pid on its node (0: not known)")
+    cpu_limit: str = Field(default="", max_length=200, description="how its role's cpus hold it, e.g. \"1.5 CPU(s) "
+                           "by cgroup-v1\" (empty: no cpus declared)")
     exitcode: Optional[int] = Field(default=None, ge=-(2**31), le=2**31)
     signal: Optional[str] = Field(default=None, max_length=64)
     start_failed: bool = False

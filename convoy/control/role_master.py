@@ -115,8 +115,9 @@ class RoleMaster:
             if port.isdigit():
                 placed.port = int(port)
                 self.homes[(report.role, report.rank)] = (report.node_id, placed.port)
-            return self.roles.started(report.role, report.rank, report.incarnation, report.address,
-                                      f"{report.node_id}, pid {report.pid}" if report.pid else report.node_id) + \
+            where = ", ".join(filter(None, (report.node_id, f"pid {report.pid}" if report.pid else "",
+                                            report.cpu_limit)))
+            return self.roles.started(report.role, report.rank, report.incarnation, report.address, where) + \
                 self.advance()
         self.placed.pop(key, None)
         what = f"{report.role} {report.rank} (incarnation {report.incarnation}) {report.describe()}"
@@ -377,6 +378,7 @@ class RoleMaster:
             memory_limit_bytes=self.sizing.limit_for(start.role, start.rank),
             measure=self.sizing.measures(start.role, start.rank),
             threads=max(1, int(spec.cpus)) if spec.cpus else 0, cpus=spec.cpus or 0.0, gpus=list(gpus),
+            gpus_managed=any(other.gpus for other in self.specs.values()),
         )
         self.placed[key] = Placed(node_id, port, gpus=list(gpus))
         self.sizing.placed(key, node_id)
