@@ -4,7 +4,10 @@
 
 The original five faults run 10 times each, the five of issue 22 (``scripts/fault_cases.py``:
 ``stale_agent``, ``full_run_dir``, ``full_dev_shm``, ``lost_join_reply``, ``flapping_node``, each
-with its defined outcome and a time bound per run) 5 times each; ``--runs`` sets both, ``--quick`` 1.
+with its defined outcome and a time bound per run) and the two of issue 47
+(``scripts/forkserver_cases.py``: ``forkserver_kill``, ``forkserver_stop``: a node's fork server
+SIGKILLed, or SIGSTOPped and its worker SIGKILLed; exit 0, 0 steps lost, no restart spent beyond
+the injected kill's) 5 times each; ``--runs`` sets both, ``--quick`` 1.
 
 Faults (run i hits rank, or node rank, i % 2): ``worker_kill`` (SIGKILL a worker of a 2-node
 job), ``agent_kill`` (SIGKILL an agent of an elastic ``--nnodes 1:2 --relaunch`` job: it
@@ -44,13 +47,17 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
-from fault_cases import CASES, PERSIST_EVERY, RUN, RUN_BOUND_S, CaseOutcome, case_problem
+from fault_cases import CASES as ISSUE22_CASES, RUN as RUN_ISSUE22, CaseOutcome, case_problem
 from fault_job import LEFTOVERS, Job, LocalJob, master_serving, wait_for
+from fault_targets import report_case_targets
+from forkserver_cases import FORKSERVER_CASES, RUN_FORKSERVER
 from steplog import Step, first, steps_lost
 from fault_net import NetJob, netns_problem
 from fault_requests import barrage
 
 ORIGINAL = ("worker_kill", "agent_kill", "master_kill", "link_cut", "corrupt_request")
+CASES = ISSUE22_CASES + FORKSERVER_CASES
+RUN_CASE = {**RUN_ISSUE22, **RUN_FORKSERVER}
 FAULTS = ORIGINAL + CASES
 RUNS = {"original": 10, "case": 5}
 GOAL_S = {"worker_kill": 3.0, "agent_kill": 3.0, "master_kill": 5.0}
@@ -241,7 +248,8 @@ def report(results: dict[str, list[Outcome]], skipped: dict[str, str], runs: dic
     print("recover: fault -> first step of the restarted workers (master_kill: -> master answers again;")
     print("corrupt_request: 0 when the job was untouched); pause: longest time without a finished step")
     if any(f in results for f in CASES):
-        print("faults of issue 22: recovered = the outcome the fault must have (below), recover: fault -> it")
+        print("fault cases (issues 22 and 47): recovered = the outcome the fault must have (below), recover: "
+              "fault -> it")
     print(f"{'fault':<17}{'runs':>5}{'recovered':>11}{'lost total':>11}{'lost max':>9}{'median recover (s)':>20}"
           f"{'max recover (s)':>17}{'median pause (s)':>18}")
     for fault, outcomes in results.items():
@@ -289,42 +297,7 @@ def report(results: dict[str, list[Outcome]], skipped: dict[str, str], runs: dic
     good = bool(every) and ok == len(every) and lost == 0 and not missing
     print(f"target all_faults: {ok}/{len(every)} runs recovered, {lost} steps lost{note} (goal all {len(ORIGINAL)} "
           f"faults, all recovered, 0) {'met' if good else 'missed'}")
-    report_case_targets(results, skipped, left)
-
-
-CASE_GOALS = {
-    "stale_agent": "all go on, fenced, readmitted, 0 lost",
-    "full_run_dir": "all end within the bound: finished with 0 lost, or failed with one line",
-    "full_dev_shm": "all say snapshots off and resume from the newest persistent save, 0 lost before it",
-    "lost_join_reply": "all finish, 0 extra restarts, 0 lost",
-    "flapping_node": "all exclude the node with a message and finish, 0 lost",
-}
-
-
-def report_case_targets(results: dict[str, list[Outcome]], skipped: dict[str, str], left: dict[str, list[str]]) -> None:
-    """One target line per fault of issue 22, then ``no_leftovers`` over every run of every fault."""
-    for fault in CASES:
-        outcomes: list[CaseOutcome] = results.get(fault, [])  # type: ignore[assignment]
-        if not outcomes:
-            print(f"target {fault}: not run ({skipped.get(fault, 'not selected')}) (goal {CASE_GOALS[fault]}) missed")
-            continue
-        ok, hung = sum(o.recovered for o in outcomes), sum(not o.ended for o in outcomes)
-        lost = sum(o.lost for o in outcomes)
-        lost_words = f"{lost} steps lost"
-        if fault == "full_dev_shm":
-            lost_words += (f" before the newest persistent save, max {max(o.redone for o in outcomes)} redone after "
-                           f"it (saves every {PERSIST_EVERY} steps)")
-        if fault == "full_run_dir":
-            finished = sum(o.result == "finished" for o in outcomes)
-            lost_words += f", {finished} finished, {sum(o.result.startswith('failed') for o in outcomes)} failed"
-        good = ok == len(outcomes) and hung == 0
-        print(f"target {fault}: {ok}/{len(outcomes)} as required, {hung} hung (bound {RUN_BOUND_S:.0f} s), "
-              f"{lost_words} (goal {CASE_GOALS[fault]}) {'met' if good else 'missed'}")
-    ran = sum(len(o) for o in results.values())
-    things = [thing for fault in results for thing in left.get(fault, [])]
-    per_fault = ", ".join(f"{fault} {len(left[fault])}" for fault in results if left.get(fault))
-    print(f"target no_leftovers: {len(things)} processes or /dev/shm entries left after {ran} runs"
-          + (f" ({per_fault})" if per_fault else "") + f" (goal 0) {'met' if ran and not things else 'missed'}")
+    report_case_targets(CASES, results, skipped, left)
 
 
 def main() -> int:
@@ -367,7 +340,7 @@ def main() -> int:
                 before = len(LEFTOVERS)
                 outcome: Outcome | CaseOutcome
                 if fault in CASES:
-                    outcome = RUN[fault](tmp / f"{fault}-{index}", index, STEP_SLEEP_S, SEED)
+                    outcome = RUN_CASE[fault](tmp / f"{fault}-{index}", index, STEP_SLEEP_S, SEED)
                 else:
                     outcome = run_once(fault, index, tmp / f"{fault}-{index}")
                 results[fault].append(outcome)  # type: ignore[arg-type]

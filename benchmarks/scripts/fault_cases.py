@@ -58,6 +58,8 @@ class CaseOutcome:
     detail: str = ""
     redone: int = 0
     """``full_dev_shm``: finished steps done again since the last persistent save (expected there)."""
+    restarts: int = 0
+    """The fork-server faults: restarts spent beyond those the injected fault must spend."""
 
 
 def mount_problem(in_namespace: bool) -> str | None:
