@@ -2,8 +2,9 @@
 
 The master hands out the epoch (the round id) and the lease term (its heartbeat timeout). Each
 agent keeps one small file per node in shared memory, ``/dev/shm/convoy-<job>-lease-<node>``,
-holding ``(round_id, valid_until, expires_at)`` on this host's CLOCK_MONOTONIC (one clock for every
-process of the host, so the agent's times mean the same to its workers):
+holding ``(round_id, valid_until, expires_at)`` on this host's CLOCK_BOOTTIME (``lease_clock``: one clock
+for every process of the host, so the agent's times mean the same to its workers, and one that counts
+time the host spent suspended, as the master's clock elsewhere does):
 
 - ``valid_until``: until when the master cannot yet have declared the node lost (the send time of
   the heartbeat it answered, plus the term, less a margin). A worker's Checkpointer commits no
@@ -39,9 +40,16 @@ _BODY = struct.Struct("<8sqdd")  # magic, round id (0: no current round), valid 
 _CHECK = struct.Struct("<I")  # crc32 of the body: a read torn by a concurrent rewrite is seen and read again
 _MAGIC = b"CVYLEAS2"
 _READ_TRIES = 5
+_CLOCK = getattr(time, "CLOCK_BOOTTIME", None)
 MARGIN = 0.2
 """Fraction of the term kept in hand before ``valid_until``: a commit under way has time to finish before the
 master may move on."""
+
+
+def lease_clock() -> float:
+    """Seconds on the lease's clock (CLOCK_BOOTTIME where there is one; a node that slept through its term must
+    not wake up holding its lease, as it would on CLOCK_MONOTONIC)."""
+    return time.clock_gettime(_CLOCK) if _CLOCK is not None else time.monotonic()
 
 
 def own_round(environ: Mapping[str, str] = os.environ) -> int | None:
@@ -70,15 +78,15 @@ class Lease:
         return self.round_id != 0 and (round_id is None or self.round_id == round_id)
 
     def holds(self, round_id: int | None, now: float | None = None) -> bool:
-        """Whether state of ``round_id`` may be written now."""
-        now = time.monotonic() if now is None else now
+        """Whether state of ``round_id`` may be written now (``now`` on ``lease_clock``)."""
+        now = lease_clock() if now is None else now
         return self.of(round_id) and now < self.valid_until
 
     def expired(self, round_id: int | None, now: float | None = None) -> bool:
         """Whether a process of ``round_id`` must stop now: its round's lease ran a whole term without news from
         the master. A revoked lease or one of another round has not expired: the agent that ended the round is
         alive, and stops its processes itself."""
-        now = time.monotonic() if now is None else now
+        now = lease_clock() if now is None else now
         return self.of(round_id) and now >= self.expires_at
 
 
@@ -96,8 +104,11 @@ class LeaseWriter:
         self._fd: int | None = fd
 
     def grant(self, round_id: int, sent_at: float, term_s: float) -> None:
-        """The master answered, now, a request this node sent at ``sent_at`` (monotonic) in ``round_id``."""
-        self._write(round_id, sent_at + term_s * (1.0 - MARGIN), time.monotonic() + term_s)
+        """The master answered, now, a request this node sent at ``sent_at`` (``time.monotonic``, as the agent
+        times its requests) in ``round_id``."""
+        now = lease_clock()
+        sent = sent_at + (now - time.monotonic())  # on the lease's clock
+        self._write(round_id, sent + term_s * (1.0 - MARGIN), now + term_s)
 
     def revoke(self) -> None:
         """The round ended (or the agent stops): no worker of it may write state any more."""

@@ -17,10 +17,9 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable, Mapping
 
-from convoy.lease import LEASE_ENV, Lease, own_round, read_lease
+from convoy.lease import LEASE_ENV, Lease, lease_clock, own_round, read_lease
 from convoy.procs import die_with_parent
 
 EXIT_CODE = 75
@@ -71,7 +70,7 @@ class LeaseWatch:
     def run(self) -> None:
         while not self._stopping.is_set():
             lease = read_lease(self.lease_file)
-            now = time.monotonic()
+            now = lease_clock()
             wait = next_read_in(lease, self.round_id, now)
             if wait is None:
                 return
@@ -92,8 +91,8 @@ def watch_lease(environ: Mapping[str, str] = os.environ) -> LeaseWatch | None:
 
 def watch_from_child(environ: Mapping[str, str] = os.environ) -> int | None:
     """For a process about to exec another program (``--no-python``), which no thread of ours survives: a forked
-    child watches the lease and SIGKILLs it once the lease has expired, and dies with it otherwise. The child's pid
-    (None without a lease)."""
+    child watches the lease and SIGKILLs the program's process group once the lease has expired, and dies with it
+    otherwise. The child's pid (None without a lease)."""
     path = environ.get(LEASE_ENV)
     if not path:
         return None
@@ -107,6 +106,8 @@ def watch_from_child(environ: Mapping[str, str] = os.environ) -> int | None:
         if os.getppid() == watched:  # else it is gone already
             LeaseWatch(path, own_round(environ), lambda line: _say_then(line, lambda: _kill_group_of(watched)),
                        pid=watched, how="SIGKILL").run()
+            while True:  # nothing left to watch: wait for the end of the program (or its group's stop), not as a
+                signal.pause()  # zombie that a program which reaps no children would keep
     finally:
         os._exit(0)
 
@@ -144,7 +145,10 @@ def _kill_rest_of_group() -> None:
 def _kill_group_of(pid: int) -> None:
     """SIGKILL ``pid`` and the process group it leads (this watcher among them)."""
     try:
-        os.killpg(pid, signal.SIGKILL) if os.getpgid(pid) == pid else os.kill(pid, signal.SIGKILL)
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
     except OSError:
         pass  # gone already
 

@@ -10,12 +10,11 @@ stops itself (``convoy/lease_watch.py``).
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Callable, Protocol
 
 from convoy import worker_events
-from convoy.lease import LEASE_ENV, own_round, read_lease
+from convoy.lease import LEASE_ENV, lease_clock, own_round, read_lease
 
 
 class Fence(Protocol):
@@ -42,7 +41,7 @@ class RoundFence:
         if self.lease_file is None:
             return True
         lease = read_lease(self.lease_file)
-        now = time.monotonic()
+        now = lease_clock()
         if lease is None or lease.holds(self.round_id, now):
             return True
         if lease.of(self.round_id):

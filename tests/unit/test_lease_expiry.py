@@ -10,7 +10,7 @@ from typing import Iterator
 
 import pytest
 
-from convoy.lease import MARGIN, Lease, LeaseWriter, own_round, read_lease
+from convoy.lease import Lease, LeaseWriter, lease_clock, own_round, read_lease
 from convoy.lease_watch import POLL_S, LeaseWatch, expiry_line, next_read_in, watch_lease
 
 
@@ -22,14 +22,15 @@ def lease(tmp_path: Path) -> Iterator[LeaseWriter]:
 
 
 def test_a_grant_is_valid_for_writes_until_the_margin_and_expires_a_term_after_the_answer(lease: LeaseWriter) -> None:
-    sent_at = time.monotonic() - 2.0  # the answered request left 2 s ago (a long poll)
-    before = time.monotonic()
+    sent_at = time.monotonic() - 2.0  # the answered request left 2 s ago (a long poll), timed as the agent does
+    before = lease_clock()
     lease.grant(7, sent_at, 10.0)
-    after = time.monotonic()
+    after = lease_clock()
     read = read_lease(lease.path)
     assert read is not None and read.round_id == 7
-    assert read.valid_until == pytest.approx(sent_at + 10.0 * (1 - MARGIN))
+    assert before - 2.0 + 8.0 - 0.01 <= read.valid_until <= after - 2.0 + 8.0 + 0.01, "sent at + 80% of the term"
     assert before + 10.0 <= read.expires_at <= after + 10.0, "a term from the answer, not from the request"
+
 
 
 def test_expiry_is_decided_by_round_and_time() -> None:
@@ -82,7 +83,7 @@ def test_an_expired_lease_stops_the_process_with_one_line_saying_why(lease: Leas
     lease.grant(3, time.monotonic(), 60.0)
     watch, said, fired = _watch(lease, 3)
     assert watch.thread.is_alive() and not fired.is_set(), "a lease renewed a term ahead is held"
-    lease.grant(3, time.monotonic() - 60.0, 0.05)  # the agent stopped renewing: a term ran out
+    lease.grant(3, time.monotonic() - 60.0, 0.05)  # the agent stopped renewing: its last term runs out
     assert fired.wait(10.0), "the watcher did not act on the expired lease"
     watch.thread.join(10.0)
     assert len(said) == 1 and said[0].startswith("convoy: round 3's lease expired ")
