@@ -94,7 +94,7 @@ class Agent:
             round_info = self._rendezvous()
             if round_info is None:
                 return self._job_exit_code()
-            ended = self._run_roles(round_info.round_id) if round_info.roles else self._run_round(round_info)
+            ended = self._run_roles(round_info) if round_info.roles else self._run_round(round_info)
             if ended:
                 return self._job_exit_code()
 
@@ -186,15 +186,21 @@ class Agent:
             self.heartbeat.changed.wait(POLL_S)
             self.heartbeat.changed.clear()
 
-    def _run_roles(self, round_id: int) -> bool:
+    def _run_roles(self, round_info: p.RoundInfo) -> bool:
         """A job of roles: run the processes the master assigns until the job ends. Its rounds only gather the
         nodes (the roles share no torch.distributed world): on a new one (a node lost or added) the node joins
-        it and its processes go on."""
+        it and its processes go on, under a lease each heartbeat renews for the job's current round."""
+        round_id = round_info.round_id
         self._release_port()
         self.group.close()  # no worker per local rank: the workers' fork server is not needed
         self._start_fork_server(self._job_id)
+        lease = self.heartbeat.lease if round_info.lease_s > 0 else None
+        if lease is not None:
+            self.heartbeat.across_rounds, self.heartbeat.running = True, round_info
+            lease.grant(round_id, self._asked_at, round_info.lease_s)
         context = JobContext(self._job_id, self.config.node_id, self.config.host, self.config.run_dir, self.master_url,
-                             self.local_api.env(), job_token=self.config.token, tls=bool(self.config.tls_ca))
+                             self.local_api.env(), job_token=self.config.token, tls=bool(self.config.tls_ca),
+                             lease_file=str(lease.path) if lease is not None else "")
         memory = RoleMemory(self.config.node_id)
         processes = self._role_processes = RoleProcesses(self.config.workers, context, self.group.cgroup,
                                                          memory=memory, forks=self._forks,
@@ -208,12 +214,14 @@ class Agent:
                 processes.stop_all()  # their exits are not sent: the job's books are closed, nothing is decided
                 return True
             if latest is not None and latest.round_id > round_id:
-                round_id = latest.round_id
                 join = p.JoinRequest(node_id=self.config.node_id, host=self.config.host, port=self._hold_port(),
                                      nproc=self.config.workers.nproc_per_node, instance=self._instance,
                                      **join_memory())
                 self._release_port()  # no torch.distributed store runs on it
-                self.client.call("/join", join, p.JoinResponse)
+                joined = self.client.call("/join", join, p.JoinResponse)
+                # the round it joined may be a later one (a lost node coming back grows the job): joining that one
+                # again once it runs would read as an agent that restarted, and restart the job
+                round_id = max(latest.round_id, joined.round_id)
             self._carry_out_orders(processes)
             for _, report in processes.poll():
                 memory.send(self.client, round_id)  # a measurement the process finished goes first

@@ -32,6 +32,9 @@ class Heartbeat(threading.Thread):
         self.lease: LeaseWriter | None = None
         self.running: p.RoundInfo | None = None
         """The round this node's workers run in; each heartbeat of it renews their lease."""
+        self.across_rounds = False
+        """A job of roles: its processes live across the job's rounds, so each heartbeat renews their lease for
+        the round it names (the lease ends with the job, not with a round)."""
         self.orders: queue.SimpleQueue[tuple[list[p.RoleAssignment], list[p.RoleStop]]] = queue.SimpleQueue()
         """What the master's replies asked of a job of roles, for the main loop to carry out."""
         self.addresses_version = 0
@@ -101,7 +104,7 @@ class Heartbeat(threading.Thread):
         running, lease = self.running, self.lease
         if lease is None or running is None:
             return
-        if reply.job_status == "running" and reply.round_id == running.round_id:
-            lease.grant(running.round_id, sent_at, running.lease_s)
+        if reply.job_status == "running" and (reply.round_id == running.round_id or self.across_rounds):
+            lease.grant(reply.round_id, sent_at, running.lease_s)
         else:
             lease.revoke()

@@ -39,6 +39,7 @@ from convoy.agent.log_pump import LogPump
 from convoy.config import WorkerConfig
 from convoy.control import protocol as p
 from convoy.errors import WorkerStartError
+from convoy.lease import LEASE_ENV
 from convoy.ports import free_port
 from convoy.procs import die_with_parent, signal_name
 from convoy.role_env import ADDRESSES_FILE_ENV, INCARNATION_ENV, addresses_file, role_env, service_env
@@ -88,6 +89,9 @@ class JobContext:
     """The job's token: never given to a process; the role services' key is derived from it (``service_env``)."""
     tls: bool = False
     """The job runs with TLS (the agent reaches the master through ``--tls-ca``): so do its role services."""
+    lease_file: str = ""
+    """The node's lease (``CONVOY_LEASE``): a process whose lease expired (its agent silent a whole heartbeat
+    timeout) stops itself (``lease_watch.py``); empty: none."""
 
 
 class RoleProcesses:
@@ -202,8 +206,9 @@ class RoleProcesses:
                             "start as processes of their own")
                 self.forks = None
         try:
-            proc = subprocess.Popen(
-                [sys.executable, *(["-m", entry] if module else [entry]), *args], stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen(  # the script as python runs it, beside its lease's watcher
+                [sys.executable, "-m", "convoy.agent.watched", *(["-m", entry] if module else [entry]), *args],
+                stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                 preexec_fn=lambda: die_with_parent(signal.SIGKILL),
             )
@@ -352,6 +357,7 @@ class RoleProcesses:
             **context.agent_env,
             ADDRESSES_FILE_ENV: str(addresses_file(context.run_dir, context.node_id)),
             **service_env(context.job_token, context.host, context.tls),
+            **({LEASE_ENV: context.lease_file} if context.lease_file else {}),
         }
 
 

@@ -99,3 +99,38 @@ def test_a_lost_node_of_eight_workers_spends_no_restart(procs: ProcessScope, run
         in result.stdout, result.explain()
     assert "restarting only it" not in result.stdout and "has used its" not in result.stdout, result.explain()
     assert "with 0 restart(s)" in result.stdout, result.explain()
+
+
+@pytest.mark.parametrize("preload", ["", "json"], ids=["own_process", "forked"])
+def test_a_role_process_of_a_stopped_agent_stops_itself_and_is_placed_again(procs: ProcessScope, run_dir: Path,
+                                                                           tmp_path: Path, preload: str) -> None:
+    """Its agent SIGSTOPped past the heartbeat timeout, a role process's lease expires: it stops itself (one line)
+    while the agent is still stopped, and the master starts its rank again on the other node (no role restart)."""
+    release = tmp_path / "release"
+    job = procs.start(["run", "--nnodes", "1:2", "--rdzv-wait", "1", "--ps", "1", "--workers", "2", "--preload",
+                       preload, "--stop-grace", "1", "--heartbeat-timeout", "4", "--run-dir", run_dir, ROLE_SCRIPT,
+                       "--hold-until", release])
+    wait_for(lambda: len(role_records(run_dir)) == 3, 30, "the PS and both workers to start")
+    ps_node = node_of(next(r["pid"] for r in role_records(run_dir) if r["role"] == "ps"))
+    worker = next(r for r in role_records(run_dir) if r["role"] == "worker" and node_of(r["pid"]) != ps_node)
+    stale_node = node_of(worker["pid"])
+    agent = next(a for a in psutil.process_iter(["cmdline"]) if "agent" in (a.info["cmdline"] or [])
+                 and stale_node in (a.info["cmdline"] or []) and str(run_dir) in " ".join(a.info["cmdline"]))
+    agent.suspend()
+    try:
+        wait_for(lambda: not psutil.pid_exists(worker["pid"]) or psutil.Process(worker["pid"]).status() == "zombie",
+                 20, "the stopped agent's worker to stop itself")
+        assert agent.status() == "stopped", "it stopped itself: its agent was still stopped"
+        wait_for(lambda: len(role_records(run_dir)) == 4, 30, "its rank to start again on the other node")
+    finally:
+        agent.resume()
+    again = role_records(run_dir)[3]
+    assert (again["role"], again["rank"]) == ("worker", worker["rank"]) and again["incarnation"] > worker["incarnation"]
+    release.touch()
+    result = job.wait(BOUND_S)
+    assert result.returncode == 0, result.explain()
+    log = (run_dir / "logs" / "roles" / f"worker{worker['rank']}.log").read_text()
+    said = [line for line in log.splitlines() if "lease expired" in line]
+    assert len(said) == 1 and said[0].startswith("convoy: the job's lease expired") and \
+        f"stopping process {worker['pid']} now (exit code 75)" in said[0], log[-2000:]
+    assert "has used its" not in result.stdout and "restarting only it" not in result.stdout, result.explain()
