@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, Iterable, NoReturn
+from typing import Any, Iterable, NamedTuple, NoReturn
 
 _PR_SET_PDEATHSIG = 1
 
@@ -90,3 +90,32 @@ def exit_without_teardown(code: int = 0) -> NoReturn:
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+class ProcessStatus(NamedTuple):
+    """A process as ``/proc/PID/stat`` shows it."""
+
+    state: str
+    parent: int
+    started: int
+    """Clock ticks from boot to its start: a later process with its pid is not it."""
+    code: int | None
+    """A zombie's exit code in ``Popen.returncode``'s form (None: still running, or not shown)."""
+
+
+def process_status(pid: int, started: int | None = None) -> ProcessStatus | None:
+    """What ``/proc`` says of a process; None once it is gone, or where its pid is another process's now."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rpartition(")")[2].split()
+        code = os.waitstatus_to_exitcode(int(fields[49])) if fields[0] == "Z" and len(fields) >= 50 else None
+        status = ProcessStatus(fields[0], int(fields[1]), int(fields[19]), code)
+    except (OSError, IndexError, ValueError):
+        return None
+    return status if started is None or status.started == started else None
+
+
+def process_running(pid: int) -> bool:
+    """Whether the process is there and not a zombie (one nobody has reaped yet has ended)."""
+    status = process_status(pid)
+    return status is not None and status.state != "Z"

@@ -20,13 +20,13 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, BinaryIO, NamedTuple
+from typing import Any, BinaryIO
 
 from convoy import log
 from convoy.agent.env import STEADY_MALLOC, spawn_env
 from convoy.config import WorkerConfig
 from convoy.errors import ConfigError, WorkerStartError
-from convoy.procs import die_with_parent, signal_name
+from convoy.procs import die_with_parent, process_running, process_status, signal_name
 
 MAX_MESSAGE = 1 << 20
 ANSWER_S = 10.0
@@ -209,7 +209,7 @@ class ForkServer:
         if "pid" not in answer:
             os.close(read_end)
             raise WorkerStartError(str(answer.get("error")))
-        pid, status = int(answer["pid"]), _process_status(int(answer["pid"]))
+        pid, status = int(answer["pid"]), process_status(int(answer["pid"]))
         process = ForkedProcess(self, pid, open(read_end, "rb"),  # noqa: SIM115 (the pump closes it)
                                 status.started if status is not None else None)
         with self._lock:
@@ -230,7 +230,7 @@ class ForkServer:
         if now < process.next_look and not dead:
             return None
         process.next_look = now + LOOK_S
-        seen = _process_status(process.pid, process.started)
+        seen = process_status(process.pid, process.started)
         if seen is not None and seen.state != "Z":
             return None  # running
         if seen is not None and seen.parent == self._pid:  # a zombie its server has not reaped (stopped, or slow)
@@ -270,7 +270,7 @@ class ForkServer:
         except ProcessLookupError:
             pass
         for child in children:
-            if _process_status(child.pid, child.started) is not None:
+            if process_status(child.pid, child.started) is not None:
                 try:
                     os.killpg(child.pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
@@ -290,9 +290,9 @@ class ForkServer:
                 wait_bounded(self.proc, KILL_WAIT_S)
         else:  # the launcher's child: it reaps it; here only the wait (a zombie is gone)
             deadline = time.monotonic() + CLOSE_WAIT_S
-            while _exists(self._pid) and time.monotonic() < deadline:
+            while process_running(self._pid) and time.monotonic() < deadline:
                 time.sleep(0.01)
-            if _exists(self._pid):
+            if process_running(self._pid):
                 try:
                     os.kill(self._pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -382,30 +382,3 @@ class ForkedProcess:
             self.server.pause(0.01)
         assert self.returncode is not None
         return self.returncode
-
-
-class ProcessStatus(NamedTuple):
-    state: str
-    parent: int
-    started: int
-    """Clock ticks from boot to its start: a later process with its pid is not it."""
-    code: int | None
-    """A zombie's exit code in ``Popen.returncode``'s form (None: still running, or not shown)."""
-
-
-def _process_status(pid: int, started: int | None = None) -> ProcessStatus | None:
-    """What ``/proc`` says of a process; None once it is gone, or where its pid is another process's now."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rpartition(")")[2].split()
-        code = os.waitstatus_to_exitcode(int(fields[49])) if fields[0] == "Z" and len(fields) >= 50 else None
-        status = ProcessStatus(fields[0], int(fields[1]), int(fields[19]), code)
-    except (OSError, IndexError, ValueError):
-        return None
-    return status if started is None or status.started == started else None
-
-
-def _exists(pid: int) -> bool:
-    """Whether the process is there and not a zombie (one nobody has reaped yet has ended)."""
-    status = _process_status(pid)
-    return status is not None and status.state != "Z"
