@@ -98,12 +98,15 @@ def serve() -> None:
     server.wait()
 
 
-def connect(addresses: list[str], placement, rank: int, staleness: int) -> PSClient:
-    """A client once every server listens (they start just before the workers do)."""
+def connect(placement, rank: int, staleness: int) -> PSClient:
+    """A client once every server listens (they start just before the workers do). Each try asks for the servers'
+    addresses as the agent publishes them now: a server started again since this worker started listens elsewhere,
+    or not yet (its address empty meanwhile)."""
     deadline = time.monotonic() + CONNECT_S
     while True:
         try:
-            return PSClient(placement, addresses, f"worker{rank}", staleness, follow=lambda: convoy.role().peers("ps"))
+            return PSClient(placement, list(convoy.role().peers("ps")), f"worker{rank}", staleness,
+                            follow=lambda: convoy.role().peers("ps"))
         except TransportError:
             if time.monotonic() > deadline:
                 raise
@@ -170,7 +173,7 @@ def train(args: argparse.Namespace, info: convoy.RoleInfo) -> None:
     dense = {name: p.detach().clone() for name, p in arch.named_parameters()}
     placement = place([DenseSpec(n, tuple(t.shape)) for n, t in dense.items()],
                       [TableSpec(s.name, s.num_rows, s.dim) for s in bags], len(info.peers("ps")))
-    client = connect(list(info.peers("ps")), placement, info.rank, args.staleness)
+    client = connect(placement, info.rank, args.staleness)
     if info.rank == 0 and not all(client.ready()):  # a chief started again finds the servers trained on
         init = seeded("tables", args.seed)
         client.setup(OptimizerSpec("adagrad", args.lr),
@@ -264,13 +267,16 @@ def evaluate(args: argparse.Namespace, client: PSClient, arch: DenseArch, bags: 
 
 
 def exactly_once(tallies: list[Tally], batches: int) -> str:
-    """The count behind "every batch trained exactly once": each server holds each batch's tag once."""
+    """The count behind "every batch trained exactly once": each server holds each batch's tag, and applied no
+    push beyond one per tag it holds (its version counts every push it applied)."""
     problems = []
     for server, tally in enumerate(tallies):
         missing, outside = tally.exactly_once(batches)
-        if missing or outside:
+        beyond = tally.version - len(tally.tags)
+        if missing or outside or beyond:
             problems.append(f"server {server} lacks {len(missing)} batches {missing[:5]} and holds {len(outside)} "
-                            f"outside the epoch {outside[:5]}")
+                            f"outside the epoch {outside[:5]} and applied {beyond} pushes beyond one per batch it "
+                            "holds")
     repeats = sum(t.duplicates for t in tallies)
     if problems:
         return f"batches NOT trained exactly once: {'; '.join(problems)}"
