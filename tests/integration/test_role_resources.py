@@ -70,3 +70,18 @@ def test_scaling_the_ps_is_refused_saying_why(procs: ProcessScope, run_dir: Path
            "fixed when the workers set it up" in one_error_line(refused)
     release.touch()
     assert job.wait().returncode == 0
+
+
+@pytest.mark.parametrize(("key", "value", "said"), [
+    ("cpus", "0", "roles.trainer.cpus: cpus 0: need a positive number, e.g. 2 or 0.5"),
+    ("cpus", "-2", "roles.trainer.cpus: cpus -2: need a positive number, e.g. 2 or 0.5"),
+    ("gpus", "-1", "roles.trainer.gpus: gpus -1: need a whole number of devices, 0 or more, e.g. 1"),
+])
+def test_a_bad_cpus_or_gpus_is_one_line_naming_the_role_and_the_key(procs: ProcessScope, run_dir: Path,
+                                                                    tmp_path: Path, key: str, value: str,
+                                                                    said: str) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text(f'entrypoint = "{SCRIPT}"\n\n[roles.trainer]\n{key} = {value}\n')
+    result = procs.run(["run", "--run-dir", run_dir, path])
+    assert one_error_line(result) == f"convoy: error: {path}:4: {said}"
+    assert not run_dir.exists(), "nothing started"
