@@ -242,7 +242,7 @@ def median(values: list[float | None]) -> float | None:
 def report(results: dict[str, list[Outcome]], skipped: dict[str, str], runs: dict[str, int], elapsed: float,
            left: dict[str, list[str]]) -> None:
     print(f"\nfault matrix: 2 nodes x 1 worker, gloo DDP (fault_train.py, seed {SEED}, {STEP_SLEEP_S} s sleep per "
-          f"step), {runs['original']} run(s) per original fault, {runs['case']} per fault of issue 22; "
+          f"step), {runs['original']} run(s) per original fault, {runs['case']} per fault case (issues 22 and 47); "
           f"{elapsed:.0f} s in all")
     print("recovered: exit 0 and trained after the fault; lost: finished steps redone after a restart;")
     print("recover: fault -> first step of the restarted workers (master_kill: -> master answers again;")

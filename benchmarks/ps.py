@@ -1,7 +1,8 @@
 """Parameter-server training (issue 24): async PS against synchronous data parallelism, and worker memory
 predicted from one measured iteration.
 
-    python benchmarks/ps.py [--only async,predict,faults,start] [--repeats 3] [--quick]
+    python benchmarks/ps.py [--only async,predict,faults,role_faults,start] [--repeats 3] [--quick]
+                            [--role-faults whole_job_restart,lost_node,...] [--fault-runs N]
 
 async: examples/train_dlrm.py's click model and synthetic data, one epoch of the same batches and the same
 held-out set for three systems, with one worker slowed 2x (after each step it sleeps as long as the step
@@ -16,6 +17,11 @@ predict: see benchmarks/scripts/ps_predict.py.
 
 faults: see benchmarks/scripts/ps_faults.py (a worker killed mid-shard, a parameter server killed, each counted
 for exactly-once training and AUC against fault-free runs).
+
+role_faults: see benchmarks/scripts/role_faults.py (issue 47: a whole-job restart, a lost node of 8 workers, a
+SIGKILLed and a SIGSTOPped fork server, a worker role scaled down and at once up again; 5 runs each, each counted for
+exactly-once training, the role restarts spent and what was left running). Its own section, not part of faults:
+it takes about 7-10 minutes at 5 runs a case (15-30 s a run), and ``--role-faults`` runs some of its cases alone.
 
 start: see benchmarks/scripts/ps_start.py (from the job's start to every worker training, phase by phase).
 """
@@ -160,8 +166,13 @@ def async_section(args: argparse.Namespace) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="async,predict,faults,start",
-                        help="comma-separated sections: async, predict, faults, start")
+    parser.add_argument("--only", default="async,predict,faults,role_faults,start",
+                        help="comma-separated sections: async, predict, faults, role_faults, start")
+    parser.add_argument("--role-faults", default="", metavar="CASES",
+                        help="role_faults: comma-separated cases to run (default all: whole_job_restart, lost_node, "
+                             "forkserver_kill, forkserver_stop, scale_down_up)")
+    parser.add_argument("--fault-runs", type=int, default=None, metavar="N",
+                        help="role_faults: runs per case (default 5; --quick 1)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="a short epoch, one repeat")
     parser.add_argument("--workers", type=int, default=2)
@@ -177,8 +188,14 @@ def main() -> int:
     sections = set(args.only.split(","))
     if args.quick:
         args.batches, args.repeats = 80, 1
-    if not sections <= {"async", "predict", "faults", "start"}:
-        parser.error(f"--only takes async, predict, faults and/or start (got {args.only!r})")
+    if not sections <= {"async", "predict", "faults", "role_faults", "start"}:
+        parser.error(f"--only takes async, predict, faults, role_faults and/or start (got {args.only!r})")
+    from role_faults import CASES as ROLE_FAULT_CASES  # each section's module loads only when asked for, as below
+
+    chosen = [c.strip() for c in args.role_faults.split(",") if c.strip()] or list(ROLE_FAULT_CASES)
+    if not set(chosen) <= set(ROLE_FAULT_CASES) or (args.fault_runs is not None and args.fault_runs < 1):
+        parser.error(f"--role-faults takes {','.join(ROLE_FAULT_CASES)} (got {args.role_faults!r}); --fault-runs "
+                     ">= 1")
     lines: list[str] = []
     if "async" in sections:
         lines += async_section(args)
@@ -190,6 +207,10 @@ def main() -> int:
         from ps_faults import faults_section
 
         lines += ([""] if lines else []) + faults_section(args.quick)
+    if "role_faults" in sections:
+        from role_faults_matrix import role_faults_section
+
+        lines += ([""] if lines else []) + role_faults_section(args.quick, args.fault_runs, chosen)
     if "start" in sections:
         from ps_start import start_section
 

@@ -50,7 +50,8 @@ def tagged_processes(tag: str) -> list[psutil.Process]:
     return found
 
 
-def _cmdline(proc: psutil.Process) -> list[str]:
+def command_line(proc: psutil.Process) -> list[str]:
+    """The process's command line ([] once it is gone)."""
     try:
         return proc.cmdline()
     except psutil.Error:
@@ -180,7 +181,7 @@ class Job:
         ended_alone = self.main is not None and self.main.poll() is not None
         if ended_alone:
             _gone, orphans = psutil.wait_procs(tagged_processes(self.tag), timeout=5)
-            LEFTOVERS.extend(f"pid {p.pid} ({' '.join(_cmdline(p))[:80]})" for p in orphans)
+            LEFTOVERS.extend(f"pid {p.pid} ({' '.join(command_line(p))[:80]})" for p in orphans)
         elif self.main is not None:
             self.main.send_signal(signal.SIGTERM)
             try:
@@ -209,7 +210,7 @@ class Job:
         with open(path, "w") as out:
             for proc in {p.pid: p for p in [*self.known.values(), *tagged_processes(self.tag)]}.values():
                 try:
-                    out.write(f"== pid {proc.pid}: {' '.join(_cmdline(proc))[:160]}\n")
+                    out.write(f"== pid {proc.pid}: {' '.join(command_line(proc))[:160]}\n")
                     out.flush()
                     subprocess.run(["py-spy", "dump", "--pid", str(proc.pid)], stdout=out, stderr=subprocess.STDOUT,
                                    timeout=20, check=False)
@@ -260,7 +261,7 @@ class LocalJob(Job):
                 below = psutil.Process(self.main.pid).children(recursive=True) if self.main else []
             except psutil.Error:
                 below = []
-            self._launcher = next((p for p in below if {"convoy", "run"} <= set(_cmdline(p))), None)
+            self._launcher = next((p for p in below if {"convoy", "run"} <= set(command_line(p))), None)
         return self._launcher or self.known[self.main.pid]  # type: ignore[union-attr]
 
     def child(self, *words: str) -> psutil.Process | None:

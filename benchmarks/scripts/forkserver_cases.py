@@ -5,10 +5,11 @@ with it; the agent starts a fresh server and reports one infrastructure fault: t
 new round, and no restart is spent. ``forkserver_stop``: SIGSTOP that server, then SIGKILL its worker. The kill
 is a real failure and spends the one restart it must; the new round needs a fork the stopped server never
 answers, so after the agent's bound (10 s) the server is killed with its children and replaced (one line), and the
-round's worker is forked from the fresh one: nothing more is spent. The server is never sent SIGCONT: a server that stays stopped (a frozen cgroup, a
-debugger, a stall that does not end) is the case the agent's bound is there for; one woken in time would just
-answer. Outcome of both: exit 0, 0 steps lost, the time from the fault to the first step of a later round, and
-the restarts spent beyond the injected kill (read from the master's state), which must be 0.
+round's worker is forked from the fresh one: nothing more is spent. The server is never sent SIGCONT: a server that
+stays stopped (a frozen cgroup, a debugger, a stall that does not end) is the case the agent's bound is there for;
+one woken in time would just answer. Outcome of both: exit 0, 0 steps lost, the time from the fault to the first
+step of a later round, the fault named in one line, the old server gone, and the restarts spent beyond the
+injected kill (read from the master's state), which must be 0.
 """
 
 from __future__ import annotations
@@ -69,17 +70,26 @@ def _forkserver_fault(job: LocalJob, index: int, began: float, stop: bool) -> Ca
     extra = spent - EXPECTED_RESTARTS[fault]
     lost = steps_lost(job.steps.steps)
     named = _infrastructure_named(job, at, stop)
-    survived = server.is_running() and server.status() != psutil.STATUS_ZOMBIE
+    survived = _alive(server)
     ok = code == 0 and resumed is not None and lost == 0 and extra == 0 and named and not survived
     result = ended_text(code, job) if code != 0 else (
         "did not train again" if resumed is None else
         f"{spent} restart(s) spent, {EXPECTED_RESTARTS[fault]} expected" if extra else
         "no infrastructure fault was named" if not named else
         "the old fork server is still running" if survived else "finished")
+    what = "stopped, its worker killed" if stop else "killed"
     return CaseOutcome(ok, lost, None if resumed is None else resumed.t - at, None, ended, result,
-                       f"node rank {rank}'s fork server {server.pid} {'stopped, its worker killed' if stop else 'killed'}"
-                       f"; {spent} restart(s) spent; trained again in round {resumed.round_id if resumed else '-'}"
-                       f" after {fmt(resumed.t - at if resumed else None)} s", restarts=extra)
+                       f"node rank {rank}'s fork server {server.pid} {what}; {spent} restart(s) spent; trained again "
+                       f"in round {resumed.round_id if resumed else '-'} after "
+                       f"{fmt(resumed.t - at if resumed else None)} s", restarts=extra)
+
+
+def _alive(proc: psutil.Process) -> bool:
+    """Still running (a zombie not reaped yet counts as gone: it runs nothing)."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _infrastructure_named(job: LocalJob, after: float, stop: bool) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -44,13 +45,14 @@ REQUEUED = re.compile(r"shard (\d+) items \[(\d+), (\d+)\) back in the queue")
 
 
 class Job:
-    """One ``convoy run`` of the example; its output is collected on a thread."""
+    """One ``convoy run`` of the example (by default with 2 servers and 2 workers; ``command``: what follows
+    ``convoy run --run-dir D`` instead); its output is collected on a thread."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, command: list[str] | None = None, env: dict[str, str] | None = None) -> None:
         self.run_dir = run_dir
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "convoy", "run", "--ps", "2", "--workers", "2",
-                                      "--stop-grace", "1", "--run-dir", str(run_dir), str(EXAMPLE), *ARGS],
+        env = {**(env or os.environ), "PYTHONPATH": str(REPO)}
+        command = command or ["--ps", "2", "--workers", "2", "--stop-grace", "1", str(EXAMPLE), *ARGS]
+        self.proc = subprocess.Popen([sys.executable, "-m", "convoy", "run", "--run-dir", str(run_dir), *command],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                      start_new_session=True)
         self.lines: list[str] = []
@@ -84,8 +86,9 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.02):
         time.sleep(interval)
 
 
-def ps_status(run_dir: Path, rank: int) -> dict | None:
-    """PS ``rank``'s status (version, pid, worker 0's applied and kept pushes), None while it cannot be asked."""
+def ps_status(run_dir: Path, rank: int, workers: tuple[int, ...] = (0, 1)) -> dict | None:
+    """PS ``rank``'s status (version, pid, the first worker's applied and kept pushes, and by worker rank the pushes
+    of each of ``workers`` it applied), None while it cannot be asked."""
     log = run_dir / "logs" / "roles" / f"ps{rank}.log"
     ports = re.findall(rf"parameter server {rank} serving on port (\d+)", log.read_text()) if log.exists() else []
     if not ports:
@@ -96,12 +99,13 @@ def ps_status(run_dir: Path, rank: int) -> dict | None:
     except ConnectionLost:
         return None
     try:
-        metas = [connection.request(Message("status", {"worker": f"worker{w}"})).meta for w in (0, 1)]
+        metas = [connection.request(Message("status", {"worker": f"worker{w}"})).meta for w in workers]
     except ConnectionLost:
         return None
     finally:
         connection.close()
-    return {**metas[0], "unkept": any(m["applied"] > m["kept"] for m in metas)}
+    return {**metas[0], "unkept": any(m["applied"] > m["kept"] for m in metas),
+            "by_worker": {w: m["applied"] for w, m in zip(workers, metas, strict=True)}}
 
 
 def role_pid(run_dir: Path, role: str, rank: int) -> int | None:
@@ -109,7 +113,7 @@ def role_pid(run_dir: Path, role: str, rank: int) -> int | None:
     from its node's fork server keeps the server's command line and environment in /proc)."""
     try:
         events = read_status(run_dir, recent=100_000)["events"]
-    except (OSError, KeyError, ValueError):
+    except (OSError, KeyError, ValueError, sqlite3.Error):  # not there yet, or being created
         return None
     pids = [int(m[1]) for e in events if e["kind"] == "role_started"
             and (m := re.match(rf"{role} {rank} is running.* pid (\d+)\)", e["message"]))]
