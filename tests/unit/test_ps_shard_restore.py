@@ -116,15 +116,31 @@ def test_without_a_segment_the_persistent_save_is_used_and_without_either_a_clea
     assert snapshots.save(server) == tmp_path / "ckpt" / "shard.pt"
     restored = ShardSnapshots(tmp_path / "other-seg", tmp_path / "ckpt").restore()
     assert restored.source == "persistent save" and restored.server.version == 1
+    lost = ShardSnapshots(tmp_path / "lost-seg", tmp_path / "lost")
+    lost.take(new_server())  # set up, then its segment gone (its node lost) and no persistent save
+    lost.close()
+    (tmp_path / "lost-seg").unlink()
     with pytest.raises(NoShardToRestore, match=r"no in-memory snapshot in .*nor-seg nor a persistent save at "
-                                               r".*nothing/shard.pt; the shard is lost"):
-        ShardSnapshots(tmp_path / "nor-seg", tmp_path / "nothing").restore()
+                                               r".*lost/shard.pt; the shard is lost"):
+        ShardSnapshots(tmp_path / "nor-seg", tmp_path / "lost").restore()
+    assert ShardSnapshots(tmp_path / "nor-seg", tmp_path / "nothing").restore() is None, \
+        "a rank never set up has nothing to take back: it starts empty"
 
 
-def test_a_ps_of_a_job_restores_only_when_told_and_fails_clearly_without_a_shard(tmp_path: Path) -> None:
+def test_a_ps_of_a_job_restores_when_told_starts_empty_if_never_set_up_and_else_fails_clearly_without_a_shard(tmp_path: Path) -> None:
     env = {"CONVOY_ROLE_PORT": "0", "CONVOY_JOB_ID": f"test-{tmp_path.name}", "CONVOY_RUN_DIR": str(tmp_path),
            "ROLE_NAME": "ps", "ROLE_RANK": "3", "ROLE_WORLD_SIZE": "4", "CONVOY_ROLE_RESTORE": "1",
            SERVICE_HOST_ENV: "127.0.0.1", SERVICE_SECRET_ENV: JOB.secret.hex()}
+    said: list[str] = []
+    never_set_up = from_role_env(env, say=said.append)
+    try:
+        assert never_set_up.server is None and never_set_up.restored is None
+        assert said == ["this parameter server was never set up (restarted before its chief's setup reached it): it "
+                        "starts empty, and the chief sets it up"]
+    finally:
+        never_set_up.listener.close()
+    (tmp_path / "checkpoints" / "ps3").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "ps3" / "set-up").touch()
     with pytest.raises(NoShardToRestore, match="ps3"):
         from_role_env(env)
     with pytest.raises(Exception, match="CONVOY_JOB_ID, CONVOY_ROLE_HOST not set"):

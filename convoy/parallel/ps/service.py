@@ -47,7 +47,10 @@ class ServerProcess:
             if snapshots is None:
                 raise ConfigError("a parameter server told to restore its shard needs its snapshots (ShardSnapshots)")
             self.restored = snapshots.restore(say)
-            self.server = self.restored.server
+            if self.restored is None:
+                say("this parameter server was never set up (restarted before its chief's setup reached it): it "
+                    "starts empty, and the chief sets it up")
+            self.server = self.restored.server if self.restored is not None else None
         self.stopped = threading.Event()
         self.ops: dict[str, Callable[[Message], Message]] = {
             "setup": self._setup, "restore": self._restore, "pull": self._pull, "push": self._push,

@@ -26,6 +26,9 @@ from convoy.parallel.ps.server import ParameterServer, save_shard, saved_form, s
 from convoy.runtime.slots import SnapshotFile, encode_meta, flatten, layout
 from convoy.shm import segment_path
 
+SET_UP_MARK = "set-up"
+"""A file the first snapshot leaves in the save directory: this rank was set up, so a restart that finds nothing
+to take back has lost its shard (without it, the rank was never set up and starts empty)."""
 SLACK = 1 << 16
 """Room in a slot beyond the shard's size, for a skeleton that grows (more workers in ``applied``)."""
 PERSISTENT_FILE = "shard.pt"
@@ -55,6 +58,7 @@ class ShardSnapshots:
         self.file = SnapshotFile(segment)
         self.kept: dict[str, int] = {}
         self._seq = max((slot[0] for slot in self.file.slots()), default=0)
+        self._marked = False
 
     @staticmethod
     def for_rank(job_id: str, rank: int, run_dir: Path) -> ShardSnapshots:
@@ -80,7 +84,15 @@ class ShardSnapshots:
             self.file.write_tensors(index, tensors, offsets)
             self.file.commit_meta(index, self._seq, server.version, meta, data_len, complete=True)
             self.kept = dict(server.applied)
-            return server.version
+        self._mark_set_up()
+        return server.version
+
+    def _mark_set_up(self) -> None:
+        if self.directory is None or self._marked:
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        (self.directory / SET_UP_MARK).touch()
+        self._marked = True
 
     def save(self, server: ParameterServer) -> Path:
         """A persistent save of the shard (atomic: a reader sees the previous file or this one)."""
@@ -90,9 +102,10 @@ class ShardSnapshots:
         save_shard(server, self.persistent)
         return self.persistent
 
-    def restore(self, say: Callable[[str], None] = print) -> Restored:
-        """The server from the newest readable in-memory snapshot, else from the persistent save; a
-        ``NoShardToRestore`` naming both places when neither is there."""
+    def restore(self, say: Callable[[str], None] = print) -> Restored | None:
+        """The server from the newest readable in-memory snapshot, else from the persistent save; None for a rank
+        that was never set up (restarted before its chief's setup reached it: it starts empty); a
+        ``NoShardToRestore`` naming both places when a rank that was set up finds neither."""
         for problem in self.file.unreadable():
             say(f"ignoring an unreadable in-memory snapshot in {self.segment}: {problem}")
         steps = self.file.steps()
@@ -104,6 +117,8 @@ class ShardSnapshots:
             server = server_from_saved(torch.load(self.persistent, weights_only=True))
             self.kept = dict(server.applied)
             return Restored(server, "persistent save", self.persistent)
+        if self.directory is not None and not (self.directory / SET_UP_MARK).exists():
+            return None
         where = f" nor a persistent save at {self.persistent}" if self.persistent is not None else ""
         raise NoShardToRestore(f"this parameter server was restarted to take back its shard, but there is no "
                                f"in-memory snapshot in {self.segment}{where}; the shard is lost: start the job "
