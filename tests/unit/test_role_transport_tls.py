@@ -4,8 +4,11 @@ middle) is refused although it passes every byte on: the proofs cover the certif
 
 from __future__ import annotations
 
+import select
 import socket
+import ssl
 import threading
+import time
 
 import pytest
 import torch
@@ -43,28 +46,36 @@ def test_a_caller_of_a_tls_job_is_served_over_tls() -> None:
 
 def relay(service: str) -> tuple[socket.socket, threading.Thread]:
     """A man in the middle: ends the caller's TLS with a certificate of its own, opens TLS to the service, and
-    copies the plain bytes both ways."""
+    copies the plain bytes both ways, from one thread (an SSL socket read and written by two threads at once can
+    lose a record: OpenSSL's connections are not thread-safe)."""
     own, _ = service_context()
     front = socket.create_server(("127.0.0.1", 0))
-
-    def pump(source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while chunk := source.recv(1 << 16):
-                sink.sendall(chunk)
-        except OSError:
-            pass
-        finally:
-            sink.close()
 
     def run() -> None:
         caller, _ = front.accept()
         inside = own.wrap_socket(caller, server_side=True)
         host, _, port = service.rpartition(":")
         onward = caller_context().wrap_socket(socket.create_connection((host, int(port))))
-        back = threading.Thread(target=pump, args=(onward, inside), daemon=True)
-        back.start()
-        pump(inside, onward)
-        back.join(10)
+        other = {inside: onward, onward: inside}
+        for each in other:
+            each.settimeout(0.05)  # a read that finds only part of a record returns to the loop, not blocks it
+        deadline = time.monotonic() + 30
+        try:
+            while time.monotonic() < deadline:
+                ready = [each for each in other if each.pending()] or select.select(list(other), [], [], 0.1)[0]
+                for each in ready:
+                    try:
+                        chunk = each.recv(1 << 16)
+                    except (TimeoutError, ssl.SSLWantReadError):
+                        continue
+                    if not chunk:
+                        return
+                    other[each].sendall(chunk)
+        except OSError:
+            return
+        finally:
+            for each in other:
+                each.close()
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
