@@ -16,6 +16,7 @@ from convoy.agent.role_memory import RoleMemory, join_memory
 from convoy.agent.forked import ForkServer, fault_of, fork_server_for, start_fork_server
 from convoy.agent.agent_config import AgentConfig
 from convoy.agent.heartbeat import Heartbeat
+from convoy.agent.log_pump import peer_lost
 from convoy.agent.role_procs import JobContext, RoleProcesses
 from convoy.agent.workers import Worker, WorkerGroup
 from convoy.control import protocol as p
@@ -283,6 +284,7 @@ class Agent:
             local_rank=worker.local_rank, exitcode=code if code >= 0 else None, signal=signal_name(code),
             log_path=worker.pump.log_path, log_tail=list(worker.pump.tail),
             port_in_use=worker.rank == 0 and port_taken(worker.pump.tail), infrastructure=fault_of(worker.proc),
+            peer_lost=code > 0 and peer_lost(worker.pump.tail),
         )
         self.client.call("/worker_exit", report, p.Ack)
 

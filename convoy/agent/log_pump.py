@@ -10,6 +10,7 @@ import queue
 import threading
 import time
 from pathlib import Path
+from collections.abc import Iterable
 from typing import BinaryIO
 
 from convoy.worker_events import MARK, parse
@@ -27,6 +28,11 @@ PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pi
 """What a worker's last lines say when it failed because a peer was gone (lowercase)."""
 TRACE_LINES = 400
 TRACE_START = b"Traceback (most recent call last):"
+
+
+def peer_lost(tail: Iterable[str]) -> bool:
+    """Whether a worker's last lines say it failed because a peer was gone."""
+    return any(mark in line.lower() for line in tail for mark in PEER_LOST)
 
 
 class Failures:

@@ -17,6 +17,10 @@ if TYPE_CHECKING:
 RUNNING, SUCCEEDED, FAILED = "running", "succeeded", "failed"
 MAX_PORT_RETRIES = 3
 """Rounds reopened with a new port because MASTER_PORT was taken before rank 0 bound it; then it is a failure."""
+PEER_LOSS_WAIT_S = 2.0
+"""How long a failure that reads as a lost peer waits for news of a node's loss (which costs no restart) before it
+is taken as a failure: a node's agent killed with its workers is heard of by its launcher (or its silence) a moment
+after its peers on other nodes fail for want of them."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,9 @@ class Job:
     """Rounds reopened because their MASTER_PORT was taken (not restarts)."""
     reconfigure_count: int = 0
     """Rounds opened to apply a restart field of the training config (not restarts)."""
+    held_failure: tuple[WorkerExit, float] | None = None
+    """A failure that reads as a lost peer, and when it came: it becomes a restart after PEER_LOSS_WAIT_S unless a
+    node's loss (a regroup), or a failure of the workers' own, comes first."""
 
     @property
     def round_id(self) -> int:
@@ -92,7 +99,7 @@ class Job:
         if self.status != RUNNING:
             return []
         self.rendezvous.tick(now)
-        events = self._closed_events()
+        events = self._closed_events() + self._held_failure_due(now)
         short_since = self.rendezvous.short_of_min_since()
         if short_since is not None and now - short_since > self.join_timeout_s:
             have = len(self.rendezvous.joined)
@@ -108,9 +115,7 @@ class Job:
         if self.status != RUNNING or report.round_id != self.round_id or self.membership is None:
             return [Event("stale_report", f"ignored a failure report from round {report.round_id}",
                           report.node_id, report.round_id)]
-        member = self.membership.member(report.node_id)
-        where = f"node {member.node_rank}" if member else f"node {report.node_id}"
-        what = f"rank {report.rank} ({where}, local rank {report.local_rank}) {report.describe()}"
+        what = self._what(report)
         if report.infrastructure:  # one event names the fault; the rank's exit is recorded beside it
             return [Event("worker_failed", f"{what} in round {self.round_id}", report.node_id, self.round_id)] + \
                 self._infrastructure_regroup(report.node_id, report.infrastructure, now)
@@ -119,10 +124,36 @@ class Job:
             return events + self._end(FAILED, f"{what}; a worker that cannot start is not retried", report)
         if report.port_in_use and self.port_retries < MAX_PORT_RETRIES:
             return events + self._retry_port(now)
+        if report.peer_lost:
+            if self.held_failure is None:
+                self.held_failure = (report, now)
+            return events
+        self.held_failure = None
+        return events + self._failed(what, report, now)
+
+    def _held_failure_due(self, now: float) -> list[Event]:
+        """A failure held for news of a lost node, once no such news came in time: a restart, as any failure."""
+        held = self.held_failure
+        if held is None or now - held[1] < PEER_LOSS_WAIT_S:
+            return []
+        self.held_failure = None
+        report = held[0]
+        if report.round_id != self.round_id or self.membership is None:
+            return []  # a regroup (or another restart) came first: the failure belonged to that change
+        return self._failed(self._what(report), report, now)
+
+    def _what(self, report: WorkerExit) -> str:
+        """The failed worker and how it ended, as the console names it."""
+        member = self.membership.member(report.node_id) if self.membership is not None else None
+        where = f"node {member.node_rank}" if member else f"node {report.node_id}"
+        return f"rank {report.rank} ({where}, local rank {report.local_rank}) {report.describe()}"
+
+    def _failed(self, what: str, report: WorkerExit, now: float) -> list[Event]:
+        """A worker's failure: a restart, or the job's end once no restart is left."""
         if self.restart_count >= self.max_restarts:
             used = f"no restarts left ({self.restart_count} of {self.max_restarts} used)"
-            return events + self._end(FAILED, f"{what}; {used}", report)
-        return events + self._restart(what, now)
+            return self._end(FAILED, f"{what}; {used}", report)
+        return self._restart(what, now)
 
     def node_done(self, node_id: str, round_id: int) -> list[Event]:
         """All workers of a node exited 0; the job succeeds when every member's have."""

@@ -25,7 +25,7 @@ from convoy.control.master_train import TrainCalls
 from convoy.control.nodes import NodeRegistry
 from convoy.control.rendezvous import Membership, Rendezvous
 from convoy.control.sanitize import printable
-from convoy.control.store import Store, restore
+from convoy.control.store import Store, read_part, restore
 from convoy.control.throttle import EventBudget, budget_for
 from convoy.control.token import TOKEN_FILE, new_token, read_token, write_token
 from convoy.errors import ConflictError, StateWriteError
@@ -39,6 +39,9 @@ the heartbeat timeout, and shorter than an agent waits on the master, so the job
 UNAUTHORIZED_EVERY_S = 10.0
 """At most one ``unauthorized`` event per client address this often; the rest are counted."""
 UNAUTHORIZED_CLIENTS = 1024
+HELD_FAILURE_PART = "held_failure"
+"""The job's failure held for news of a lost node (``Job.held_failure``), among the saved parts: a master
+restarted meanwhile holds it again rather than lose it."""
 
 
 class JobMaster(RoleCalls, TrainCalls):
@@ -65,6 +68,9 @@ class JobMaster(RoleCalls, TrainCalls):
             self.nodes = NodeRegistry(config.heartbeat_timeout_s)
             self.token = read_token(token_path) if token_file and token_path.exists() else new_token()
         self.job.max_regroups, self.job.regroup_window_s = config.max_regroups, config.regroup_window_s
+        held = read_part(config.run_dir, HELD_FAILURE_PART) if resume else None
+        if held:  # a failure the previous master held for news of a lost node: held again from now
+            self.job.held_failure = (p.WorkerExit.model_validate_json(held), now)
         self.config, self.console, self.resumed = config, console, resume
         self._compose_roles(config, resume)
         self._compose_train(config, resume)
@@ -80,6 +86,8 @@ class JobMaster(RoleCalls, TrainCalls):
         self.store = Store(config.run_dir, config.to_json())
         self._save_roles_with(self.store)
         self._save_train_with(self.store)
+        job = self.job
+        self.store.parts[HELD_FAILURE_PART] = lambda: job.held_failure[0].model_dump_json() if job.held_failure else ""
         self._changed = threading.Condition()
         self._unwritten = threading.local()
         """Per server thread: why the state of the call it is handling could not be written."""

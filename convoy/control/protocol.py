@@ -248,6 +248,9 @@ class WorkerExit(Message):
     log_tail: list[Text] = Field(default_factory=list, max_length=200)
     port_in_use: bool = Field(default=False, description="the worker could not bind MASTER_PORT (EADDRINUSE): "
                               "the round is retried with a new port, not counted as a restart")
+    peer_lost: bool = Field(default=False, description="its last lines say a peer was gone (a closed or reset "
+                            "connection): the failure may follow another node's loss, which the master waits a "
+                            "moment to hear of before it spends a restart")
     infrastructure: str = Field(default="", max_length=300, description="not empty: the worker died of a fault of "
                                 "the node's infrastructure, named here (its fork server died); the job regroups "
                                 "within the node's --max-regroups budget instead of spending a restart")

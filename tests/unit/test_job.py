@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from convoy.control.job import FAILED, MAX_PORT_RETRIES, RUNNING, SUCCEEDED, Event, Job
+from convoy.control.job import FAILED, MAX_PORT_RETRIES, PEER_LOSS_WAIT_S, RUNNING, SUCCEEDED, Event, Job
 from convoy.control.protocol import WorkerExit
 from convoy.control.rendezvous import Rendezvous
 
@@ -405,3 +405,32 @@ def test_an_infrastructure_fault_of_a_job_of_roles_counts_in_the_nodes_regroup_b
     assert job.round_id == 1 and job.regroup_count == 0, "no round: the roles' processes start again in this one"
     events = job.infrastructure_fault("n0", "the fork server of node n0 died", 2.0)
     assert "node_excluded" in kinds(events) and job.refusal("n0") is not None
+
+
+def test_a_failure_that_reads_as_a_lost_peer_waits_for_news_of_a_lost_node_before_it_costs_a_restart() -> None:
+    """A node's agent killed with its workers: its peers on the other node fail for want of them a moment before
+    its launcher (or its silence) says the node is gone. The loss then regroups, spending no restart."""
+    job = make_job(max_restarts=3, min_nodes=1, wait_s=1.0)
+    join_all(job, now=0.0)
+    assert job.round_id == 1 and job.membership is not None and len(job.membership.members) == 2
+    events = job.worker_exited(failure("n0", 1, rank=0, peer_lost=True), now=5.0)
+    assert kinds(events) == ["worker_failed"] and events[0].console, "the failure is named at once"
+    assert job.tick(5.0 + PEER_LOSS_WAIT_S / 2) == [] and job.round_id == 1, "held for news of a lost node"
+    events = job.node_lost("n1", "left (agent killed by SIGKILL)", 5.5)
+    assert "regroup" in kinds(events) and job.restart_count == 0
+    assert job.tick(5.0 + 2 * PEER_LOSS_WAIT_S) == [], "the held failure belonged to the regroup: no restart"
+    assert job.restart_count == 0 and job.held_failure is None
+
+
+def test_a_held_lost_peer_failure_restarts_the_job_when_no_node_was_lost() -> None:
+    job = make_job(max_restarts=3)
+    join_all(job, now=0.0)
+    job.worker_exited(failure("n0", 1, rank=0, peer_lost=True), now=5.0)
+    assert job.tick(5.0 + PEER_LOSS_WAIT_S - 0.01) == []
+    events = job.tick(5.0 + PEER_LOSS_WAIT_S)
+    assert "restart" in kinds(events) and job.restart_count == 1 and job.round_id == 2
+    join_all(job, now=8.0)
+    job.worker_exited(failure("n1", 2, rank=3, peer_lost=True), now=9.0)
+    events = job.worker_exited(failure("n0", 2, rank=0, exitcode=7), now=9.1)
+    assert "restart" in kinds(events) and job.restart_count == 2, "a failure of the workers' own does not wait"
+    assert job.held_failure is None
