@@ -225,7 +225,7 @@ class ForkServer:
             if code is not None:
                 self._children.pop(process.pid, None)  # reported before its spawn had counted it in
                 return code
-            dead = self._dead
+            dead, killed = self._dead, self._fault
         now = time.monotonic()
         if now < process.next_look and not dead:
             return None
@@ -235,6 +235,8 @@ class ForkServer:
             return None  # running
         if seen is not None and seen.parent == self._pid:  # a zombie its server has not reaped (stopped, or slow)
             self._unanswered(process)
+            if killed and seen.code == -signal.SIGKILL:
+                process.fault = killed  # killed with its hung server, which has not reaped it yet
             return seen.code  # None where /proc does not show it: the server's report (or its fault) tells
         if seen is None and not dead:  # reaped by the server, whose report is on its way (or never comes)
             self._unanswered(process)
