@@ -4,7 +4,8 @@ Rank 0 profiles the model (trace + real micro-steps) while the others wait; ever
 measures the allreduce lines and times FSDP's collectives on the model's units, calibrates FSDP's memory in two
 real FSDP micro-steps (where FSDP is a candidate), generates and ranks the same candidates, and runs each measured
 candidate for real (warm-up, then timed steps; the step time is the slowest rank's, local SGD's over
-windows that hold one averaging; the memory the highest rank's peak above its baseline), after one
+windows that hold one averaging; the memory the highest rank's peak above its baseline, taken once the allocator has
+handed back what earlier runs freed), after one
 unrecorded run per way of communicating. Rank 0 writes the results JSON the planner prints. Every rank ends with
 ``exit_without_teardown``: through Python's teardown a rank could abort after its work was done (a gloo thread
 freeing a backward's collective needs the GIL of a finalizing interpreter), and the planner would call it failed.
@@ -34,7 +35,7 @@ from convoy.strategy.features import call, profile
 from convoy.strategy.memory import ModelFeatures, activation_bytes, predict
 from convoy.strategy.plan import Strategy
 from convoy.strategy.search import CommCosts, predict_time, successive_halving
-from convoy.strategy.workload import Workload, load_workload, peak_rss, reset_peak, rss
+from convoy.strategy.workload import Workload, load_workload, peak_rss, release_free, reset_peak, rss
 
 WARMUP = 1
 
@@ -121,12 +122,17 @@ def measure_comm(topology: Topology, comm: Any, per_node: int, features: ModelFe
 
 def run_candidate(workload: Workload, strategy: Strategy, steps: int, comm: Any,
                   warmup: int = WARMUP) -> tuple[list[float], float]:
-    """(each timed step's seconds on the slowest rank, the highest rank's peak bytes above its baseline)."""
+    """(each timed step's seconds on the slowest rank, the highest rank's peak bytes above its baseline).
+
+    The baseline is taken after the allocator hands back its free pages (``release_free``): what this run allocates
+    counts whatever earlier runs left free, as in a process of its own; its timed steps still reuse what its warm-up
+    step freed, as a training process's steps do."""
     rank = dist.get_rank()
     # local SGD's steps are timed in windows of sync_every (each holds one averaging); a window's mean
     # is one of its times
     window = strategy.sync_every if strategy.kind == "local" else 1
     gc.collect()
+    release_free()
     before = rss()
     model = workload.model()
     model, optimizer = accelerate(model, workload.optimizer(model.parameters()), strategy, comm=comm)

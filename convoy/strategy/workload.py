@@ -6,6 +6,8 @@ optimizer and batches. ``convoy plan`` imports the script (its ``__main__`` bloc
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import importlib.util
 import sys
 from collections.abc import Callable, Iterable
@@ -109,6 +111,27 @@ def rss() -> int:
 def peak_rss() -> int:
     """The most resident bytes since the last ``reset_peak``."""
     return _status_kb("VmHWM:") * 1024
+
+
+def _glibc() -> Any:
+    """The C library where it is glibc (it has ``malloc_trim``), else None."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+    return libc if hasattr(libc, "malloc_trim") else None
+
+
+_LIBC = _glibc()
+
+
+def release_free() -> None:
+    """Hand the pages of the allocator's free chunks back to the kernel (glibc's ``malloc_trim``): a chunk freed
+    inside malloc's heaps stays resident, and a later run that reuses it adds nothing to the RSS, so a run's peak
+    would read what earlier runs happened to leave free (10-17% less for a small FSDP candidate run again, and a
+    different amount from one run of the same order to the next). Nothing where the C library is not glibc."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
 
 
 def reset_peak() -> None:
