@@ -19,12 +19,28 @@ def waiting_in(proc: psutil.Process, calls: tuple[str, ...]) -> bool:
     return any(call in wchan for call in calls)
 
 
+def fork_servers(agent: psutil.Process) -> list[psutil.Process]:
+    """The agent's fork servers: one it started (its child), or the one its launcher started for it and it took
+    over (``--fork-server FD:PID`` on its command line; the launcher's child)."""
+    command = agent.cmdline()
+    servers = [child for child in agent.children() if FORK_SERVER in " ".join(child.cmdline())]
+    if "--fork-server" in command[:-1]:
+        adopted = int(command[command.index("--fork-server") + 1].rpartition(":")[2])
+        try:
+            server = psutil.Process(adopted)
+            if FORK_SERVER in " ".join(server.cmdline()) and server.status() != psutil.STATUS_ZOMBIE:
+                servers.append(server)
+        except psutil.Error:
+            pass  # gone: the agent runs one of its own now, among its children
+    return servers
+
+
 def agent_is_warm(agent: psutil.Process, workers: set[int], nproc: int) -> bool:
     """The agent's fork server waits in select(2) for an order (it has preloaded), or, where the workers are
     standbys of their own, ``nproc`` of them sit in read(2) on their stdin pipes."""
     try:
         idle = [child for child in agent.children() if child.pid not in workers]
-        servers = [child for child in idle if FORK_SERVER in " ".join(child.cmdline())]
+        servers = fork_servers(agent)
     except psutil.Error:
         return False
     if servers:
