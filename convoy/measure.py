@@ -2,7 +2,9 @@
 
 A role whose count or memory is ``auto`` is sized from its rank 0's one iteration: this module tells the agent
 (by worker events on stderr, which its log pump reads at once) when that iteration begins and ends and what it
-is made of; the agent samples the process tree and reports the peak. Outside a measured process (another rank,
+is made of, with the process tree's memory as the process itself read it at that moment (the agent reads the
+lines a little later, when the iteration may have begun allocating); the agent samples the tree and reports
+the peak. Outside a measured process (another rank,
 plain ``python``) the calls only print their marked lines. Torch-free: a model is only asked for its
 parameters, and on a GPU ``torch.cuda`` (where the script imported torch) for the iteration's reserved peak.
 """
@@ -10,10 +12,12 @@ parameters, and on a GPU ``torch.cuda`` (where the script imported torch) for th
 from __future__ import annotations
 
 import json
+import os
 import sys
 from types import TracebackType
 from typing import Any
 
+from convoy.agent.memory import sample_tree
 from convoy.worker_events import emit
 
 BASELINE, BEGIN, END = "memory_baseline", "measure_begin", "measure_end"
@@ -23,7 +27,13 @@ BASELINE, BEGIN, END = "memory_baseline", "measure_begin", "measure_end"
 def memory_baseline() -> None:
     """Mark the process's baseline (imports done, data pipeline up, model not built yet); without it the
     baseline is the process as its measuring iteration begins."""
-    emit(BASELINE, "")
+    emit(BASELINE, json.dumps(_tree_now()))
+
+
+def _tree_now() -> dict[str, int]:
+    """This process tree's RSS, USS and PSS now (``/proc``; a few milliseconds for a process that imported torch)."""
+    now = sample_tree(os.getpid())
+    return {"rss_bytes": now.rss_bytes, "uss_bytes": now.uss_bytes, "pss_bytes": now.pss_bytes}
 
 
 def state_bytes_of(model: Any, optimizer_slots: int = 0) -> int:
@@ -57,7 +67,7 @@ class measure_iteration:  # noqa: N801 (used as a function: ``with convoy.measur
         cuda = _cuda_in_use()
         if cuda is not None:
             cuda.reset_peak_memory_stats()
-        emit(BEGIN, json.dumps(self.shape))
+        emit(BEGIN, json.dumps({**self.shape, "baseline": _tree_now()}))
         return self
 
     def end(self) -> None:

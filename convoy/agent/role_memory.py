@@ -139,9 +139,9 @@ class RoleMemory:
         sample = watched.sampler.sample_once()
         with self._lock:
             if kind == BASELINE:
-                watched.baseline = sample
+                watched.baseline = _baseline(message) or sample
             elif kind == BEGIN and not watched.measuring and watched.measured is None:
-                watched.baseline = watched.baseline or sample
+                watched.baseline = watched.baseline or _baseline(message) or sample
                 watched.shape = _shape(message)
                 watched.sampler.window()
                 watched.measuring = bool(watched.shape)
@@ -245,6 +245,21 @@ def _measured(shape: dict[str, int], baseline: TreeMemory, peak: MemoryPeak, mes
         peak_uss_bytes=peak.uss_bytes, baseline_rss_bytes=min(baseline.rss_bytes, peak.rss_bytes),
         baseline_uss_bytes=min(baseline.uss_bytes, peak.uss_bytes), duration_s=peak.duration_s,
         num_samples=peak.num_samples)
+
+
+def _baseline(message: str) -> TreeMemory | None:
+    """The tree's memory as the process read it when it wrote the line (``measure.memory_baseline`` and
+    ``measure_iteration.begin``): the sample the agent takes on reading the line may be late, once the iteration
+    has begun to allocate. None where the line carries none (an older convoy in the process) or it is not one."""
+    try:
+        body = json.loads(message)
+        body = body.get("baseline", body) if isinstance(body, dict) else {}
+        figures = [int(body[name]) for name in ("rss_bytes", "uss_bytes", "pss_bytes")]
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+    if not all(0 < figure < 2**50 for figure in figures):
+        return None
+    return TreeMemory(*figures, num_processes=1)
 
 
 def _shape(message: str) -> dict[str, int]:

@@ -10,8 +10,10 @@ import os
 import re
 import signal
 import socket
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 from helpers import REPO, Launched, ProcessScope, agent_of, wait_for
 
@@ -41,7 +43,8 @@ def owner(run_dir: Path) -> Credentials:
 
 def status_when_training(run_dir: Path, port: int, pushes: int) -> dict | None:
     """The server's status once it has applied ``pushes`` pushes and holds a push its newest snapshot lacks (so
-    that a kill now loses one that must be resent); None before, or while it cannot be reached."""
+    that a kill now loses one that must be resent), with ``kept_by_all``: the pushes its newest snapshot holds;
+    None before, or while it cannot be reached."""
     try:
         connection = Connection(f"127.0.0.1:{port}", timeout=5, credentials=owner(run_dir))
     except ConnectionLost:
@@ -53,27 +56,65 @@ def status_when_training(run_dir: Path, port: int, pushes: int) -> dict | None:
     finally:
         connection.close()
     unkept = any(meta["applied"] > meta["kept"] for meta in metas)
-    return metas[0] if metas[0]["version"] >= pushes and unkept else None
+    kept = sum(int(meta["kept"]) for meta in metas)
+    return {**metas[0], "kept_by_all": kept} if metas[0]["version"] >= pushes and unkept else None
+
+
+def workers_of(run_dir: Path) -> list[psutil.Process]:
+    """The job's worker processes, by the pids the master's events name (``worker N is running (NODE, pid P)``;
+    a forked process's /proc environment is its fork server's, so it cannot tell)."""
+    events = [e["message"] for e in read_status(run_dir, recent=500)["events"] if e["kind"] == "role_started"]
+    return [psutil.Process(int(pid)) for message in events
+            for pid in re.findall(r"^worker \d+ is running.*pid (\d+)", message)]
+
+
+def frozen_status(run_dir: Path, port: int, workers: list[psutil.Process]) -> dict | None:
+    """With the workers stopped (SIGSTOP), the server's status once a push or snapshot sent before the stop has
+    landed (two reads alike), if it still holds a push its snapshot lacks: nothing changes it until the kill."""
+    for worker in workers:
+        worker.suspend()
+    before = None
+    for _ in range(100):
+        status = status_when_training(run_dir, port, STEPS)
+        if status is None or status == before:
+            return status
+        before = status
+        time.sleep(0.05)
+    raise AssertionError(f"the server's status kept changing with its workers stopped: {before}")
 
 
 def kill_mid_training(procs: ProcessScope, run_dir: Path, rank: int,
                       take_port: bool = False) -> tuple[Launched, int, dict, socket.socket | None]:
-    """SIGKILL PS ``rank`` once it has applied half of all pushes; ``take_port``: with its agent stopped meanwhile,
-    so that the test listens on the old port before the agent can start the PS again."""
+    """SIGKILL PS ``rank`` once it has applied half of all pushes and holds one its snapshot lacks (the workers
+    stopped meanwhile, so that the status read is the server's state at the kill); ``take_port``: with its agent
+    stopped too, so that the test listens on the old port before the agent can start the PS again."""
     job = procs.start(["run", "--ps", 2, "--workers", 2, "--preload", "", "--stop-grace", 1, "--run-dir", run_dir,
                        EXAMPLE, *ARGS])
     port = wait_for(lambda: serving_ports(run_dir, rank), 60, f"ps{rank} to serve")[0]
-    status = wait_for(lambda: status_when_training(run_dir, port, STEPS), 60, f"ps{rank} to apply {STEPS} pushes",
-                      interval=0.02)
-    agent = agent_of(status["pid"])
-    if take_port:
-        agent.suspend()
+    wait_for(lambda: status_when_training(run_dir, port, STEPS), 60, f"ps{rank} to apply {STEPS} pushes",
+             interval=0.02)
+    workers = workers_of(run_dir)
+    assert len(workers) == 2, workers
     try:
-        os.kill(status["pid"], signal.SIGKILL)
-        taker = wait_for(lambda: _listen(port), 5, f"port {port} to be free to take") if take_port else None
+        status = wait_for(lambda: frozen_status(run_dir, port, workers) or thaw(workers), 60,
+                          f"ps{rank} to hold an unkept push with its workers stopped")
+        agent = agent_of(status["pid"])
+        if take_port:
+            agent.suspend()
+        try:
+            os.kill(status["pid"], signal.SIGKILL)
+            taker = wait_for(lambda: _listen(port), 5, f"port {port} to be free to take") if take_port else None
+        finally:
+            agent.resume()
     finally:
-        agent.resume()
+        thaw(workers)
     return job, port, status, taker
+
+
+def thaw(workers: list[psutil.Process]) -> None:
+    """SIGCONT the workers (returns None, so that a poll goes on)."""
+    for worker in workers:
+        worker.resume()
 
 
 def assert_every_push_applied_once(out: str, killed: int) -> list[re.Match[str]]:
@@ -101,7 +142,7 @@ def test_a_killed_ps_comes_back_with_its_shard_and_no_push_is_lost(procs: Proces
                          r"\(pushes held \{'worker0': (\d+), 'worker1': (\d+)\}\)", out)
     assert restored, out
     version, kept = int(restored.group(1)), int(restored.group(2)) + int(restored.group(3))
-    assert 0 < version == kept <= status["version"], "the snapshot is the shard at one version, before the kill"
+    assert 0 < version == kept == status["kept_by_all"] < status["version"], "its newest snapshot, before the kill"
     assert serving_ports(run_dir, 0) == [port, port], "restarted on its node and port"
     held = assert_every_push_applied_once(out, killed=0)
     assert all(found.group(8) == "[]" for found in held), "nobody moved"

@@ -141,3 +141,42 @@ def test_a_sampler_samples_often_only_while_asked_and_at_once_when_asked() -> No
         assert sampler.peak().num_samples == settled, "it went on sampling every few ms"
         began = time.monotonic()
     assert time.monotonic() - began < 5, "stop waited out the 30 s interval"
+
+
+# Marks its baseline, then allocates the bytes it names (every page written) before the agent has read the mark.
+LATE_READER = textwrap.dedent("""
+    import sys
+    import convoy
+    convoy.memory_baseline()
+    block = bytearray(b"\\x01") * int(sys.argv[1])
+    print("allocated", flush=True)
+    sys.stdin.readline()
+""")
+
+
+def test_a_baseline_the_agent_reads_late_is_the_process_as_it_marked_it(tmp_path) -> None:
+    """The agent reads a process's marked lines a little after they were written (its log pump, a loaded node):
+    by then the measuring iteration may have allocated. The baseline is what the process read as it marked it."""
+    from convoy.agent.role_memory import RoleMemory
+    from convoy.control import protocol as p
+    from convoy.measure import BASELINE
+    from convoy.worker_events import parse
+
+    script = tmp_path / "late.py"
+    script.write_text(LATE_READER)
+    proc = subprocess.Popen([sys.executable, str(script), str(64 * MIB)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    memory = RoleMemory("n0")
+    try:
+        assert proc.stdout.readline().strip() == "allocated"
+        assignment = p.RoleAssignment(role="worker", rank=0, incarnation=0, world_size=1, measure=True)
+        memory.started(assignment, proc.pid)
+        marked = parse(proc.stderr.readline())
+        assert marked is not None and marked[0] == BASELINE, marked
+        memory.on_event(("worker", 0, 0), (0, *marked))
+        baseline = memory.watched[("worker", 0, 0)].baseline
+        assert baseline is not None and baseline.rss_bytes <= process_rss(proc.pid) - 60 * MIB, baseline
+    finally:
+        memory.close()
+        proc.stdin.close()
+        proc.wait(10)

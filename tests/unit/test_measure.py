@@ -41,7 +41,11 @@ def test_the_iteration_is_marked_with_its_shape_begin_and_end(capsys: pytest.Cap
         print("training")
     seen = events(capsys.readouterr().err)
     assert [kind for kind, _ in seen] == [BASELINE, BEGIN, END]
-    assert json.loads(seen[1][1]) == {"batch_size": 64, "sample_bytes": 512, "state_bytes": 4096}
+    begin = json.loads(seen[1][1])
+    assert {name: begin[name] for name in ("batch_size", "sample_bytes", "state_bytes")} == \
+        {"batch_size": 64, "sample_bytes": 512, "state_bytes": 4096}
+    for figures in (json.loads(seen[0][1]), begin["baseline"]):  # read by the process as it wrote the line
+        assert 0 < figures["uss_bytes"] <= figures["rss_bytes"] and figures["pss_bytes"] > 0, figures
     assert json.loads(seen[2][1]) == {"activation_bytes": 777, "gpu_peak_bytes": None}, "no GPU in use here"
 
 
