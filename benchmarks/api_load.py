@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from fault_job import Job, wait_for
 from steplog import steps_lost
 
-from convoy.agent.client import MasterClient
-from convoy.control import protocol as p
+from convoy.control.protocol import messages as p
+from convoy.control.protocol.client import MasterClient
 
 UNAUTHENTICATED, SLOW_BODIES, MALFORMED = 1000, 200, 10_000
 MALFORMED_THREADS = 4

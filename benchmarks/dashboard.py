@@ -73,8 +73,8 @@ def sample(proc: psutil.Process, seconds: float) -> tuple[float, float]:
 
 def import_cost() -> float:
     """MiB a process grows by importing the dashboard's modules on top of the rest of the master's."""
-    code = ("import resource, convoy.control.api, convoy.control.store, convoy.control.master_roles, "
-            "convoy.control.master_train;"
+    code = ("import resource, convoy.control.api, convoy.control.store, convoy.control.roles.calls, "
+            "convoy.control.training.calls;"
             "import psutil; p = psutil.Process(); a = p.memory_info().rss;"
             "import convoy.control.dashboard.server, convoy.control.dashboard.actions;"
             "print((p.memory_info().rss - a) / 2**20)")
@@ -154,8 +154,8 @@ def live_job(playwright, work: Path, window_s: float, pairs: int) -> dict[str, A
 def synthetic_job(run_dir: Path, events: int, points: int, ranks: int = 8) -> None:
     """A finished job's state file of ``events`` events and ``points`` status rows, written by the master's own
     store classes (the status store unbounded for it)."""
-    from convoy.control.status_store import COLUMNS, StatusStore
     from convoy.control.store import Store
+    from convoy.control.training.status_store import COLUMNS, StatusStore
 
     run_dir.mkdir(parents=True)
     Store(run_dir, "{}").close()

@@ -42,9 +42,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks" / "scripts"))
-from convoy.ports import free_port  # noqa: E402
-from convoy.role_env import SERVICE_SECRET_ENV  # noqa: E402
 from ranks import rank_env, run_ranks  # noqa: E402
+
+from convoy.ports import free_port  # noqa: E402
+from convoy.worker.role_env import SERVICE_SECRET_ENV  # noqa: E402
 
 WORKER = REPO / "benchmarks" / "scripts" / "ps_worker.py"
 SYSTEMS = ("convoy async PS", "convoy DDP + sharded tables", "torch DDP + EmbeddingBag(sparse)")

@@ -173,7 +173,7 @@ def raw_framing(handle) -> str:  # noqa: ANN001
 
 def job_credentials(role: str, tls: bool):  # noqa: ANN201
     from convoy.parallel.transport import Credentials, Identity
-    from convoy.role_env import SERVICE_SECRET_ENV
+    from convoy.worker.role_env import SERVICE_SECRET_ENV
 
     return Credentials(bytes.fromhex(os.environ[SERVICE_SECRET_ENV]), Identity(role, 0, 0), tls)
 
@@ -183,7 +183,7 @@ def serve_sockets(store) -> None:  # noqa: ANN001
     checked against a real addresses file) and behind the raw framing."""
     from convoy.parallel.ps.service import ServerProcess
     from convoy.parallel.transport import IncarnationFence
-    from convoy.role_env import RoleInfo, write_addresses
+    from convoy.worker.role_env import RoleInfo, write_addresses
 
     published = Path(tempfile.mkdtemp(prefix="ps-transport-")) / "addresses.json"
     write_addresses(published, 1, {"ps": [""], "worker": [""]}, {"ps": [0], "worker": [0]})
@@ -351,8 +351,7 @@ def main() -> int:
         rank_main(args)
         return 0
     from convoy.ports import free_port
-
-    from convoy.role_env import SERVICE_SECRET_ENV
+    from convoy.worker.role_env import SERVICE_SECRET_ENV
 
     env = {**os.environ, "MASTER_PORT": str(free_port()), "RPC_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(REPO), SERVICE_SECRET_ENV: secrets.token_hex(32)}  # one job's secret, as an agent's

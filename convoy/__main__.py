@@ -4,6 +4,6 @@ from __future__ import annotations
 
 import sys
 
-from convoy.cli import main
+from convoy.cli.main import main
 
 sys.exit(main())

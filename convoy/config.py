@@ -6,9 +6,9 @@ import importlib.util
 import json
 import math
 import os
-import shutil
 import re
 import secrets
+import shutil
 import socket
 import stat
 import sys
@@ -16,9 +16,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from convoy.control.sanitize import safe_host
 from convoy.errors import ConfigError
 from convoy.roles_config import RoleSpec, check_roles
+from convoy.sanitize import safe_host
 
 STATE_FILE = "state.db"
 """The master's SQLite state inside the run dir."""
@@ -26,6 +26,9 @@ RUN_DIR_PROBE_BYTES = 64 << 10
 """What a run dir must take before a job starts: room for the token, the first state and logs."""
 MAX_NPROC_PER_NODE = 1024
 """Worker processes one agent may start: past it an agent would fork standbys until fork fails."""
+STATUS_RULES = ("nan", "divergence", "plateau", "throughput", "memory")
+"""The status rules a job's master judges its ranks by (``control/training/rules.py``), by the names
+``--auto-apply`` takes."""
 
 
 def check_seconds(flag: str, value: float, allow_zero: bool = True) -> None:
@@ -88,7 +91,7 @@ class RendezvousConfig:
 
 
 DEFAULT_PRELOAD = ("torch", "torch._dynamo")
-ROLE_PRELOAD = ("torch", "convoy.data_shards", "convoy.parallel.ps.client", "convoy.parallel.ps.service")
+ROLE_PRELOAD = ("torch", "convoy.worker.shards", "convoy.parallel.ps.client", "convoy.parallel.ps.service")
 """The fork server's default: torch and convoy's side of roles (the data shards' client, whose pydantic models
 take about 0.2 s to build, and the parameter-server client and server), imported once rather than by every
 role process as it starts (none reads its environment at import time)."""
@@ -254,11 +257,10 @@ class MasterConfig:
         check_seconds("--heartbeat-timeout", self.heartbeat_timeout_s, allow_zero=False)
         if self.heartbeat_s <= 0 or self.heartbeat_timeout_s <= self.heartbeat_s:
             raise ConfigError("need 0 < heartbeat interval < heartbeat timeout")
-        from convoy.control.train_rules import RULES
-
-        unknown = sorted(set(self.auto_apply) - set(RULES))
+        unknown = sorted(set(self.auto_apply) - set(STATUS_RULES))
         if unknown:
-            raise ConfigError(f"--auto-apply {','.join(unknown)}: not a status rule (the rules: {', '.join(RULES)})")
+            raise ConfigError(f"--auto-apply {','.join(unknown)}: not a status rule "
+                              f"(the rules: {', '.join(STATUS_RULES)})")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("give --tls-cert and --tls-key together (or neither, for plain HTTP)")
         for flag, path in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key)):

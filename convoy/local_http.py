@@ -1,4 +1,5 @@
-"""A lean HTTP/1.1 keep-alive client for a worker's calls to its node's agent (plain HTTP on this host).
+"""A lean HTTP/1.1 keep-alive client for a worker's calls to its node's agent (plain HTTP on this host), and
+how any of convoy's servers drops a refused request's body (``discard_body``).
 
 ``http.client`` spends about 0.5 ms of Python per call (header objects, the ``email`` parser); a rank that
 reports every step pays that on its sender thread, so this client writes the request in one ``sendall`` and
@@ -10,10 +11,15 @@ caller drops the connection and tries again on a new one.
 from __future__ import annotations
 
 import socket
+import time
+from typing import Any
 
 MAX_HEAD = 64 * 1024
 """The longest status line plus headers accepted from the agent."""
 MAX_BODY = 64 * 1024 * 1024
+DISCARD_S = 2.0
+"""How long a refused request's body is read and dropped before the connection closes (closing with
+unread bytes resets it, and the client may lose the answer)."""
 
 
 class ProtocolError(OSError):
@@ -90,3 +96,18 @@ class Connection:
         if not chunk:
             raise ProtocolError("the agent closed the connection before its answer was whole")
         self._buffer += chunk
+
+
+def discard_body(connection: Any, rfile: Any, length: int) -> None:
+    """Read and drop a refused body (for at most DISCARD_S) before the connection closes: closing with unread
+    bytes resets it, and the client may lose the answer before it reads it."""
+    deadline = time.monotonic() + DISCARD_S
+    connection.settimeout(DISCARD_S)
+    try:
+        while length > 0 and time.monotonic() < deadline:
+            chunk = rfile.read1(min(length, 1 << 16))
+            if not chunk:
+                return
+            length -= len(chunk)
+    except OSError:  # timed out or gone: the answer was sent, the connection closes anyway
+        return

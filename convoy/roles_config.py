@@ -1,5 +1,6 @@
 """Role specs: what each role of a job runs, how many of it, its resources and its failure policy, as the job file
-and the command line declare them (pure; the master's membership and scaling per role are control/roles.py's)."""
+and the command line declare them (pure; the master's membership and scaling per role are
+control/roles/members.py's)."""
 
 from __future__ import annotations
 

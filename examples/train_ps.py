@@ -3,15 +3,15 @@
     convoy run --ps 2 --workers 2 examples/train_ps.py
     convoy run --ps 2 --workers auto examples/train_ps.py    # as many workers as fit, sized from the chief
 
-Data and model are ``train_dlrm.py``'s (synthetic Criteo-shaped samples, power-law ids, a hidden teacher;
-bottom MLP, pairwise interaction, top MLP). Here every parameter lives on the parameter servers
-(``convoy.parallel.ps``): the 26 tables sharded by row id, the MLP tensors spread by size, all updated by
-Adagrad on the servers. A worker pulls the MLPs and only its batch's rows, computes the gradients, and pushes
-them without waiting for them to be applied; ``--staleness S`` lets it run at most S pushes ahead of what it
-has seen applied. Worker 0 is the chief: it gives the servers their initial shards, and when every worker's
-pushes are in, it scores a held-out set and prints the AUC beside the teacher's. The servers are stopped by
-convoy once every worker has finished. The chief has the servers snapshot their shards every
-``--snapshot-every`` steps; a killed server comes back with its shard and the workers resend what it had not
+Data and model are ``train_dlrm.py``'s (``dlrm_model.py``: synthetic Criteo-shaped samples, power-law ids, a
+hidden teacher; bottom MLP, pairwise interaction, top MLP); the worker's side is in ``ps_parts.py``. Here every
+parameter lives on the parameter servers (``convoy.parallel.ps``): the 26 tables sharded by row id, the MLP
+tensors spread by size, all updated by Adagrad on the servers. A worker pulls the MLPs and only its batch's rows,
+computes the gradients, and pushes them without waiting for them to be applied; ``--staleness S`` lets it run at
+most S pushes ahead of what it has seen applied. Worker 0 is the chief: it gives the servers their initial shards,
+and when every worker's pushes are in, it scores a held-out set and prints the AUC beside the teacher's. The
+servers are stopped by convoy once every worker has finished. The chief has the servers snapshot their shards
+every ``--snapshot-every`` steps; a killed server comes back with its shard and the workers resend what it had not
 kept (``convoy/parallel/ps/snapshots.py``), so every push is applied exactly once.
 
 Roles come from ``convoy.role()``: ``ps`` serves on ``CONVOY_ROLE_PORT``; ``worker`` finds the servers in
@@ -34,27 +34,22 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.func import functional_call
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_dlrm import CRITEO_ROWS, MULTI_HOT, DenseArch, Synthetic, auc, seeded  # noqa: E402
+from dlrm_model import CRITEO_ROWS, MULTI_HOT, DenseArch, Synthetic, auc, seeded  # noqa: E402
+from ps_parts import BatchShards, connect, exactly_once, logits_of, pull_when_set_up, push_gradients  # noqa: E402
 
 import convoy  # noqa: E402
-import convoy.data_shards  # noqa: E402
+import convoy.worker.shards  # noqa: E402
 from convoy.errors import ConfigError  # noqa: E402
 from convoy.parallel.embedding.bags import TableSpec as BagSpec  # noqa: E402
-from convoy.parallel.ps.client import PSClient, Pulled, Tally  # noqa: E402
+from convoy.parallel.ps.client import PSClient  # noqa: E402
 from convoy.parallel.ps.optimizers import OptimizerSpec  # noqa: E402
 from convoy.parallel.ps.placement import DenseSpec, TableSpec, place  # noqa: E402
 from convoy.parallel.ps.service import from_role_env  # noqa: E402
-from convoy.parallel.transport import TransportError  # noqa: E402
-
-CONNECT_S = 60.0
 
 
 def parse() -> argparse.Namespace:
@@ -96,76 +91,6 @@ def serve() -> None:
               f"{shard.version} (pushes held {dict(sorted(shard.applied.items()))})", flush=True)
     print(f"parameter server {convoy.role().rank} serving on port {os.environ['CONVOY_ROLE_PORT']}", flush=True)
     server.wait()
-
-
-def connect(placement, rank: int, staleness: int) -> PSClient:
-    """A client once every server listens (they start just before the workers do). Each try asks for the servers'
-    addresses as the agent publishes them now: a server started again since this worker started listens elsewhere,
-    or not yet (its address empty meanwhile)."""
-    deadline = time.monotonic() + CONNECT_S
-    while True:
-        try:
-            return PSClient(placement, list(convoy.role().peers("ps")), f"worker{rank}", staleness,
-                            follow=lambda: convoy.role().peers("ps"))
-        except TransportError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-
-
-def pull_when_set_up(client: PSClient, ids: dict[str, torch.Tensor]) -> Pulled:
-    """The first pull of a worker other than the chief waits until the chief has given out the shards."""
-    deadline = time.monotonic() + CONNECT_S
-    while True:
-        try:
-            return client.pull(ids)
-        except ConfigError as exc:
-            if "holds no shard yet" not in str(exc) or time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
-
-
-def logits_of(arch: DenseArch, bags: list[BagSpec], pulled: Pulled, batch, params: dict[str, torch.Tensor],
-              rows: dict[str, torch.Tensor]) -> torch.Tensor:
-    pooled = []
-    for spec in bags:
-        ids, offsets, _ = batch.features[spec.name]
-        local = torch.searchsorted(pulled.ids[spec.name], ids)
-        pooled.append(F.embedding_bag(local, rows[spec.name], offsets, mode=spec.pooling))
-    return functional_call(arch, params, (batch.dense, torch.stack(pooled, 1)))
-
-
-class BatchShards:
-    """The epoch's batches, by seed, from the master's data shards. A batch counts as trained once every server
-    has applied its push: after each pull, ``seen`` reports what the servers hold of the current shard, so a
-    worker that fails gives back only the batches they do not have."""
-
-    def __init__(self, client: PSClient, total: int, shard_batches: int) -> None:
-        self.client, self.total = client, total
-        self.stream = convoy.shards("train-batches", num_seeds=total, shard_size=shard_batches)
-        self.shard: convoy.data_shards.Shard | None = None
-        self.applied_before: int | None = None
-        self.pushed = self.reported = 0
-
-    def __iter__(self) -> Iterator[int]:
-        for shard in self.stream:
-            self.shard, self.applied_before, self.pushed, self.reported = shard, None, 0, 0
-            for index in shard.items:
-                if shard.lost:
-                    break
-                yield index
-                self.pushed += 1
-            self.client.flush()  # every push of the shard applied: now all of it is trained
-            shard.done()
-
-    def seen(self, pulled: Pulled) -> bool:
-        """Report this shard's batches every server has applied; False once the shard is no longer ours."""
-        assert self.shard is not None
-        applied = min(pulled.applied)
-        self.applied_before = applied if self.applied_before is None else self.applied_before
-        # a restored server holds fewer pushes until this worker's resends land: what was reported stays reported
-        self.reported = max(self.reported, min(applied - self.applied_before, self.pushed))
-        return self.shard.progress(self.reported)
 
 
 def train(args: argparse.Namespace, info: convoy.RoleInfo) -> None:
@@ -219,19 +144,6 @@ def draw(args: argparse.Namespace, data: Synthetic, index: int):  # noqa: ANN201
     return data.draw(seeded("train", args.seed, *divmod(index, args.steps)), args.batch)
 
 
-def push_gradients(client: PSClient, arch: DenseArch, bags: list[BagSpec], batch, pulled: Pulled,
-                   index: int) -> float:
-    """One batch's loss and gradients from what was pulled, pushed tagged with the batch's index (a batch trained
-    again, after its shard was given back, is applied once per server); returns the loss."""
-    params = {n: t.requires_grad_() for n, t in pulled.dense.items()}
-    rows = {n: t.requires_grad_() for n, t in pulled.rows.items()}
-    loss = F.binary_cross_entropy_with_logits(logits_of(arch, bags, pulled, batch, params, rows), batch.labels)
-    loss.backward()
-    client.push({n: t.grad for n, t in params.items()}, {n: (pulled.ids[n], t.grad) for n, t in rows.items()},
-                tag=index)
-    return loss.item()
-
-
 def repair(args: argparse.Namespace, client: PSClient, arch: DenseArch, bags: list[BagSpec], data: Synthetic,
            batches: int) -> int:
     """Once the epoch is done, train again each batch a server lacks and push it tagged: the servers that hold it
@@ -264,24 +176,6 @@ def evaluate(args: argparse.Namespace, client: PSClient, arch: DenseArch, bags: 
     print(f"held-out AUC {auc(scores, held.labels):.4f} (teacher {auc(held.teacher, held.labels):.4f}) after "
           f"{min(pulled.versions)} pushes per server", flush=True)
     print(exactly_once(client.tally(), batches), flush=True)
-
-
-def exactly_once(tallies: list[Tally], batches: int) -> str:
-    """The count behind "every batch trained exactly once": each server holds each batch's tag, and applied no
-    push beyond one per tag it holds (its version counts every push it applied)."""
-    problems = []
-    for server, tally in enumerate(tallies):
-        missing, outside = tally.exactly_once(batches)
-        beyond = tally.version - len(tally.tags)
-        if missing or outside or beyond:
-            problems.append(f"server {server} lacks {len(missing)} batches {missing[:5]} and holds {len(outside)} "
-                            f"outside the epoch {outside[:5]} and applied {beyond} pushes beyond one per batch it "
-                            "holds")
-    repeats = sum(t.duplicates for t in tallies)
-    if problems:
-        return f"batches NOT trained exactly once: {'; '.join(problems)}"
-    return (f"exactly once: each of the {batches} batches applied once on each of {len(tallies)} servers "
-            f"({repeats} repeated pushes skipped)")
 
 
 def main() -> int:

@@ -1,6 +1,6 @@
 """A causal transformer trained with the strategy ``convoy plan`` picked for it.
 
-    convoy plan examples/train_strategy.py --nodes 2 --nproc-per-node 2 --memory 1.5GB
+    convoy plan --nodes 2 --nproc-per-node 2 --memory 1.5GB examples/train_strategy.py
     convoy run --nnodes 2 --nproc-per-node 2 examples/train_strategy.py --steps 20
 
 ``workload()`` is what ``convoy plan`` builds the model, optimizer and batches from (it imports this

@@ -24,13 +24,12 @@ import threading
 import time
 from pathlib import Path
 
-
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from convoy.control.store import read_status  # noqa: E402
 from convoy.control.token import TOKEN_FILE, read_token  # noqa: E402
 from convoy.parallel.transport import Connection, ConnectionLost, Credentials, Identity, Message  # noqa: E402
-from convoy.role_env import service_secret  # noqa: E402
+from convoy.worker.role_env import service_secret  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "train_ps.py"
 STEPS, SHARD = 300, 10

@@ -25,7 +25,13 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from convoy.agent.memory import TreeSampler  # noqa: E402
 from convoy.agent.memory_limits import MemoryLimiter  # noqa: E402
-from convoy.control.sizing import IterationShape, MarginModel, MeasuredIteration, dlrover_allocation, predict  # noqa: E402,E501
+from convoy.control.roles.memory_model import (  # noqa: E402,E501
+    IterationShape,
+    MarginModel,
+    MeasuredIteration,
+    dlrover_allocation,
+    predict,
+)
 
 WORKER = Path(__file__).resolve().parent / "ps_memory_worker.py"
 ITERATIONS, DLROVER_STEPS = 100, 5

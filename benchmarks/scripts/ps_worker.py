@@ -29,14 +29,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "examples"))
-from train_dlrm import CRITEO_ROWS, MULTI_HOT, DenseArch, Synthetic, auc, seeded, take  # noqa: E402
-from train_ps import logits_of as ps_logits, pull_when_set_up  # noqa: E402
+from dlrm_model import CRITEO_ROWS, MULTI_HOT, DenseArch, Synthetic, auc, seeded, take  # noqa: E402
+from ps_parts import logits_of as ps_logits  # noqa: E402
+from ps_parts import pull_when_set_up
 
 from convoy.parallel.embedding.bags import ShardedEmbeddingBagCollection, TableSpec, init_rows  # noqa: E402
 from convoy.parallel.embedding.sparse_optim import SparseRowWiseAdagrad  # noqa: E402
 from convoy.parallel.ps.client import PSClient  # noqa: E402
 from convoy.parallel.ps.optimizers import OptimizerSpec  # noqa: E402
-from convoy.parallel.ps.placement import DenseSpec, TableSpec as PSTable, place  # noqa: E402
+from convoy.parallel.ps.placement import DenseSpec, place  # noqa: E402
+from convoy.parallel.ps.placement import TableSpec as PSTable
 from convoy.parallel.ps.service import ServerProcess  # noqa: E402
 
 MLP_BOTTOM, MLP_TOP = [64], [64, 32]

@@ -9,22 +9,22 @@ import socket
 import time
 
 from convoy import log
-from convoy.agent.client import MasterClient
+from convoy.agent.agent_config import AgentConfig
+from convoy.agent.forked import ForkServer, fault_of, fork_server_for, start_fork_server
+from convoy.agent.heartbeat import Heartbeat
 from convoy.agent.local_api import ClientPool, LocalApi
+from convoy.agent.log_pump import peer_lost
 from convoy.agent.reap import NodeCgroup, reap
 from convoy.agent.role_memory import RoleMemory, join_memory
-from convoy.agent.forked import ForkServer, fault_of, fork_server_for, start_fork_server
-from convoy.agent.agent_config import AgentConfig
-from convoy.agent.heartbeat import Heartbeat
-from convoy.agent.log_pump import peer_lost
 from convoy.agent.role_procs import JobContext, RoleProcesses
 from convoy.agent.workers import Worker, WorkerGroup
-from convoy.control import protocol as p
+from convoy.control.protocol import messages as p
+from convoy.control.protocol.client import MasterClient
 from convoy.errors import ConvoyError, MasterUnreachableError, WorkerStartError
-from convoy.lease import LeaseWriter, lease_path
-from convoy.procs import Interrupted, raise_interrupted, signal_name
 from convoy.ports import hold_port, port_taken
+from convoy.procs import Interrupted, raise_interrupted, signal_name
 from convoy.shm import remove_segments
+from convoy.worker.lease import LeaseWriter, lease_path
 
 POLL_S = 0.02
 PRELOAD_WAIT_S = 120.0

@@ -9,10 +9,10 @@ import socket
 import struct
 from typing import TYPE_CHECKING
 
-from convoy.role_env import DEFAULT_ROLE, role_env
+from convoy.worker.role_env import DEFAULT_ROLE, role_env
 
 if TYPE_CHECKING:
-    from convoy.control.protocol import MemberInfo, RoundInfo
+    from convoy.control.protocol.messages import MemberInfo, RoundInfo
 
 
 SIOCGIFADDR = 0x8915

@@ -9,12 +9,12 @@ import time
 
 from convoy import log
 from convoy.agent.agent_config import AgentConfig
-from convoy.agent.client import MasterClient
-from convoy.control import protocol as p
+from convoy.control.protocol import messages as p
+from convoy.control.protocol.client import MasterClient
 from convoy.errors import ConvoyError
-from convoy.lease import LeaseWriter
-from convoy.live_config import config_file, write_config
-from convoy.role_env import addresses_file, write_addresses
+from convoy.worker.lease import LeaseWriter
+from convoy.worker.live_config import config_file, write_config
+from convoy.worker.role_env import addresses_file, write_addresses
 
 
 class Heartbeat(threading.Thread):

@@ -20,11 +20,11 @@ from typing import Any, Callable
 from pydantic import BaseModel, ValidationError
 
 from convoy import log
-from convoy.control import protocol as p
-from convoy.control import shard_protocol as sp
-from convoy.control import train_protocol as tp
-from convoy.control.http_limits import discard_body
+from convoy.control.protocol import messages as p
+from convoy.control.protocol import shards as sp
+from convoy.control.protocol import training as tp
 from convoy.errors import ConfigError, ConflictError, ConvoyError
+from convoy.local_http import discard_body
 
 AGENT_URL_ENV = "CONVOY_AGENT_URL"
 AGENT_TOKEN_ENV = "CONVOY_AGENT_TOKEN"

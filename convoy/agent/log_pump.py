@@ -9,11 +9,11 @@ import os
 import queue
 import threading
 import time
-from pathlib import Path
 from collections.abc import Iterable
+from pathlib import Path
 from typing import BinaryIO
 
-from convoy.worker_events import MARK, parse
+from convoy.worker.events import MARK, parse
 
 TAIL_LINES = 20
 HELD_LINES = 1000
@@ -57,7 +57,7 @@ class LogPump(threading.Thread):
     """Copies a worker's output to its log file and, prefixed with its rank, to the console.
 
     Lines printed before the worker has a rank (e.g. import warnings) are held, then written.
-    A line that records an event (``convoy.worker_events``) is also put on ``events`` as
+    A line that records an event (``convoy.worker.events``) is also put on ``events`` as
     ``(rank, kind, message)`` for the agent to send to the master.
     The pump never stops reading (a worker blocks once its pipe is full): a line the log file
     cannot take (a full disk) is dropped from the file and counted, its console copy still goes out.

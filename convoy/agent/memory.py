@@ -13,20 +13,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from convoy.procs import TreeMemory, process_memory, sample_tree, tree_pids  # noqa: F401 (read here)
+
 SAMPLE_INTERVAL_S = 0.005
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
-_ROLLUP_FIELDS = {"Rss:": "rss", "Pss:": "pss", "Private_Clean:": "private", "Private_Dirty:": "private"}
-
-
-@dataclass(frozen=True)
-class TreeMemory:
-    """One sample of a process tree: RSS (shared pages counted in every process that maps them), USS (pages
-    only one process maps) and PSS (shared pages split among their mappers), each summed over the tree."""
-
-    rss_bytes: int = 0
-    uss_bytes: int = 0
-    pss_bytes: int = 0
-    num_processes: int = 0
 
 
 @dataclass(frozen=True)
@@ -40,63 +30,12 @@ class MemoryPeak:
     duration_s: float
 
 
-def tree_pids(root_pid: int) -> list[int]:
-    """``root_pid`` and all its descendants that are alive now (empty if the root is gone)."""
-    if not Path(f"/proc/{root_pid}").exists():
-        return []
-    found, frontier = [root_pid], [root_pid]
-    while frontier:
-        pid = frontier.pop()
-        for child in _children(pid):
-            if child not in found:
-                found.append(child)
-                frontier.append(child)
-    return found
-
-
-def _children(pid: int) -> list[int]:
-    children: list[int] = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return children
-    for task in tasks:
-        try:
-            children += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
-        except (OSError, ValueError):
-            continue
-    return children
-
-
-def process_memory(pid: int) -> TreeMemory:
-    """One process's RSS, USS and PSS from ``/proc/PID/smaps_rollup`` (zeros if it is gone)."""
-    totals = {"rss": 0, "pss": 0, "private": 0}
-    try:
-        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
-    except OSError:
-        return TreeMemory()
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) >= 2 and parts[0] in _ROLLUP_FIELDS:
-            totals[_ROLLUP_FIELDS[parts[0]]] += int(parts[1]) * 1024
-    return TreeMemory(totals["rss"], totals["private"], totals["pss"], 1)
-
-
 def process_rss(pid: int) -> int:
     """One process's resident bytes from ``/proc/PID/statm`` (cheaper than smaps; 0 if it is gone)."""
     try:
         return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE_BYTES
     except (OSError, IndexError, ValueError):
         return 0
-
-
-def sample_tree(root_pid: int) -> TreeMemory:
-    """The tree's memory now: each measure summed over ``root_pid`` and its descendants."""
-    rss = uss = pss = count = 0
-    for pid in tree_pids(root_pid):
-        one = process_memory(pid)
-        rss, uss, pss, count = rss + one.rss_bytes, uss + one.uss_bytes, pss + one.pss_bytes, count + one.num_processes
-    return TreeMemory(rss, uss, pss, count)
 
 
 class TreeSampler:

@@ -3,7 +3,7 @@
 Every role process gets a ``TreeSampler`` from its start (every few ms while one measures its role's iteration,
 less often otherwise) and, when its assignment carries a limit, a ``MemoryLimit`` (a cgroup, else
 the RSS watchdog, with one warning). The measuring iteration is marked by the script's worker events
-(``convoy.measure``), taken on the log pump's thread as the line arrives, so the sampling window opens and closes
+(``convoy.worker.measure``), taken on the log pump's thread as the line arrives, so the sampling window opens and closes
 with the iteration. ``report`` builds what the agent sends the master: the node's free memory, each process's
 peak, and a finished measurement once. Torch-free.
 """
@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from convoy import log
-from convoy.agent.client import MasterClient
 from convoy.agent.gpus import node_gpus
 from convoy.agent.memory import MemoryPeak, TreeMemory, TreeSampler
 from convoy.agent.memory_limits import MemoryLimit, MemoryLimiter
 from convoy.agent.reap import CGROUP_ROOT, own_cgroup
-from convoy.control import protocol as p
+from convoy.control.protocol import messages as p
+from convoy.control.protocol.client import MasterClient
 from convoy.errors import ConfigError, ConvoyError, MasterUnreachableError
-from convoy.measure import BASELINE, BEGIN, END
+from convoy.worker.measure import BASELINE, BEGIN, END
 
 MEASURE_INTERVAL_S = 0.005
 """How often the measuring process is sampled during its measured iteration (a sample costs a few ms of CPU,

@@ -30,19 +30,19 @@ from typing import BinaryIO, Callable
 from convoy import log
 from convoy.agent.cpu_limits import AFFINITY, CpuLimit, CpuLimiter
 from convoy.agent.env import STEADY_MALLOC, spawn_env
-from convoy.agent.gpus import node_gpus, visible_devices
 from convoy.agent.forked import KILL_WAIT_S, ForkedProcess, ForkServer, fault_of, wait_bounded
+from convoy.agent.gpus import node_gpus, visible_devices
+from convoy.agent.log_pump import LogPump
 from convoy.agent.memory_limits import CgroupMemoryLimit, MemoryLimit
 from convoy.agent.reap import NodeCgroup
 from convoy.agent.role_memory import RoleMemory
-from convoy.agent.log_pump import LogPump
 from convoy.config import WorkerConfig
-from convoy.control import protocol as p
+from convoy.control.protocol import messages as p
 from convoy.errors import WorkerStartError
-from convoy.lease import LEASE_ENV
 from convoy.ports import free_port
 from convoy.procs import die_with_parent, signal_name
-from convoy.role_env import ADDRESSES_FILE_ENV, INCARNATION_ENV, addresses_file, role_env, service_env
+from convoy.worker.lease import LEASE_ENV
+from convoy.worker.role_env import ADDRESSES_FILE_ENV, INCARNATION_ENV, addresses_file, role_env, service_env
 
 ROLE_PORT_ENV = "CONVOY_ROLE_PORT"
 Key = tuple[str, int, int]

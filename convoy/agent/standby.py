@@ -19,8 +19,8 @@ import sys
 import traceback
 
 from convoy.agent.round_store import serve_if_asked
-from convoy.lease_watch import watch_from_child, watch_lease
 from convoy.procs import exit_without_teardown
+from convoy.worker.lease_watch import watch_from_child, watch_lease
 
 _AGENT_DIR = os.path.dirname(os.path.abspath(__file__))
 

@@ -28,14 +28,14 @@ from convoy import log
 from convoy.agent.env import spawn_env, worker_env
 from convoy.agent.forked import KILL_WAIT_S, ForkedProcess, ForkServer, wait_bounded
 from convoy.agent.log_pump import Failures, LogPump
-from convoy.agent.round_store import STORE_BIND, hosted_by_rank0
 from convoy.agent.reap import NodeCgroup
+from convoy.agent.round_store import STORE_BIND, hosted_by_rank0
 from convoy.config import WorkerConfig
 from convoy.errors import WorkerStartError
 from convoy.procs import die_with_parent
 
 if TYPE_CHECKING:
-    from convoy.control.protocol import MemberInfo, RoundInfo
+    from convoy.control.protocol.messages import MemberInfo, RoundInfo
 
 REFILL_DELAY_S = 5.0
 FORK_READY_S = 120.0

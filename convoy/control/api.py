@@ -12,19 +12,19 @@ import ssl
 import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 from pydantic import BaseModel, ValidationError
 
-from convoy.control import protocol as p
-from convoy.control import shard_protocol as sp
-from convoy.control import train_protocol as tp
-from convoy.control.http_limits import (
-    FrontDoor, Limits, Pages, PrefixedReader, Screened, SocketWriter, discard_body, plain_reply,
-)
+from convoy.control.limits import FrontDoor, Limits, Pages, PrefixedReader, Screened, SocketWriter, plain_reply
+from convoy.control.protocol import messages as p
+from convoy.control.protocol import shards as sp
+from convoy.control.protocol import training as tp
 from convoy.control.replies import MAX_KEY_LENGTH, ReplyCache
-from convoy.control.sanitize import printable
+from convoy.control.routed import Routed
 from convoy.errors import ConfigError, ConflictError
+from convoy.local_http import discard_body
+from convoy.sanitize import printable
 
 MAX_BODY = 1 << 20
 KEPT_STATUSES = (200, 409)
@@ -66,50 +66,19 @@ PUT_PATHS = {"/config"}
 """Paths whose call is a PUT (a POST is taken too)."""
 
 
-class Routed(Protocol):
-    """What the server needs of the service behind it: the calls it routes, and where it reports what it
-    refused or could not do."""
-
-    def join(self, req: p.JoinRequest) -> p.JoinResponse: ...
-    def wait(self, req: p.WaitRequest) -> p.WaitResponse: ...
-    def heartbeat(self, req: p.HeartbeatRequest) -> p.HeartbeatResponse: ...
-    def worker_exit(self, report: p.WorkerExit) -> p.Ack: ...
-    def worker_event(self, report: p.WorkerEvent) -> p.Ack: ...
-    def node_done(self, req: p.NodeDone) -> p.Ack: ...
-    def leave(self, req: p.LeaveRequest) -> p.Ack: ...
-    def role_report(self, report: p.RoleReport) -> p.Ack: ...
-    def scale(self, req: p.ScaleRequest) -> p.Ack: ...
-    def memory_report(self, report: p.MemoryReport) -> p.Ack: ...
-    def shard_call(self, req: sp.ShardWorker) -> Any: ...
-    def train_declare(self, req: tp.ConfigDeclare) -> tp.ConfigState: ...
-    def train_report(self, req: tp.StatusReport) -> tp.StatusAck: ...
-    def config_set(self, req: tp.ConfigSet) -> tp.VersionInfo: ...
-    def config_get(self) -> dict[str, Any]: ...
-    def proposal_action(self, req: tp.ProposalAction) -> tp.VersionInfo: ...
-    def metrics(self, query: dict[str, str]) -> dict[str, Any]: ...
-    def abort(self, reason: str) -> None: ...
-    def status(self) -> dict[str, Any]: ...
-    def unauthorized(self, client: str, path: str) -> None: ...
-    def api_fault(self, path: str, exc: BaseException) -> None: ...
-    def take_unwritten(self) -> str | None:
-        """Why the state of this thread's last call is not on disk (None: it is); asked once per call."""
-    def state_fault(self) -> str | None:
-        """Why the state cannot be written now (None: it can)."""
-    def refused_for_disk(self) -> None: ...
-
-
 def _routes(master: Routed) -> dict[str, tuple[type[BaseModel] | None, Callable[[Any], Any]]]:
+    roles, train = master.role_calls, master.train_calls
     calls: dict[str, Callable[[Any], Any]] = {
         "/join": master.join, "/wait": master.wait, "/heartbeat": master.heartbeat,
         "/worker_exit": master.worker_exit, "/event": master.worker_event, "/node_done": master.node_done,
-        "/leave": master.leave, "/role_report": master.role_report, "/scale": master.scale,
-        "/memory": master.memory_report,
+        "/leave": master.leave, "/role_report": roles.role_report, "/scale": roles.scale,
+        "/memory": roles.memory_report,
         "/abort": lambda req: master.abort(printable(req.reason)) or p.Ack(), "/status": lambda _: master.status(),
         "/openapi.json": lambda _: openapi_schema(),
-        "/train/declare": master.train_declare, "/train/report": master.train_report,
-        "/config": lambda req: master.config_get() if isinstance(req, dict) else master.config_set(req),
-        "/config/proposals": master.proposal_action, "/metrics": master.metrics,
-        **{path: master.shard_call for path in SHARD_PATHS},
+        "/train/declare": train.train_declare, "/train/report": train.train_report,
+        "/config": lambda req: train.config_get() if isinstance(req, dict) else train.config_set(req),
+        "/config/proposals": train.proposal_action, "/metrics": train.metrics,
+        **{path: roles.shard_call for path in SHARD_PATHS},
     }
     return {path: (ENDPOINTS[path][0], call) for path, call in calls.items()}
 

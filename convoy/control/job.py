@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from convoy.control.rendezvous import Membership, Rendezvous
 
 if TYPE_CHECKING:
-    from convoy.control.protocol import WorkerExit
+    from convoy.control.protocol.messages import WorkerExit
 
 RUNNING, SUCCEEDED, FAILED = "running", "succeeded", "failed"
 MAX_PORT_RETRIES = 3

@@ -14,21 +14,23 @@ from pathlib import Path
 from typing import Any, Callable
 
 from convoy.config import MasterConfig
-from convoy.control import protocol as p
 from convoy.control.api import ApiServer
+from convoy.control.core import MasterCore
 from convoy.control.dashboard.actions import in_process
 from convoy.control.dashboard.server import Dashboard, JobEntry
-from convoy.control.http_limits import server_tls
 from convoy.control.job import RUNNING, Event, Job
-from convoy.control.master_roles import RoleCalls
-from convoy.control.master_train import TrainCalls
+from convoy.control.limits import server_tls
 from convoy.control.nodes import NodeRegistry
+from convoy.control.protocol import messages as p
 from convoy.control.rendezvous import Membership, Rendezvous
-from convoy.control.sanitize import printable
+from convoy.control.roles.calls import RoleCalls
+from convoy.control.shards.master import ShardMaster
 from convoy.control.store import Store, read_part, restore
 from convoy.control.throttle import EventBudget, budget_for
 from convoy.control.token import TOKEN_FILE, new_token, read_token, write_token
+from convoy.control.training.calls import TrainCalls
 from convoy.errors import ConflictError, StateWriteError
+from convoy.sanitize import printable
 
 TICK_S = 0.1
 STATE_RETRY_S = 0.5
@@ -44,8 +46,9 @@ HELD_FAILURE_PART = "held_failure"
 restarted meanwhile holds it again rather than lose it."""
 
 
-class JobMaster(RoleCalls, TrainCalls):
-    """The control plane of one job; ``start()`` serves it, ``wait_ended()`` blocks until it ends."""
+class JobMaster:
+    """The control plane of one job; ``start()`` serves it, ``wait_ended()`` blocks until it ends. Its calls for
+    roles and shards are ``role_calls``'s, those of the training manager ``train_calls``'s (the API routes them)."""
 
     def __init__(self, config: MasterConfig, console: Callable[[str], None] = print, resume: bool = False,
                  token_file: Path | None = None, listener: socket.socket | None = None) -> None:
@@ -72,8 +75,13 @@ class JobMaster(RoleCalls, TrainCalls):
         if held:  # a failure the previous master held for news of a lost node: held again from now
             self.job.held_failure = (p.WorkerExit.model_validate_json(held), now)
         self.config, self.console, self.resumed = config, console, resume
-        self._compose_roles(config, resume)
-        self._compose_train(config, resume)
+        self._changed = threading.Condition()
+        core = MasterCore(self.job, config, self.nodes, self._changed, self._apply)
+        self.role_calls = RoleCalls(core, resume)
+        self.role_master = self.role_calls.role_master
+        """A job of roles: its processes come from the heartbeats' assignments (None: a plain job)."""
+        self.train_calls = TrainCalls(core, self.role_master, resume)
+        self.train = self.train_calls.train
         tls = server_tls(config.tls_cert, config.tls_key) if config.tls_cert else None
         self.dashboard = Dashboard([JobEntry(self.job.job_id, Path(config.run_dir), last_seen=self._heard_from)],
                                    self.token, tls is not None)
@@ -84,11 +92,10 @@ class JobMaster(RoleCalls, TrainCalls):
         if not token_path.exists():
             write_token(token_path, self.token)
         self.store = Store(config.run_dir, config.to_json())
-        self._save_roles_with(self.store)
-        self._save_train_with(self.store)
+        self.role_calls.save_with(self.store)
+        self.train_calls.save_with(self.store)
         job = self.job
         self.store.parts[HELD_FAILURE_PART] = lambda: job.held_failure[0].model_dump_json() if job.held_failure else ""
-        self._changed = threading.Condition()
         self._unwritten = threading.local()
         """Per server thread: why the state of the call it is handling could not be written."""
         self._last_write_try = 0.0
@@ -110,11 +117,16 @@ class JobMaster(RoleCalls, TrainCalls):
     def ended(self) -> bool:
         return self.job.status != RUNNING
 
+    @property
+    def shards(self) -> ShardMaster:
+        """The datasets' shard queues."""
+        return self.role_calls.shards
+
     def start(self) -> None:
         with self._changed:
             how = f"resumed in round {self.job.round_id}" if self.resumed else "started"
             self._apply([Event("master_started", f"master {how}, listening on {self.url}", console=self.resumed),
-                         *self._taken_back])
+                         *self.role_calls.taken_back])
         self.api.start()
         self._ticker.start()
         self.console(f"convoy: dashboard at {self.dashboard.login_link(*self.api.address)} (a one-time login link)")
@@ -132,7 +144,7 @@ class JobMaster(RoleCalls, TrainCalls):
                 self.console(f"convoy: {self.store.pending} events of the job could not be written to "
                              f"{self.store.path} ({self.store.fault})")
         self.store.close()
-        self.status_store.close()
+        self.train_calls.status_store.close()
 
     def wait_ended(self, timeout: float | None = None) -> bool:
         with self._changed:
@@ -182,7 +194,7 @@ class JobMaster(RoleCalls, TrainCalls):
                 lambda: self.ended or self.job.round_id != req.round_id or self._stopping.is_set()
                 or (roles is not None and (roles.has_news(req.node_id)
                                            or roles.published()[0] > req.addresses_version))
-                or self.config_version > req.config_version, req.wait_s
+                or self.train_calls.config_version > req.config_version, req.wait_s
             )
             self._note_outcome_heard(req.node_id)
             assignments, stops = roles.deliver(req.node_id, time.monotonic()) if roles and not self.ended else ([], [])
@@ -191,14 +203,14 @@ class JobMaster(RoleCalls, TrainCalls):
                                        assignments=assignments, stops=stops, addresses=addresses,
                                        addresses_version=version, incarnations=incarnations,
                                        train_config=self.train.config_state()
-                                       if self.config_version > req.config_version else None)
+                                       if self.train_calls.config_version > req.config_version else None)
 
     def worker_exit(self, report: p.WorkerExit) -> p.Ack:
         with self._changed:
             now = time.monotonic()
             self.nodes.seen(report.node_id, now)
             current = report.round_id == self.job.round_id
-            self._apply((self._train_failed(now) if current else []) + self.job.worker_exited(report, now))
+            self._apply((self.train_calls.worker_failed(now) if current else []) + self.job.worker_exited(report, now))
             return p.Ack()
 
     def worker_event(self, report: p.WorkerEvent) -> p.Ack:
@@ -300,7 +312,7 @@ class JobMaster(RoleCalls, TrainCalls):
         return "ready" if membership.member(req.node_id) else "rejoin"
 
     def _round_info(self, membership: Membership) -> p.RoundInfo:
-        self._train_round_seen()  # a rollback's round restores at most its step from its first member on
+        self.train_calls.round_seen()  # a rollback's round restores at most its step from its first member on
         members = [p.MemberInfo(**vars(m)) for m in membership.members]
         return p.RoundInfo(
             job_id=self.job.job_id, round_id=membership.round_id, members=members,
@@ -369,7 +381,7 @@ class JobMaster(RoleCalls, TrainCalls):
                     events += self.role_master.node_lost(node_id) if self.role_master else []
                     events += self.job.node_lost(node_id, f"sent no heartbeat for {self.nodes.timeout_s:.0f} s", now)
                 events += self.role_master.advance(now) if self.role_master else []
-                events += self._train_advance(now)
+                events += self.train_calls.advance(now)
                 events += self._state_write_give_up(now)
                 retry = self.store.failing_since is not None and now - self._last_write_try >= STATE_RETRY_S
                 if events or retry:

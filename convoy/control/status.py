@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from convoy.control.sanitize import printable
+from convoy.sanitize import printable
 
 MEMORY_FILE = "memory.json"
 """Where the master leaves each role process's predicted memory, limit and measured peak for ``convoy status``."""

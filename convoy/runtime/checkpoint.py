@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from convoy.data_shards import AGENT_URL_ENV
 from convoy.errors import CheckpointError
 from convoy.runtime import persist
 from convoy.runtime.checkpoint_state import BackgroundCopy, TrainingState, peer_sets
@@ -32,6 +31,7 @@ from convoy.runtime.slots import SnapshotFile
 from convoy.runtime.snapshot import RankSnapshots
 from convoy.runtime.stop_copy import ExitAfterCopy
 from convoy.shm import segment_path
+from convoy.worker.shards import AGENT_URL_ENV
 
 ROLLBACK_ENV = "CONVOY_RESTORE_AT_MOST"
 
@@ -95,15 +95,8 @@ class Checkpointer:
         # a worker must find its own snapshot on its own host
         worker = f"{os.environ.get('CONVOY_NODE_ID', 'node')}-local{os.environ.get('LOCAL_RANK', self.rank)}"
         slot_file = SnapshotFile(segment_path(job_id, worker)) if job_id else None
-        group = dist.new_group(backend="gloo")  # saves and restores never share the training's group
+        group, peer_group = self._new_groups()
         peers = next(peers for peers in self.peer_sets if self.rank in peers)
-        peer_group = group
-        if self.replicated and len(self.peer_sets) > 1:  # every rank makes every group, in one order
-            for ranks in self.peer_sets:
-                made = dist.new_group(list(ranks), backend="gloo")
-                if self.rank in ranks:
-                    peer_group = made
-        self._groups = [group] if peer_group is group else [group, peer_group]
         self._closed = False
         root = Path(directory) if directory else Path(os.environ.get("CONVOY_RUN_DIR", ".")) / "checkpoints"
         round_id = int(os.environ.get("CONVOY_ROUND", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
@@ -128,6 +121,19 @@ class Checkpointer:
         self._snapshots.check_space(self.state.model_bytes())
         if optimizer is not None:
             optimizer.register_step_pre_hook(lambda *args: self._before_change())
+
+    def _new_groups(self) -> tuple[Any, Any]:
+        """The gloo group saves and restores use (never the training's), and the one of this rank's peers (the
+        same group where every rank is every other's peer); every rank makes every group, in one order."""
+        group = dist.new_group(backend="gloo")
+        peer_group = group
+        if self.replicated and len(self.peer_sets) > 1:
+            for ranks in self.peer_sets:
+                made = dist.new_group(list(ranks), backend="gloo")
+                if self.rank in ranks:
+                    peer_group = made
+        self._groups = [group] if peer_group is group else [group, peer_group]
+        return group, peer_group
 
     def step(self, step: int) -> None:
         """Record that ``step`` finished: snapshot it, and persist it when due."""

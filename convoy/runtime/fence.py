@@ -4,7 +4,7 @@ Read before a snapshot slot is committed and before a persistent save starts or 
 worker not started by a convoy agent (plain python, torchrun) has no lease and is never
 fenced. A refusal is said once per reason and recorded as an event; training goes on, since the
 agent stops this worker as soon as it learns its round ended, and a worker whose lease ran out
-stops itself (``convoy/lease_watch.py``).
+stops itself (``convoy/worker/lease_watch.py``).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import os
 from pathlib import Path
 from typing import Callable, Protocol
 
-from convoy import worker_events
-from convoy.lease import LEASE_ENV, lease_clock, own_round, read_lease
+from convoy.worker import events as worker_events
+from convoy.worker.lease import LEASE_ENV, lease_clock, own_round, read_lease
 
 
 class Fence(Protocol):

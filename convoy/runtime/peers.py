@@ -14,11 +14,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from convoy import worker_events
 from convoy.runtime.checkpoint_state import BackgroundCopy, Restored, TrainingState
 from convoy.runtime.cuda_copy import has_cuda
 from convoy.runtime.slots import map_leaves
 from convoy.runtime.snapshot import RankSnapshots
+from convoy.worker import events as worker_events
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,12 @@ from typing import Any, Callable
 
 import torch
 
-from convoy import worker_events
 from convoy.errors import CheckpointError
 from convoy.runtime.checkpoint_state import BackgroundCopy
 from convoy.runtime.cuda_copy import CudaCopies, split_by_device
 from convoy.runtime.fence import Fence
 from convoy.runtime.slots import HEADER_SIZE, SnapshotFile, SnapshotNoSpace, encode_meta, flatten, free_bytes, layout
+from convoy.worker import events as worker_events
 
 SLACK = 1 << 16
 """Room left in a slot beyond the state's real size, so that a skeleton that grows a little does not regrow it."""

@@ -10,11 +10,14 @@ import sys
 
 KEEP, FIRST_STEPS = 8, 1
 """``search.KEEP`` and ``search.FIRST_STEPS``, written again so that the CLI starts without importing the search."""
+OWN_FLAGS = ("--nodes", "--nproc-per-node", "--memory", "--cores", "--out", "--keep", "--first-steps")
+"""``convoy plan``'s flags: after the script they would go to the script, whose ``parse_known_args`` drops them."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("script", help="a training script defining workload() -> convoy.strategy.Workload")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments workload() parses")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER,
+                        help="arguments workload() parses (none named as one of convoy plan's own flags)")
     parser.add_argument("--nodes", type=int, default=1, help="nodes of the job to plan for (default %(default)s)")
     parser.add_argument("--nproc-per-node", type=int, default=2, help="ranks per node (default %(default)s)")
     parser.add_argument("--memory", default="2GB", help="memory a rank may use for training, e.g. 1.5GB "
@@ -32,11 +35,30 @@ def run(args: argparse.Namespace) -> int:
     from convoy.strategy.candidates import Hardware
     from convoy.strategy.report import parse_bytes
 
+    args.script_args = script_arguments(args.script, list(args.script_args))
     if args.keep < 1 or args.first_steps < 1:
         raise ConfigError(f"--keep and --first-steps must be >= 1 (got {args.keep} and {args.first_steps})")
     hardware = Hardware(args.nodes, args.nproc_per_node, parse_bytes(args.memory), args.cores).validate()
     plan_file(args.script, args.script_args, hardware, args.out, keep=args.keep, first_steps=args.first_steps)
     return 0
+
+
+def script_arguments(script: str, given: list[str]) -> list[str]:
+    """The script's arguments; one of ``convoy plan``'s own flags among them is refused, saying where it goes (the
+    script would drop it and the plan would be for other ranks or memory than asked). A script of ``convoy plan``
+    cannot take a flag of the same name as one of these."""
+    from convoy.errors import ConfigError
+
+    misplaced = []
+    for at, arg in enumerate(given):
+        if arg.split("=", 1)[0] in OWN_FLAGS:
+            takes_next = "=" not in arg and at + 1 < len(given) and not given[at + 1].startswith("--")
+            misplaced += [arg, given[at + 1]] if takes_next else [arg]
+    if misplaced:
+        raise ConfigError(f"convoy plan: {' '.join(misplaced)} came after the script, where it goes to {script}, "
+                          f"not to convoy plan; put convoy plan's flags before the script: convoy plan "
+                          f"{' '.join(misplaced)} ... {script} [SCRIPT ARGS]")
+    return given
 
 
 def plan_file(script: str, script_args: list[str], hardware: object, out: str | os.PathLike, *, keep: int = KEEP,

@@ -21,8 +21,7 @@ import torch
 from torch import nn
 
 from convoy.strategy.memory import Activations, Layer, ModelFeatures, Sequence
-from convoy.strategy.workload import (Workload, find_blocks, model_identity, peak_rss, reset_peak, rss,
-                                      tensor_bytes)
+from convoy.strategy.workload import Workload, find_blocks, model_identity, peak_rss, reset_peak, rss, tensor_bytes
 
 
 def _to(value: Any, convert: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -225,26 +224,7 @@ def profile(workload: Workload, budget: float = 512e6) -> tuple[ModelFeatures, l
     """Trace the model and run one real micro-step (one thread) to measure its factors; and notes to print."""
     notes: list[str] = []
     torch.set_num_threads(1)
-    try:
-        fp32, bf16 = trace_activations(workload, False), trace_activations(workload, True)
-        traced_on = "meta"
-    except Exception as exc:  # noqa: BLE001 (any failure of the fake trace falls back to a real one, said so)
-        notes.append(f"the model cannot run on fake (meta) tensors ({type(exc).__name__}: {str(exc)[:120]}); "
-                     "its activations were measured in a real micro-step instead")
-        fp32, bf16 = trace_activations(workload, False, real=True), trace_activations(workload, True, real=True)
-        traced_on = "real"
-    try:
-        layers = trace_layers(workload, real=traced_on == "real")
-    except Exception as exc:  # noqa: BLE001 (the model's own layers fail when run one by one: no pipeline)
-        notes.append(f"the model's pipeline_layers() could not be run one after another ({type(exc).__name__}: "
-                     f"{str(exc)[:120]}); no pipeline candidates")
-        layers = ()
-    try:
-        sequence = trace_sequence(workload, real=traced_on == "real")
-    except Exception as exc:  # noqa: BLE001 (a forward of one sample failed here but not above: no sequence cut)
-        notes.append(f"the model's attention could not be traced ({type(exc).__name__}: {str(exc)[:120]}); no "
-                     "sequence candidates")
-        sequence = Sequence()
+    fp32, bf16, traced_on, layers, sequence = _traces(workload, notes)
     gc.collect()
     model = workload.model()
     optimizer = workload.optimizer(model.parameters())
@@ -272,25 +252,82 @@ def profile(workload: Workload, budget: float = 512e6) -> tuple[ModelFeatures, l
     step()
     measured = peak_rss() - before
     traced = acts_bytes(fp32, samples)
-    gc.collect()
-    reset_peak()
-    before = rss()
-    optimizer_s = _timed(optimizer.step, 1)
-    optimizer_peak = peak_rss() - before
-    full_s = _timed(step)
-    one_s = _timed(lambda: step(small_in, small_targets), 1)
-    sample_s = (full_s - one_s) / (samples - 1) if samples > 1 else full_s
-    micro_s = max(full_s - sample_s * samples, 0.0)
+    optimizer_s, optimizer_peak, full_s, sample_s, micro_s = _step_times(
+        optimizer.step, step, lambda: step(small_in, small_targets), samples)
 
     def bf16_step(x: Any = inputs, y: torch.Tensor = targets) -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = workload.loss(call(model, x), y)
         loss.backward()
 
+    bf16_factor, checkpoint_factor, memory_factors = _bf16_and_checkpoint_factors(
+        step, bf16_step, lambda: bf16_step(small_in, small_targets), blocks, full_s, fp32, bf16, samples)
+    features = ModelFeatures(
+        fingerprint=identity, summary=summary, param_bytes=param_bytes,
+        buffer_bytes=sum(tensor_bytes(b) for b in model.buffers()), root_param_bytes=param_bytes - sum(block_bytes),
+        block_param_bytes=block_bytes, module_bytes=modules, fp32=fp32, bf16=bf16, traced_on=traced_on,
+        activation_factor=measured / max(traced, 1.0), optimizer_state_ratio=state / param_bytes,
+        optimizer_step_ratio=max(optimizer_peak, 0) / param_bytes, sample_s=sample_s, micro_step_s=micro_s,
+        bf16_time_factor=bf16_factor, checkpoint_time_factor=checkpoint_factor, optimizer_s=optimizer_s,
+        batch=workload.batch_size, has_blocks=bool(blocks), layers=layers, sequence=sequence, **memory_factors)
+    factors = ", ".join(f"{name.removesuffix('_activation_factor').replace('_', ' ')} {value:.2f}"
+                        for name, value in memory_factors.items())
+    notes.append(f"calibrated on one real micro-step of {samples} sample(s): measured activations "
+                 f"{measured / 1e6:.1f} MB, traced {traced / 1e6:.1f} MB (factor {features.activation_factor:.2f}; "
+                 f"{factors})")
+    return features, notes
+
+
+def _step_times(optimizer_step: Callable[[], None], step: Callable[[], None], one_sample_step: Callable[[], None],
+                samples: int) -> tuple[float, int, float, float, float]:
+    """The optimizer's step (seconds, the resident bytes it added), the micro-step of ``samples`` samples, and
+    that step cut into its time per sample and its fixed time (from a step of one sample)."""
+    gc.collect()
+    reset_peak()
+    before = rss()
+    optimizer_s = _timed(optimizer_step, 1)
+    optimizer_peak = peak_rss() - before
+    full_s = _timed(step)
+    one_s = _timed(one_sample_step, 1)
+    sample_s = (full_s - one_s) / (samples - 1) if samples > 1 else full_s
+    return optimizer_s, optimizer_peak, full_s, sample_s, max(full_s - sample_s * samples, 0.0)
+
+
+def _traces(workload: Workload, notes: list[str]) -> tuple[Activations, Activations, str, tuple, Sequence]:
+    """The model's activations traced in float32 and bfloat16 (on fake tensors, else in a real micro-step), its
+    pipeline layers and its attention; what could not be traced is said in ``notes`` and drops its candidates."""
+    try:
+        fp32, bf16 = trace_activations(workload, False), trace_activations(workload, True)
+        traced_on = "meta"
+    except Exception as exc:  # noqa: BLE001 (any failure of the fake trace falls back to a real one, said so)
+        notes.append(f"the model cannot run on fake (meta) tensors ({type(exc).__name__}: {str(exc)[:120]}); "
+                     "its activations were measured in a real micro-step instead")
+        fp32, bf16 = trace_activations(workload, False, real=True), trace_activations(workload, True, real=True)
+        traced_on = "real"
+    try:
+        layers = trace_layers(workload, real=traced_on == "real")
+    except Exception as exc:  # noqa: BLE001 (the model's own layers fail when run one by one: no pipeline)
+        notes.append(f"the model's pipeline_layers() could not be run one after another ({type(exc).__name__}: "
+                     f"{str(exc)[:120]}); no pipeline candidates")
+        layers = ()
+    try:
+        sequence = trace_sequence(workload, real=traced_on == "real")
+    except Exception as exc:  # noqa: BLE001 (a forward of one sample failed here but not above: no sequence cut)
+        notes.append(f"the model's attention could not be traced ({type(exc).__name__}: {str(exc)[:120]}); no "
+                     "sequence candidates")
+        sequence = Sequence()
+    return fp32, bf16, traced_on, layers, sequence
+
+
+def _bf16_and_checkpoint_factors(step: Callable[[], None], bf16_step: Callable[[], None],
+                                 bf16_warm_up: Callable[[], None], blocks: list, full_s: float, fp32: Activations,
+                                 bf16: Activations, samples: int) -> tuple[float, float, dict[str, float]]:
+    """bfloat16's and checkpointing's time factors against the float32 micro-step (``full_s``), and their
+    activation memory factors against the traced bytes."""
     # one sample first, untimed: the first bfloat16 step pays one-time costs (kernels, autocast's caches),
     # and a CPU without bfloat16 shows it many times slower at little cost; then the calibration batch, as
     # the fp32 time it is compared with (autocast's casts of the weights are a fixed cost a batch dilutes)
-    bf16_step(small_in, small_targets)
+    bf16_warm_up()
     bf16_s, bf16_peak = _timed_peak(bf16_step)
     bf16_factor = bf16_s / full_s
     memory_factors = {"bf16_activation_factor": bf16_peak / max(acts_bytes(bf16, samples), 1.0)}
@@ -306,19 +343,7 @@ def profile(workload: Workload, budget: float = 512e6) -> tuple[ModelFeatures, l
         memory_factors["checkpoint_activation_factor"] = checkpoint_peak / max(checkpointed_bytes(fp32, samples), 1.0)
         memory_factors["checkpoint_bf16_activation_factor"] = (checkpoint_bf16_peak
                                                                / max(checkpointed_bytes(bf16, samples), 1.0))
-    features = ModelFeatures(
-        fingerprint=identity, summary=summary, param_bytes=param_bytes,
-        buffer_bytes=sum(tensor_bytes(b) for b in model.buffers()), root_param_bytes=param_bytes - sum(block_bytes),
-        block_param_bytes=block_bytes, module_bytes=modules, fp32=fp32, bf16=bf16, traced_on=traced_on,
-        activation_factor=measured / max(traced, 1.0), optimizer_state_ratio=state / param_bytes,
-        optimizer_step_ratio=max(optimizer_peak, 0) / param_bytes, sample_s=sample_s, micro_step_s=micro_s,
-        bf16_time_factor=bf16_factor, checkpoint_time_factor=checkpoint_factor, optimizer_s=optimizer_s,
-        batch=workload.batch_size, has_blocks=bool(blocks), layers=layers, sequence=sequence, **memory_factors)
-    notes.append(f"calibrated on one real micro-step of {samples} sample(s): measured activations "
-                 f"{measured / 1e6:.1f} MB, traced {traced / 1e6:.1f} MB (factor {features.activation_factor:.2f}; "
-                 + ", ".join(f"{name.removesuffix('_activation_factor').replace('_', ' ')} {value:.2f}"
-                             for name, value in memory_factors.items()) + ")")
-    return features, notes
+    return bf16_factor, checkpoint_factor, memory_factors
 
 
 def acts_bytes(acts: Activations, samples: int) -> float:

@@ -18,6 +18,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -26,98 +27,19 @@ import torch
 import torch.distributed as dist
 
 from convoy.errors import ConfigError
-from convoy.parallel.topology import Link, Topology
 from convoy.procs import exit_without_teardown
 from convoy.strategy import candidates as cands
-from convoy.strategy.apply import accelerate, node_groups, train_step
+from convoy.strategy.apply import accelerate, train_step
 from convoy.strategy.dryrun import CONFIG_ERROR
 from convoy.strategy.features import call, profile
+from convoy.strategy.links import measured_links
+from convoy.strategy.links import shared as _shared
 from convoy.strategy.memory import ModelFeatures, activation_bytes, predict
 from convoy.strategy.plan import Strategy
 from convoy.strategy.search import CommCosts, predict_time, successive_halving
 from convoy.strategy.workload import Workload, load_workload, peak_rss, release_free, reset_peak, rss
 
 WARMUP = 1
-
-
-def _shared(value: Any) -> Any:
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _allreduce_line(group: Any = None) -> Link:
-    """An allreduce over ``group`` (all ranks: None) timed at 1 and 16 MB, as a line."""
-    points = []
-    for nbytes in (1 << 20, 16 << 20):
-        buffer = torch.ones(nbytes // 4)
-        dist.all_reduce(buffer, group=group)
-        times = []
-        for _ in range(3):
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_reduce(buffer, group=group)
-            times.append(time.perf_counter() - start)
-        points.append((float(nbytes), statistics.median(times)))
-    return Link.fit_line(points[0], points[1])
-
-
-def fsdp_pass(features: ModelFeatures, timed: int = 2) -> float:
-    """Seconds FSDP's collectives take in one micro-step on this model's units (``fully_shard`` per block and the
-    root), on the slowest rank, the mean of ``timed`` passes after one untimed: in the forward the root's and then
-    each block's parameters gathered into a fresh buffer and copied out (a block's freed after its forward, the
-    root's kept to the end), in the backward each block's gathered again, then every unit's gradient reduce-scattered
-    from a fresh copy. Timed, not modelled: on CPU the fresh buffers' page faults cost more than the bytes moved
-    (0.57 s a micro-step on benchmark case b's 54 MB over 4 ranks, 8x an allreduce of them)."""
-    world = dist.get_world_size()
-    blocks = [int(b) for b in features.block_param_bytes]
-    units = [max(4, int(features.param_bytes) - sum(blocks))] + blocks
-    shards = [torch.ones(-(-size // 4 // world)) for size in units]
-
-    def gather(unit: int) -> torch.Tensor:
-        whole = torch.empty(shards[unit].numel() * world)
-        dist.all_gather_into_tensor(whole, shards[unit])
-        return whole.clone()  # FSDP copies each parameter out of the gathered buffer
-
-    def one_pass() -> None:
-        root = gather(0)
-        for unit in range(1, len(units)):
-            gather(unit)  # the block's forward uses it, then it is freed
-        for unit in reversed(range(len(units))):
-            parameters = gather(unit) if unit else root
-            gradient = torch.ones_like(parameters)
-            dist.reduce_scatter_tensor(torch.empty_like(shards[unit]), gradient.clone())
-            del parameters, gradient
-        del root
-
-    one_pass()
-    times = []
-    for _ in range(timed):
-        dist.barrier()
-        start = time.perf_counter()
-        one_pass()
-        times.append(time.perf_counter() - start)
-    slowest = torch.tensor([statistics.mean(times)], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return float(slowest)
-
-
-def measure_comm(topology: Topology, comm: Any, per_node: int, features: ModelFeatures) -> CommCosts:
-    """DDP's flat allreduce and, where nodes hold several ranks, one within a node, each timed at two
-    sizes; convoy's hierarchical ones from its own cost model; FSDP's collectives on ``features``' units
-    (``fsdp_pass``) where FSDP is a candidate."""
-    fsdp = fsdp_pass(features) if features.has_blocks and dist.get_world_size() > 1 else None
-    lines = {"gloo": _allreduce_line()}
-    world = dist.get_world_size()
-    if per_node > 1 and world > per_node:
-        lines["node"] = _allreduce_line(node_groups(per_node)[0])
-    if comm is not None:
-        model = comm.cost_model()
-        for algorithm in ("leader", "reduce_scatter"):
-            small = model.predict(topology, algorithm, 1 << 20)
-            large = model.predict(topology, algorithm, 16 << 20)
-            lines[algorithm] = Link.fit_line((float(1 << 20), small), (float(16 << 20), large))
-    return CommCosts(lines, fsdp)
 
 
 def run_candidate(workload: Workload, strategy: Strategy, steps: int, comm: Any,
@@ -272,6 +194,56 @@ def _preload() -> None:
     from convoy.parallel.sequence import query_broadcast  # noqa: F401
 
 
+def _profiled(workload: Workload, rank: int) -> tuple[ModelFeatures, list[str]]:
+    """Rank 0 profiles the model and every rank takes its figures (one profile, the same on all)."""
+    if rank == 0:
+        features, notes = profile(workload)
+        shared = _shared([features.to_dict(), notes])
+    else:
+        shared = _shared(None)
+    return ModelFeatures.from_dict(shared[0]), shared[1]
+
+
+def _search(workload: Any, ranked: list[Strategy], spec: dict[str, Any], comm: Any, primed: set[Way],
+            phase: Callable[[str], None]) -> tuple[Strategy, dict[Strategy, list[dict]], dict[Strategy, float]]:
+    """The measured search over the candidates ``ranked`` by predicted time: the winner, each candidate's runs,
+    and each one's figure (the median of all its steps, from the last round it ran in)."""
+    runs: dict[Strategy, list[dict]] = {}
+
+    def measure(strategy: Strategy, steps: int) -> list[float]:
+        times, peak = run_candidate(workload, strategy, steps, comm)
+        runs.setdefault(strategy, []).append({"steps": steps, "seconds": statistics.median(times), "peak": peak})
+        return times
+
+    prime(workload, ranked[:spec["keep"]], comm, primed)  # among those to be measured
+    phase("first runs")
+    winner, rounds = successive_halving(ranked, measure, keep=spec["keep"], first_steps=spec["first_steps"])
+    phase("halving")
+    figure = {m.candidate: m.seconds for results in rounds for m in results}  # the last round's: all steps
+    return winner, runs, figure
+
+
+def _grid(workload: Any, spec: dict[str, Any], result: dict[str, Any], notes: list[str], features: ModelFeatures,
+          feasible: list[Strategy], links: tuple[cands.Hardware, Any, CommCosts, set[Way]], calibrate: bool) -> None:
+    """The exhaustive grid the benchmark compares the search with, into ``result``: every feasible candidate
+    (``links``: hardware, comm, costs, the ways of communicating already warmed up); ``calibrate``: FSDP's
+    calibration first, where the search did not run it."""
+    hardware, comm, costs, primed = links
+    if calibrate:
+        start = time.perf_counter()
+        features, rows, calibrated, result["calibration_peaks"] = _calibrated(workload, features, hardware, comm,
+                                                                              costs, primed)
+        notes.extend([f"{calibrated} (for the grid, after the search)"] if calibrated else [])
+        predicted = {c.strategy: predict_time(features, c.strategy, hardware, costs) for c in rows}
+        result["features"], result["rows"] = features.to_dict(), _table_rows(rows, predicted)
+        feasible = [c.strategy for c in cands.kept(rows)]
+        result["grid_calibration_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    result["exhaustive"] = exhaustive(workload, feasible, spec["exhaustive_steps"], spec.get("exhaustive_rounds", 1),
+                                      comm, primed)
+    result["exhaustive_s"] = time.perf_counter() - start
+
+
 def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     _preload()
@@ -290,24 +262,9 @@ def main(spec_path: str) -> int:
         phases[name] = now - mark[0]
         mark[0] = now
 
-    if rank == 0:
-        features, notes = profile(workload)
-        shared = _shared([features.to_dict(), notes])
-    else:
-        shared = _shared(None)
-    features, notes = ModelFeatures.from_dict(shared[0]), shared[1]
+    features, notes = _profiled(workload, rank)
     phase("profile")
-    topology = Topology.uniform(hardware.world_size, hardware.nproc_per_node)
-    comm = None
-    if hardware.nodes > 1 and hardware.nproc_per_node > 1:
-        from convoy.parallel.allreduce.collectives import HierarchicalAllreduce
-
-        comm = HierarchicalAllreduce(topology, host_memory=False, tune=False)
-    costs = CommCosts.from_dict(_shared(measure_comm(topology, comm, hardware.nproc_per_node, features).to_dict()))
-    if costs.fsdp_pass_s is not None:
-        units = len(features.block_param_bytes) + 1
-        notes = notes + [f"FSDP's gathers and reduce-scatters timed on the model's {units} units: "
-                         f"{costs.fsdp_pass_s:.3f} s a micro-step"]
+    comm, costs, notes = measured_links(hardware, features, notes)
     phase("links")
     primed: set[Way] = set()
     rows = cands.generate(features, hardware, lambda s: predict_time(features, s, hardware, costs))
@@ -327,18 +284,7 @@ def main(spec_path: str) -> int:
         result["error"] = "none fits"
     else:
         ranked = sorted(feasible, key=lambda s: predicted[s])
-        runs: dict[Strategy, list[dict]] = {}
-
-        def measure(strategy: Strategy, steps: int) -> list[float]:
-            times, peak = run_candidate(workload, strategy, steps, comm)
-            runs.setdefault(strategy, []).append({"steps": steps, "seconds": statistics.median(times), "peak": peak})
-            return times
-
-        prime(workload, ranked[:spec["keep"]], comm, primed)  # among those to be measured
-        phase("first runs")
-        winner, rounds = successive_halving(ranked, measure, keep=spec["keep"], first_steps=spec["first_steps"])
-        phase("halving")
-        figure = {m.candidate: m.seconds for results in rounds for m in results}  # the last round's: all steps
+        winner, runs, figure = _search(workload, ranked, spec, comm, primed, phase)
         result["search_s"] = time.perf_counter() - started
         result["phases"] = phases
         notes.append(f"search {result['search_s']:.1f} s: " + ", ".join(f"{name} {seconds:.1f} s"
@@ -347,19 +293,8 @@ def main(spec_path: str) -> int:
         result["measured"] = [{"strategy": s.to_dict(), "seconds": figure[s], "runs": found}
                               for s, found in runs.items()]
         if spec["exhaustive_steps"]:
-            if not contends and any(c.strategy.kind == "fsdp" for c in rows):  # the grid runs FSDP: calibrated
-                start = time.perf_counter()
-                features, rows, calibrated, result["calibration_peaks"] = _calibrated(workload, features, hardware,
-                                                                                      comm, costs, primed)
-                notes.extend([f"{calibrated} (for the grid, after the search)"] if calibrated else [])
-                predicted = {c.strategy: predict_time(features, c.strategy, hardware, costs) for c in rows}
-                result["features"], result["rows"] = features.to_dict(), _table_rows(rows, predicted)
-                feasible = [c.strategy for c in cands.kept(rows)]
-                result["grid_calibration_s"] = time.perf_counter() - start
-            start = time.perf_counter()
-            result["exhaustive"] = exhaustive(workload, feasible, spec["exhaustive_steps"],
-                                              spec.get("exhaustive_rounds", 1), comm, primed)
-            result["exhaustive_s"] = time.perf_counter() - start
+            calibrate = not contends and any(c.strategy.kind == "fsdp" for c in rows)  # the grid runs FSDP
+            _grid(workload, spec, result, notes, features, feasible, (hardware, comm, costs, primed), calibrate)
     if comm is not None:
         comm.close()
     if rank == 0:

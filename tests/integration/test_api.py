@@ -12,14 +12,14 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+from helpers import wait_for
 
-from convoy.agent.client import MasterClient
 from convoy.config import MasterConfig, RendezvousConfig
-from convoy.control import protocol as p
 from convoy.control.master import TOKEN_FILE, JobMaster
+from convoy.control.protocol import messages as p
+from convoy.control.protocol.client import MasterClient
 from convoy.control.store import read_status
 from convoy.errors import AuthError, ConvoyError
-from helpers import wait_for
 
 
 class Master:

@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from convoy.config import MasterConfig, RendezvousConfig
-from convoy.control import protocol as p
 from convoy.control.api import ENDPOINTS
 from convoy.control.master import JobMaster
+from convoy.control.protocol import messages as p
 from convoy.control.store import read_status
 
 FIELDS = sorted({name for model, _, _ in ENDPOINTS.values() if model for name in model.model_fields})

@@ -14,16 +14,16 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+from helpers import wait_for
 
-from convoy.agent.client import MasterClient
 from convoy.config import MasterConfig, RendezvousConfig
-from convoy.control import protocol as p
 from convoy.control.api import ApiServer
-from convoy.control.http_limits import Limits
+from convoy.control.limits import Limits
 from convoy.control.master import JobMaster
+from convoy.control.protocol import messages as p
+from convoy.control.protocol.client import MasterClient
 from convoy.control.store import read_status
 from convoy.errors import MasterUnreachableError
-from helpers import wait_for
 
 
 def _master(run_dir: Path, **config: Any) -> JobMaster:

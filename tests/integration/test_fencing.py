@@ -1,7 +1,7 @@
 """A worker of an ended round never writes state: a stopped agent's workers are fenced by the
 round lease, stop themselves once it has expired, and the readmitted node resumes where the job is.
 
-Also: what workers record with ``convoy.worker_events.emit`` reaches the job's events.
+Also: what workers record with ``convoy.worker.events.emit`` reaches the job's events.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from helpers import ProcessScope, fixture, gone, wait_for
 
-from convoy.lease import read_lease
+from convoy.worker.lease import read_lease
 
 pytestmark = pytest.mark.slow
 
@@ -107,7 +107,7 @@ def test_a_stopped_agents_worker_stops_itself_once_its_lease_expires(procs: Proc
 def test_events_a_worker_emits_are_recorded_by_the_master(procs: ProcessScope, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     script = tmp_path / "emit.py"
-    script.write_text("import os\nfrom convoy.worker_events import emit\n"
+    script.write_text("import os\nfrom convoy.worker.events import emit\n"
                       "emit('data_skew', 'shard ' + os.environ['RANK'] + ' is 3x the others')\n"
                       "print('convoy-event {not json', flush=True)\n")
     result = procs.run(["run", "--nnodes", 1, "--nproc-per-node", 2, "--preload", "", "--run-dir", run_dir, script])

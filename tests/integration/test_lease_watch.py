@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from helpers import ProcessScope, fixture, gone, wait_for
 
-from convoy.lease import LeaseWriter
 from convoy.ports import free_port
+from convoy.worker.lease import LeaseWriter
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ from helpers import REPO, ProcessScope, wait_for
 
 from convoy.control.store import read_status
 from convoy.control.token import TOKEN_FILE
-from convoy.control.train_master import TRUST_STEPS
+from convoy.control.training.master import TRUST_STEPS
 
 pytestmark = pytest.mark.slow
 EXAMPLE = str(REPO / "examples" / "train_live_config.py")

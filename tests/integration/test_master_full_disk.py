@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import pytest
 from helpers import JOB_TIMEOUT_S, Launched, ProcessScope, fixture, one_error_line, wait_for
 
-from convoy.control import protocol as p
+from convoy.control.protocol import messages as p
 from convoy.control.store import read_status
 
 pytestmark = pytest.mark.slow
@@ -181,7 +181,7 @@ def test_events_kept_while_the_disk_is_full_are_bounded_written_in_order_and_the
 
 def test_rounds_that_closed_while_the_disk_was_full_are_recorded(small_disk: Path) -> None:
     from convoy.control.job import Job
-    from convoy.control.protocol import WorkerExit
+    from convoy.control.protocol.messages import WorkerExit
     from convoy.control.rendezvous import Rendezvous
     from convoy.control.store import Store
     from convoy.errors import StateWriteError

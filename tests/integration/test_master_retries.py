@@ -10,8 +10,8 @@ from typing import Iterator
 import pytest
 from test_api import Master, join
 
-from convoy.agent.client import MasterClient
-from convoy.control import protocol as p
+from convoy.control.protocol import messages as p
+from convoy.control.protocol.client import MasterClient
 from convoy.control.store import read_status
 
 

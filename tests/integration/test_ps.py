@@ -9,10 +9,9 @@ import secrets
 from pathlib import Path
 
 import pytest
-
 from helpers import FIXTURES, ProcessScope
 
-from convoy.role_env import SERVICE_SECRET_ENV
+from convoy.worker.role_env import SERVICE_SECRET_ENV
 
 pytestmark = pytest.mark.slow
 CHECK = str(FIXTURES / "ps_check.py")

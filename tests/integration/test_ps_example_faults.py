@@ -18,7 +18,7 @@ from helpers import REPO, wait_for
 
 from convoy.parallel.ps.service import ServerProcess
 from convoy.parallel.transport import Credentials, Identity
-from convoy.role_env import ADDRESSES_ENV, ADDRESSES_FILE_ENV, SERVICE_SECRET_ENV, write_addresses
+from convoy.worker.role_env import ADDRESSES_ENV, ADDRESSES_FILE_ENV, SERVICE_SECRET_ENV, write_addresses
 
 pytestmark = pytest.mark.slow
 EXAMPLE = REPO / "examples" / "train_ps.py"

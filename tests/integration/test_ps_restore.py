@@ -20,7 +20,7 @@ from helpers import REPO, Launched, ProcessScope, agent_of, wait_for
 from convoy.control.store import read_status
 from convoy.control.token import TOKEN_FILE, read_token
 from convoy.parallel.transport import Connection, ConnectionLost, Credentials, Identity, Message
-from convoy.role_env import service_secret
+from convoy.worker.role_env import service_secret
 
 pytestmark = pytest.mark.slow
 EXAMPLE = str(REPO / "examples" / "train_ps.py")

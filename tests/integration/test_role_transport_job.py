@@ -18,7 +18,7 @@ from helpers import REPO, ProcessScope, wait_for
 from convoy.control.token import TOKEN_FILE, read_token
 from convoy.parallel.transport import Connection, ConnectionLost, Credentials, Identity, Message, Refused
 from convoy.parallel.transport.wire import Limits, recv_message
-from convoy.role_env import service_secret
+from convoy.worker.role_env import service_secret
 
 pytestmark = pytest.mark.slow
 EXAMPLE = str(REPO / "examples" / "train_ps.py")

@@ -20,7 +20,7 @@ from convoy.agent.memory_limits import WATCHDOG, MemoryLimiter
 from convoy.agent.role_memory import RoleMemory
 from convoy.agent.role_procs import JobContext, RoleProcesses
 from convoy.config import WorkerConfig
-from convoy.control import protocol as p
+from convoy.control.protocol import messages as p
 
 pytestmark = pytest.mark.slow
 

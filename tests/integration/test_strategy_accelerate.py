@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import FIXTURES, REPO, ProcessScope
 
 pytestmark = pytest.mark.slow
@@ -112,3 +111,16 @@ def test_plan_with_a_limit_nothing_fits_names_the_smallest_need(procs: ProcessSc
     assert re.search(r"no candidate fits 0.10 MB per rank: the smallest need is [\d.]+ MB \((fsdp|pipeline) ",
                      result.stderr), result.stderr
     assert not (tmp_path / "s.json").exists()
+
+
+def test_plan_refuses_its_own_flags_after_the_script_saying_where_they_go(procs: ProcessScope, tmp_path: Path) -> None:
+    """The form ``convoy plan SCRIPT --nodes 2 ...`` once planned 1 node x 2 ranks with 2000 MB without a word:
+    the flags went to the script, which dropped them."""
+    out = tmp_path / "s.json"
+    result = procs.start(["plan", "--out", out, EXAMPLE, "--nodes", 2, "--nproc-per-node", 2, "--memory", "1.5GB",
+                          *TINY]).wait()
+    assert result.returncode == 2, result.explain()
+    line = ("convoy plan: --nodes 2 --nproc-per-node 2 --memory 1.5GB came after the script, where it goes to "
+            f"{EXAMPLE}, not to convoy plan; put convoy plan's flags before the script")
+    assert line in result.stderr and result.stderr.count("\n") == 1, result.stderr
+    assert "planning" not in result.stdout and not out.exists()

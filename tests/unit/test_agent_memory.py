@@ -158,9 +158,9 @@ def test_a_baseline_the_agent_reads_late_is_the_process_as_it_marked_it(tmp_path
     """The agent reads a process's marked lines a little after they were written (its log pump, a loaded node):
     by then the measuring iteration may have allocated. The baseline is what the process read as it marked it."""
     from convoy.agent.role_memory import RoleMemory
-    from convoy.control import protocol as p
-    from convoy.measure import BASELINE
-    from convoy.worker_events import parse
+    from convoy.control.protocol import messages as p
+    from convoy.worker.events import parse
+    from convoy.worker.measure import BASELINE
 
     script = tmp_path / "late.py"
     script.write_text(LATE_READER)

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from convoy.agent.client import FIRST_BACKOFF_S, jittered
 from convoy.config import MAX_NPROC_PER_NODE, MasterConfig, RendezvousConfig, WorkerConfig, check_run_dir, parse_address
-from convoy.control import protocol as p
 from convoy.control.api import bearer_token
-from convoy.control.sanitize import printable
+from convoy.control.protocol import messages as p
+from convoy.control.protocol.client import FIRST_BACKOFF_S, jittered
 from convoy.control.status import format_status
 from convoy.control.token import write_token
 from convoy.errors import ConfigError
+from convoy.sanitize import printable
 
 NOT_FINITE = [float("nan"), float("inf"), float("-inf")]
 

@@ -8,9 +8,9 @@ from typing import Iterator
 
 import pytest
 
-from convoy import worker_events
-from convoy.lease import LeaseWriter
 from convoy.runtime.fence import RoundFence
+from convoy.worker import events as worker_events
+from convoy.worker.lease import LeaseWriter
 
 
 @pytest.fixture

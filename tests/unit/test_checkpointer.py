@@ -17,12 +17,12 @@ import torch.distributed as dist
 
 import convoy
 from convoy.errors import CheckpointError
-from convoy import worker_events
-from convoy.lease import LeaseWriter
-from convoy.runtime.snapshot import SLACK
 from convoy.runtime.persist import complete_checkpoints
 from convoy.runtime.slots import HEADER_SIZE, SnapshotFile, free_bytes
+from convoy.runtime.snapshot import SLACK
 from convoy.shm import SHM_DIR, remove_segments
+from convoy.worker import events as worker_events
+from convoy.worker.lease import LeaseWriter
 
 
 @pytest.fixture(scope="module", autouse=True)

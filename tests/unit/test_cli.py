@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from convoy import cli_options
-from convoy.cli import build_parser, main
+from convoy.cli import options as cli_options
+from convoy.cli.main import build_parser, main
 from convoy.config import JobConfig
 from convoy.errors import ConfigError
 from convoy.roles_config import RoleCount, RoleSpec

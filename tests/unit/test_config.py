@@ -170,7 +170,7 @@ def test_default_preload_imports_torch_ahead() -> None:
 def test_control_plane_does_not_import_torch() -> None:
     import subprocess
 
-    code = ("import sys, convoy.cli, convoy.control.master, convoy.control.launcher, convoy.agent.agent, "
+    code = ("import sys, convoy.cli.main, convoy.control.master, convoy.launch.run, convoy.agent.agent, "
             "convoy.agent.workers; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "False"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from convoy.control.dashboard import views
-from convoy.control.status_store import StatusStore
+from convoy.control.training.status_store import StatusStore
 
 
 def job_with_points(run_dir: Path, counts: dict[str, int]) -> None:

@@ -9,9 +9,9 @@ import sys
 import pytest
 
 import convoy
-from convoy.control import shard_protocol as sp
-from convoy.data_shards import shards
+from convoy.control.protocol import shards as sp
 from convoy.errors import ConfigError
+from convoy.worker.shards import shards
 
 ALONE: dict[str, str] = {}
 """No CONVOY_AGENT_URL: the in-process queue."""

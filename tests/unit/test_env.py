@@ -6,7 +6,7 @@ import json
 
 from convoy.agent.env import interface_of, spawn_env, worker_env
 from convoy.agent.round_store import hosted_by_rank0
-from convoy.control.protocol import MemberInfo, RoundInfo
+from convoy.control.protocol.messages import MemberInfo, RoundInfo
 
 # what torchrun (torch/distributed/elastic/agent/server/local_elastic_agent.py) gives every worker
 TORCHRUN_VARS = {

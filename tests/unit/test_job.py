@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from convoy.control.job import FAILED, MAX_PORT_RETRIES, PEER_LOSS_WAIT_S, RUNNING, SUCCEEDED, Event, Job
-from convoy.control.protocol import WorkerExit
+from convoy.control.protocol.messages import WorkerExit
 from convoy.control.rendezvous import Rendezvous
 
 NODES = {"n0": ("10.0.0.1", 2), "n1": ("10.0.0.2", 2)}

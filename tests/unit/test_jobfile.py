@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from convoy.cli.jobfile import JOB_FILE_OPTIONS, key_lines, load_job_file
 from convoy.errors import ConfigError
-from convoy.jobfile import JOB_FILE_OPTIONS, key_lines, load_job_file
 from convoy.roles_config import RESTORE_ONE, RoleCount, RoleSpec
 
 

@@ -1,5 +1,5 @@
 """The layout's rules, checked on the source: imports run one way (no file imports a file that imports it
-back, function-level imports included), and files stay small (DESIGN.md: under ~400 lines)."""
+back, function-level imports included), and files stay small (under ~400 lines: one concern a file)."""
 
 from __future__ import annotations
 
@@ -95,8 +95,8 @@ def test_every_file_stays_small() -> None:
 
 
 def readme_layout() -> list[str]:
-    """The lines of the tree drawn under the README's ``## Layout``."""
-    text = (PACKAGE.parent / "README.md").read_text()
+    """The lines of the tree drawn under ``## Layout`` in docs/architecture.md (the README points there)."""
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
     section = text.split("\n## Layout\n", 1)[1]
     return section.split("```\n", 2)[1].splitlines()
 
@@ -139,3 +139,78 @@ def test_every_test_file_has_a_name_of_its_own() -> None:
     for path in tests.rglob("test_*.py"):
         seen.setdefault(path.name, []).append(str(path.relative_to(tests)))
     assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
+
+
+LAYERS = {
+    "base": ("convoy.errors", "convoy.log", "convoy.ports", "convoy.procs", "convoy.shm", "convoy.local_http",
+             "convoy.sanitize"),
+    "settings": ("convoy.config", "convoy.roles_config"),
+    "protocol": ("convoy.control.protocol",),
+    "control": ("convoy.control",),
+    "worker": ("convoy.worker",),
+    "agent": ("convoy.agent",),
+    "data plane": ("convoy.runtime", "convoy.parallel", "convoy.strategy", "convoy.integrations",
+                   "convoy.workloads", "convoy.testing"),
+    "launch": ("convoy.launch",),
+    "cli": ("convoy.cli",),
+    "face": ("convoy", "convoy.__main__"),
+}
+"""Each module's layer: the longest prefix that names it (``convoy`` alone is the package's public face)."""
+MAY_IMPORT = {
+    "base": {"base"},
+    "settings": {"base", "settings"},
+    "protocol": {"base", "settings", "protocol"},
+    "control": {"base", "settings", "protocol", "control"},
+    "worker": {"base", "settings", "protocol", "worker"},
+    "agent": {"base", "settings", "protocol", "worker", "agent"},
+    "data plane": {"base", "settings", "worker", "data plane"},
+    "launch": {"base", "settings", "protocol", "control", "worker", "agent", "launch"},
+    "cli": set(LAYERS),
+    "face": set(LAYERS),
+}
+"""The arrows that may run between layers: down towards ``base``, never up; the control plane never imports the
+agent, the worker side or the data plane, and the data plane never imports the control plane or the agent."""
+EXCEPTIONS = {("convoy.worker.shards", "convoy.control.shards"): "outside convoy, a script's shards come from the "
+              "master's own pure queue, run in-process"}
+"""(module, package) arrows against the layers, each with its reason."""
+
+
+def layer_of(module: str) -> str:
+    best, found = -1, ""
+    for layer, prefixes in LAYERS.items():
+        for prefix in prefixes:
+            named = module == prefix or (module.startswith(prefix + ".") and prefix != "convoy")
+            if named and len(prefix) > best:
+                best, found = len(prefix), layer
+    assert found, f"{module} is in no layer: add it to LAYERS"
+    return found
+
+
+def test_layer_of_takes_the_longest_prefix() -> None:
+    assert layer_of("convoy.control.protocol.messages") == "protocol"
+    assert layer_of("convoy.control.roles.master") == "control"
+    assert layer_of("convoy") == "face" and layer_of("convoy.config") == "settings"
+
+
+def test_imports_run_only_along_the_layers_arrows() -> None:
+    files = module_files()
+    wrong = []
+    for name, path in files.items():
+        for target in imports_of(name, path, set(files)):
+            excepted = any(name == module and target.startswith(package + ".") for module, package in EXCEPTIONS)
+            if layer_of(target) not in MAY_IMPORT[layer_of(name)] and not excepted:
+                wrong.append(f"{name} ({layer_of(name)}) imports {target} ({layer_of(target)})")
+    assert wrong == [], "arrows against the layers: move the code to the layer both may import"
+
+
+def test_the_top_level_holds_the_public_face_the_settings_and_the_base_helpers() -> None:
+    loose = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert len(loose) <= 12, loose
+
+
+def test_no_two_files_have_names_that_differ_only_in_word_order() -> None:
+    by_words: dict[tuple[str, ...], set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path.name != "__init__.py":
+            by_words.setdefault(tuple(sorted(path.stem.split("_"))), set()).add(path.stem)
+    assert {words: names for words, names in by_words.items() if len(names) > 1} == {}

@@ -10,8 +10,8 @@ from typing import Iterator
 
 import pytest
 
-from convoy.lease import Lease, LeaseWriter, lease_clock, own_round, read_lease
-from convoy.lease_watch import POLL_S, LeaseWatch, expiry_line, next_read_in, watch_lease
+from convoy.worker.lease import Lease, LeaseWriter, lease_clock, own_round, read_lease
+from convoy.worker.lease_watch import POLL_S, LeaseWatch, expiry_line, next_read_in, watch_lease
 
 
 @pytest.fixture

@@ -11,12 +11,12 @@ from typing import Any, Iterator
 
 import pytest
 
-from convoy.agent.client import MasterClient
 from convoy.agent.local_api import AGENT_TOKEN_ENV, AGENT_URL_ENV, MAX_BODY, ClientPool, LocalApi
 from convoy.config import MasterConfig, RendezvousConfig
 from convoy.control.master import JobMaster
-from convoy.data_shards import shards
+from convoy.control.protocol.client import MasterClient
 from convoy.errors import ConfigError
+from convoy.worker.shards import shards
 
 
 @pytest.fixture

@@ -11,9 +11,9 @@ from typing import Callable, Iterator
 
 import pytest
 
-from convoy.control import train_protocol as tp
-from convoy.data_shards import AgentBackend
+from convoy.control.protocol import training as tp
 from convoy.local_http import Connection, ProtocolError
+from convoy.worker.shards import AgentBackend
 
 Answer = Callable[[int, bytes], "bytes | tuple[bytes] | None"]
 """(the connection's request number, the request) -> the bytes to send; a 1-tuple: send them, then close;

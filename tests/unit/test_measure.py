@@ -1,4 +1,4 @@
-"""convoy.measure, the script's side of the measuring iteration: the marked lines its agent reads, the shape they
+"""convoy.worker.measure, the script's side of the measuring iteration: the marked lines its agent reads, the shape they
 carry, an iteration that raises left open, and the model state counted from a model's parameters (no torch)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import pytest
 
 import convoy
-from convoy.measure import BASELINE, BEGIN, END, state_bytes_of
-from convoy.worker_events import parse
+from convoy.worker.events import parse
+from convoy.worker.measure import BASELINE, BEGIN, END, state_bytes_of
 
 
 @dataclass

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from convoy.cli import main
-from convoy.cli_pipeline import PIPELINE_SCHEDULES
+from convoy.cli.main import main
+from convoy.cli.pipeline import PIPELINE_SCHEDULES
 from convoy.errors import ConfigError
 from convoy.parallel.pipeline.schedule import GENERATORS, Action, Kind, build
 from convoy.parallel.pipeline.simulate import Span, simulate

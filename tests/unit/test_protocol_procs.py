@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from convoy.ports import hold_port, port_taken
 from convoy.config import JobConfig, MasterConfig, WorkerConfig
-from convoy.control.schedulers.local import LocalScheduler
-from convoy.control.protocol import JoinRequest, WaitRequest, WorkerExit
+from convoy.control.protocol.messages import JoinRequest, WaitRequest, WorkerExit
+from convoy.launch.schedulers.local import LocalScheduler
+from convoy.ports import hold_port, port_taken
 from convoy.procs import Interrupted, signal_name
 
 

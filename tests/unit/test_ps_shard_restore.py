@@ -23,7 +23,7 @@ from convoy.parallel.ps.server import ParameterServer, shard_of
 from convoy.parallel.ps.service import ServerProcess, from_role_env
 from convoy.parallel.ps.snapshots import NoShardToRestore, ShardSnapshots
 from convoy.parallel.transport import Credentials, Identity, Message
-from convoy.role_env import SERVICE_HOST_ENV, SERVICE_SECRET_ENV
+from convoy.worker.role_env import SERVICE_HOST_ENV, SERVICE_SECRET_ENV
 
 ROWS, DIM = 30, 4
 JOB = Credentials.fresh(Identity("worker", 0, 0))

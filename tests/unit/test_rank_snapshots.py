@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from convoy import worker_events
 from convoy.errors import CheckpointError
 from convoy.runtime.checkpoint_state import BackgroundCopy
 from convoy.runtime.slots import HEADER_SIZE, SnapshotFile
 from convoy.runtime.snapshot import RankSnapshots
+from convoy.worker import events as worker_events
 
 
 class ScriptedFence:

@@ -13,7 +13,8 @@ from test_role_master import exited, ps_job, running_job, started
 
 from convoy.agent.role_procs import _can_listen
 from convoy.errors import ConfigError
-from convoy.role_env import ADDRESSES_FILE_ENV, INCARNATION_ENV, addresses_file, read_addresses, role, role_env, write_addresses
+from convoy.worker.role_env import (ADDRESSES_FILE_ENV, INCARNATION_ENV, addresses_file, read_addresses, role, role_env,
+                                    write_addresses)
 
 
 def test_the_published_version_grows_only_when_an_address_changes() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from convoy.errors import ConfigError
-from convoy.role_env import role, role_env
+from convoy.worker.role_env import role, role_env
 
 
 def test_the_agent_env_and_role_agree() -> None:
@@ -34,7 +34,7 @@ def test_a_broken_role_env_is_a_clear_error(env: dict[str, str], message: str) -
 
 def test_convoy_role_is_the_function_even_after_the_module_is_imported() -> None:
     import convoy
-    import convoy.role_env
+    import convoy.worker.role_env
 
     assert convoy.role({"ROLE_NAME": "ps", "ROLE_RANK": "1", "ROLE_WORLD_SIZE": "2"}).name == "ps"
-    assert convoy.role is convoy.role_env.role
+    assert convoy.role is convoy.worker.role_env.role

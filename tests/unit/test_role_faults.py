@@ -9,10 +9,10 @@ import itertools
 import pytest
 from test_role_master import deliver_all, exited, started
 
-from convoy.control import protocol as p
 from convoy.control.job import FAILED, RUNNING, SUCCEEDED, Job
+from convoy.control.protocol import messages as p
 from convoy.control.rendezvous import Rendezvous
-from convoy.control.role_master import RoleMaster
+from convoy.control.roles.master import RoleMaster
 from convoy.errors import ConfigError
 from convoy.roles_config import RESTART_JOB, RoleSpec, parse_count
 

@@ -13,7 +13,7 @@ from helpers import wait_for
 
 from convoy.agent.role_procs import JobContext, RoleProcesses
 from convoy.config import WorkerConfig
-from convoy.control import protocol as p
+from convoy.control.protocol import messages as p
 
 pytestmark = pytest.mark.slow
 

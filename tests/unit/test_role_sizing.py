@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from convoy.control import protocol as p
 from convoy.control.job import FAILED, RUNNING, Job
+from convoy.control.protocol import messages as p
 from convoy.control.rendezvous import Rendezvous
-from convoy.control.role_master import RoleMaster
-from convoy.control.role_sizing import MAX_OOM_RELAUNCHES
-from convoy.control.sizing import PRIOR_SPREAD, SPREAD_FACTOR
+from convoy.control.roles.master import RoleMaster
+from convoy.control.roles.memory_model import PRIOR_SPREAD, SPREAD_FACTOR
+from convoy.control.roles.sizing import MAX_OOM_RELAUNCHES
 from convoy.control.status import format_memory
 from convoy.roles_config import RoleSpec, parse_count
 

@@ -22,10 +22,10 @@ from convoy.parallel.ps.client import PSClient
 from convoy.parallel.ps.optimizers import OptimizerSpec
 from convoy.parallel.ps.placement import DenseSpec, TableSpec, place
 from convoy.parallel.ps.service import ServerProcess
-from convoy.parallel.transport import (BadMessage, Connection, Credentials, Identity, Limits, Message,
-                                       OutsideRunDir, Refused)
+from convoy.parallel.transport import (BadMessage, Connection, Credentials, Identity, Limits, Message, OutsideRunDir,
+                                       Refused)
 from convoy.parallel.transport.wire import recv_message
-from convoy.role_env import service_env, service_secret
+from convoy.worker.role_env import service_env, service_secret
 
 JOB = Credentials.fresh(Identity("worker", 0, 0))
 TERABYTE = 1 << 40

@@ -13,9 +13,8 @@ from convoy.parallel.ps.client import PSClient
 from convoy.parallel.ps.optimizers import OptimizerSpec
 from convoy.parallel.ps.placement import DenseSpec, TableSpec, place
 from convoy.parallel.ps.service import ServerProcess
-from convoy.parallel.transport import (Connection, Credentials, Identity, IncarnationFence, Message,
-                                       StaleIncarnation)
-from convoy.role_env import RoleInfo, role, write_addresses
+from convoy.parallel.transport import Connection, Credentials, Identity, IncarnationFence, Message, StaleIncarnation
+from convoy.worker.role_env import RoleInfo, role, write_addresses
 
 JOB = Credentials.fresh(Identity("worker", 0, 0))
 LAYOUT = place([DenseSpec("w", (3,))], [TableSpec("emb", 8, 2)], 1)

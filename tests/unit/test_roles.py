@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from convoy.control.roles import FailJob, RestartJob, Roles, Start, Stop
+from convoy.control.roles.members import FailJob, RestartJob, Roles, Start, Stop
 from convoy.errors import ConfigError
 from convoy.roles_config import RoleSpec, parse_count
 

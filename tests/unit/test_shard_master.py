@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from convoy.agent.client import MasterClient
 from convoy.config import MasterConfig, RendezvousConfig
-from convoy.control import protocol as p
-from convoy.control import shard_protocol as sp
 from convoy.control.job import Job
 from convoy.control.master import JobMaster
+from convoy.control.protocol import messages as p
+from convoy.control.protocol import shards as sp
+from convoy.control.protocol.client import MasterClient
 from convoy.control.rendezvous import Rendezvous
-from convoy.control.role_master import RoleMaster
-from convoy.control.shard_master import STATE_PART, ShardMaster
+from convoy.control.roles.master import RoleMaster
+from convoy.control.shards.master import STATE_PART, ShardMaster
 from convoy.control.store import read_part, read_status
 from convoy.errors import ConfigError, ConflictError
 from convoy.roles_config import RoleSpec, parse_count

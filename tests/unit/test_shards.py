@@ -1,4 +1,4 @@
-"""convoy.control.shards: exactly once per epoch through failures, scaling, late reports and master restarts."""
+"""convoy.control.shards.queue: exactly once per epoch through failures, scaling, late reports and master restarts."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from convoy.control.shards import ASSIGNED, FINISHED, WAIT, Dataset, Grant, Shard, ShardQueue, cut
+from convoy.control.shards.queue import ASSIGNED, FINISHED, WAIT, Dataset, Grant, Shard, ShardQueue, cut
 from convoy.errors import ConfigError
 
 

@@ -1,4 +1,5 @@
-"""convoy.control.sizing: the one-iteration model, the learnt margin, placement, refusals, DLRover's rule."""
+"""convoy.control.roles.memory_model: the one-iteration model, the learnt margin, placement, refusals, DLRover's
+rule."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import random
 
 import pytest
 
-from convoy.control.sizing import (MIN_MARGIN, PRIOR_SPREAD, SPREAD_FACTOR, IterationShape, MarginModel,
-                                   MeasuredIteration, check_limit, dlrover_after_oom, dlrover_allocation,
-                                   place_workers, predict, relaunch_limit)
+from convoy.control.roles.memory_model import (MIN_MARGIN, PRIOR_SPREAD, SPREAD_FACTOR, IterationShape, MarginModel,
+                                               MeasuredIteration, check_limit, dlrover_after_oom, dlrover_allocation,
+                                               place_workers, predict, relaunch_limit)
 from convoy.errors import ConfigError
 
 MIB = 1024 * 1024

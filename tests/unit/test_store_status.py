@@ -9,7 +9,7 @@ import pytest
 
 from convoy.control.job import Event, Job
 from convoy.control.nodes import NodeRegistry
-from convoy.control.protocol import WorkerExit
+from convoy.control.protocol.messages import WorkerExit
 from convoy.control.rendezvous import Rendezvous
 from convoy.control.status import format_status
 from convoy.control.store import Store, read_status

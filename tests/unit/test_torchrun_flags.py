@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from torch.distributed.run import determine_local_world_size, get_args_parser
 
-from convoy.cli import build_parser
-from convoy.cli_options import job_config
+from convoy.cli.main import build_parser
+from convoy.cli.options import job_config
+from convoy.cli.torchrun import REFUSED, count_devices, nproc_per_node, stop_signals, translate
 from convoy.config import JobConfig
 from convoy.errors import ConfigError
-from convoy.torchrun_flags import REFUSED, count_devices, nproc_per_node, stop_signals, translate
 
 CPUS = str(len(os.sched_getaffinity(0)))
 NO_DEVICES = {"cuda": 0, "xpu": 0, "auto": 0}.__getitem__

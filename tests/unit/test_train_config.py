@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from convoy.control import train_protocol as tp
-from convoy.control.train_config import ConfigHistory, FieldSpec, Schema, parse_assignments
-from convoy.control.train_master import TrainMaster
+from convoy.control.protocol import training as tp
+from convoy.control.training.config_versions import ConfigHistory, FieldSpec, Schema, parse_assignments
+from convoy.control.training.master import TrainMaster
 from convoy.errors import ConfigError, ConflictError
-from convoy.live_config import (LiveConfig, config_file, declared_fields, effective, generation_file, hot,
-                                restart, write_config)
+from convoy.worker.live_config import (LiveConfig, config_file, declared_fields, effective, generation_file, hot,
+                                       restart, write_config)
 
 
 @dataclass

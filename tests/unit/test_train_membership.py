@@ -9,12 +9,12 @@ from dataclasses import dataclass
 
 import pytest
 
-from convoy.control import train_protocol as tp
-from convoy.control.train_config import ConfigHistory
-from convoy.control.train_master import TRUST_STEPS, TrainMaster
-from convoy.control.train_proposals import Kept
+from convoy.control.protocol import training as tp
+from convoy.control.training.config_versions import ConfigHistory
+from convoy.control.training.master import TRUST_STEPS, TrainMaster
+from convoy.control.training.proposals import Kept
 from convoy.errors import ConflictError
-from convoy.live_config import LiveConfig, declared_fields, hot, restart
+from convoy.worker.live_config import LiveConfig, declared_fields, hot, restart
 
 
 @dataclass

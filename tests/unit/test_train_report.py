@@ -10,13 +10,14 @@ from typing import Iterator
 
 import pytest
 
-from convoy import agent_link, train_report
-from convoy.agent.client import MasterClient
 from convoy.agent.local_api import ClientPool, LocalApi
 from convoy.config import MasterConfig, RendezvousConfig
 from convoy.control.master import JobMaster
-from convoy.control.status_store import read_metrics
+from convoy.control.protocol.client import MasterClient
+from convoy.control.training.status_store import read_metrics
 from convoy.errors import ConfigError
+from convoy.worker import agent_link
+from convoy.worker import report as train_report
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""convoy.control.train_rules: NaN, divergence after an injected learning rate, plateau, throughput, memory,
+"""convoy.control.training.rules: NaN, divergence after an injected learning rate, plateau, throughput, memory,
 duplicates, once-per-condition, reset_after, validation, bounded memory."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from convoy.control.train_rules import MAX_POINTS, RULES, ConfigVersion, Point, Proposal, RuleConfig, Rules
+from convoy.control.training.rules import MAX_POINTS, RULES, ConfigVersion, Point, Proposal, RuleConfig, Rules
 from convoy.errors import ConfigError
 
 RANKS = range(4)

@@ -9,8 +9,8 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, ValidationError
 
-from convoy.control import protocol as p
-from convoy.control import train_protocol as tp
+from convoy.control.protocol import messages as p
+from convoy.control.protocol import training as tp
 from convoy.errors import ConfigError, ConflictError, ConvoyError
 
 Call = Callable[[str, BaseModel], Any]
@@ -63,8 +63,8 @@ def in_process(routes: dict[str, tuple[Any, Callable[[Any], Any]]]) -> Call:
 def through_api(run_dir: Path) -> Call:
     """Actions on the job of a run dir, through its master's API (only a running job has one)."""
     def call(path: str, request: BaseModel) -> Any:
-        from convoy.agent.client import MasterClient
         from convoy.config import MasterConfig
+        from convoy.control.protocol.client import MasterClient
         from convoy.control.store import read_status
         from convoy.control.token import TOKEN_FILE, read_token
 

@@ -17,13 +17,14 @@ from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any, Callable
 
-from convoy.control import protocol as p
 from convoy.control.dashboard import views
 from convoy.control.dashboard.actions import ActionError, Call, request_of, run_action
 from convoy.control.dashboard.auth import CSRF_HEADER, Denied, Gate, Session, check_action, session_cookie
 from convoy.control.dashboard.stream import Broadcaster
-from convoy.control.http_limits import Limits, PrefixedReader, Screened, SocketWriter, discard_body
-from convoy.control.sanitize import printable
+from convoy.control.limits import Limits, PrefixedReader, Screened, SocketWriter
+from convoy.control.protocol import messages as p
+from convoy.local_http import discard_body
+from convoy.sanitize import printable
 
 STATIC = Path(__file__).parent / "static"
 ASSETS = {"index.html": "text/html", "app.js": "text/javascript", "chart.js": "text/javascript",

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from convoy.config import STATE_FILE
-from convoy.control.role_master import ROLES_FILE
+from convoy.control.roles.master import ROLES_FILE
 from convoy.control.store import read_part, read_status
-from convoy.control.train_master import PROPOSALS_PART, STATE_PART
+from convoy.control.training.master import PROPOSALS_PART, STATE_PART
 
 END_KINDS = ("restart", "regroup", "reconfigure", "port_retry", "worker_failed", "node_left", "node_excluded")
 """Events that say why a round ended (the first one after its start)."""

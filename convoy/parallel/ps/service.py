@@ -17,10 +17,9 @@ from convoy.parallel.ps.optimizers import OptimizerSpec
 from convoy.parallel.ps.placement import Placement
 from convoy.parallel.ps.server import ParameterServer, restore_shard, save_shard
 from convoy.parallel.ps.snapshots import Restored, ShardSnapshots
-from convoy.parallel.transport import (Credentials, Identity, IncarnationFence, Limits, Listener, Message,
-                                       confined)
+from convoy.parallel.transport import Credentials, Identity, IncarnationFence, Limits, Listener, Message, confined
 from convoy.parallel.transport.handshake import Admit
-from convoy.role_env import SERVICE_HOST_ENV, role
+from convoy.worker.role_env import SERVICE_HOST_ENV, role
 
 PULL_WAIT_S = 120.0
 SHARD_SUFFIX = ".pt"

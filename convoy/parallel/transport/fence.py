@@ -1,6 +1,6 @@
 """A role service's fence against stale callers: a process whose rank was started again (a newer incarnation runs
 now) may not use the service, on a new connection or on one it opened while it was current. The current
-incarnations are the agent's addresses file (``convoy.role_env``), read again when the file changed (one ``stat``
+incarnations are the agent's addresses file (``convoy.worker.role_env``), read again when the file changed (one ``stat``
 per message) and at least every ``REREAD_S`` (two replacements within one tick of the file clock could leave the
 same inode, time and size)."""
 
@@ -13,7 +13,7 @@ import time
 from convoy.errors import ConfigError
 from convoy.parallel.transport.errors import StaleIncarnation
 from convoy.parallel.transport.handshake import Identity
-from convoy.role_env import RoleInfo
+from convoy.worker.role_env import RoleInfo
 
 REREAD_S = 0.1
 

@@ -23,7 +23,7 @@ from typing import Any
 from convoy.errors import ConfigError
 from convoy.parallel.transport.errors import REFUSALS, BadMessage, Refused, TransportError
 from convoy.parallel.transport.wire import HANDSHAKE_LIMITS, Message, recv_header, recv_message, send_message
-from convoy.role_env import SERVICE_SECRET_ENV, SERVICE_TLS_ENV, role
+from convoy.worker.role_env import SERVICE_SECRET_ENV, SERVICE_TLS_ENV, role
 
 PROTOCOL = 1
 NONCE_BYTES = 32

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 from convoy.workloads.confidential.attacks import ATTACKS, describe, replayed_ciphertext
-from convoy.workloads.confidential.attestation import (
-    SIMULATED_NOTICE, TEE_DEVICES, HardwareBackend, SimulatedRootOfTrust, detect_tee,
-)
+from convoy.workloads.confidential.attestation import (SIMULATED_NOTICE, TEE_DEVICES, HardwareBackend,
+                                                       SimulatedRootOfTrust, detect_tee)
 from convoy.workloads.confidential.config import EnclaveConfig, Party
 from convoy.workloads.confidential.data import make_providers
 from convoy.workloads.confidential.errors import HardwareUnavailableError
@@ -54,30 +54,14 @@ def run_demo(task: str = "logistic", mode: str = "data", rows: int = 1000, featu
         out(f"enclave measurement (SHA-256 of its code and configuration): {host.info['measurement']}")
         attest_and_connect(host, providers, config, verifier, allow_simulated=True)
         if attacks:
-            out("\nattacks, each before any genuine submission:")
-            for name, attack in ATTACKS.items():
-                out(f"  {name}: refused, {describe(attack(host, providers, config, verifier))}")
-            status = host.call("status")
-            out(f"  enclave still running: {host.alive()}; rows or models held after the attacks: "
-                f"{status['pending'] or 'none'}; refused by the enclave: {status['rejected']} (the report attacks were "
-                f"refused by the provider)")
-        shared: Model | None = None
-        for round_id in range(rounds):
-            for index, provider in enumerate(providers):
-                message = provider.seal_data(round_id) if mode == "data" else provider.seal_model(
-                    round_id, provider.local_model(config, init=shared if task == "mlp" else None))
-                host.call("submit", message=message)
-                if attacks and round_id == 0 and index == 0:
-                    out(f"  replayed ciphertext: refused, {describe(replayed_ciphertext(host, message))}")
-            sealed = host.call("train")["models"]
-            models = {p.name: p.open_shared_model(sealed[p.name], round_id, config) for p in providers}
-            shared = models[providers[0].name]
+            _attack(host, providers, config, verifier, out)
+        models = _train(host, providers, config, attacks, out)
+        shared = models[providers[0].name]
         status = host.call("status")
         host_bytes = sum(size for _, _, size in host.frames)
         host_view = (f"{len(host.frames)} frames, {host_bytes / 1e6:.2f} MB: ciphertext and clear headers "
                      "(party, round, seq) only")
     code = host.proc.returncode if host.proc is not None else None
-    assert shared is not None
     pooled = fit(config, *pool(datasets))
     out("\nwhat each provider saw:")
     for provider in providers:
@@ -95,3 +79,35 @@ def run_demo(task: str = "logistic", mode: str = "data", rows: int = 1000, featu
             f"{quality(config, pooled, test_x, test_y):.4f}")
     out(f"enclave stopped (exit code {code}); demo took {time.perf_counter() - started:.1f} s")
     return 0 if code == 0 else 1
+
+
+def _attack(host: EnclaveHost, providers: list[Provider], config: EnclaveConfig, verifier: Any,
+            out: Callable[[str], None]) -> None:
+    """Every attack, each before any genuine submission, and what the enclave holds after them."""
+    out("\nattacks, each before any genuine submission:")
+    for name, attack in ATTACKS.items():
+        out(f"  {name}: refused, {describe(attack(host, providers, config, verifier))}")
+    status = host.call("status")
+    out(f"  enclave still running: {host.alive()}; rows or models held after the attacks: "
+        f"{status['pending'] or 'none'}; refused by the enclave: {status['rejected']} (the report attacks were "
+        f"refused by the provider)")
+
+
+def _train(host: EnclaveHost, providers: list[Provider], config: EnclaveConfig, attacks: bool,
+           out: Callable[[str], None]) -> dict[str, Model]:
+    """Every round: each provider submits its sealed rows (or its local model), the enclave trains, and each
+    provider opens the shared model sealed for it; the models of the last round, by provider. With ``attacks``,
+    the first submission is replayed once."""
+    shared: Model | None = None
+    models: dict[str, Model] = {}
+    for round_id in range(config.rounds):
+        for index, provider in enumerate(providers):
+            message = provider.seal_data(round_id) if config.mode == "data" else provider.seal_model(
+                round_id, provider.local_model(config, init=shared if config.task == "mlp" else None))
+            host.call("submit", message=message)
+            if attacks and round_id == 0 and index == 0:
+                out(f"  replayed ciphertext: refused, {describe(replayed_ciphertext(host, message))}")
+        sealed = host.call("train")["models"]
+        models = {p.name: p.open_shared_model(sealed[p.name], round_id, config) for p in providers}
+        shared = models[providers[0].name]
+    return models

@@ -146,19 +146,30 @@ def boost(features: np.ndarray, target: np.ndarray, loss: Loss, num_learners: in
         basis.add(tree_output)
         outputs[:, count] = tree_output
         current = outputs[:, : count + 1]
-        weights = np.append(weights, 0.0)
-        if squared:
-            gram[count, : count + 1] = gram[: count + 1, count] = current.T @ tree_output
-            moment[count] = tree_output @ target
-            weights = solve_weights(gram[: count + 1, : count + 1], moment[: count + 1], scaled_ridge)
-        elif count % refit_every == 0:
-            weights = newton_step(loss, current, target, weights, scaled_ridge)
-        else:
-            weights[[0, count]] = _pair_step(loss, current, target, weights, [0, count], scaled_ridge)
+        weights = _with_new_tree(loss, current, target, weights, scaled_ridge, refit_every, (gram, moment))
         score = current @ weights
     grower.finish()
     count = len(weights)
     return ensemble, weights, outputs[:, :count], gram[:count, :count] if squared else None
+
+def _with_new_tree(loss: Loss, current: np.ndarray, target: np.ndarray, weights: np.ndarray, scaled_ridge: float,
+                   refit_every: int, moments: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """The weights once the last column of ``current`` (a new tree's outputs, its weight starting at 0) joined.
+    Squared loss: the exact ridge solution, the Gram matrix and the moments (``moments``) grown by the new tree;
+    logistic: a Newton step on all weights every ``refit_every`` trees, else on the intercept and the new one."""
+    count = current.shape[1] - 1
+    tree_output = current[:, count]
+    weights = np.append(weights, 0.0)
+    if loss.name == "squared":
+        gram, moment = moments
+        gram[count, : count + 1] = gram[: count + 1, count] = current.T @ tree_output
+        moment[count] = tree_output @ target
+        return solve_weights(gram[: count + 1, : count + 1], moment[: count + 1], scaled_ridge)
+    if count % refit_every == 0:
+        return newton_step(loss, current, target, weights, scaled_ridge)
+    weights[[0, count]] = _pair_step(loss, current, target, weights, [0, count], scaled_ridge)
+    return weights
+
 
 
 def fit_weights(loss: Loss, outputs: np.ndarray, target: np.ndarray, ridge: float,

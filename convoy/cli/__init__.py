@@ -1,0 +1,1 @@
+"""The commands: ``convoy run | master | agent | status | scale | config | manager | dashboard | ...``."""

@@ -1,0 +1,107 @@
+"""The master's calls for jobs of roles and data shards, and how it composes those parts (a part of JobMaster).
+
+``RoleMaster`` (with its sizing) and ``ShardMaster`` decide; these calls take the master's lock, feed them,
+and record what they return, as the rest of JobMaster does. Their state rides in the store's parts, so a
+restarted master takes the role processes and the shard queues back.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from convoy.control.core import MasterCore
+from convoy.control.job import RUNNING, Event
+from convoy.control.protocol import messages as p
+from convoy.control.protocol import shards as sp
+from convoy.control.roles.master import ROLES_PART, RoleMaster, load_roles
+from convoy.control.shards.master import PLAIN_ROLE, STATE_PART, ShardMaster
+from convoy.control.status import write_memory
+from convoy.control.store import Store, read_part
+from convoy.errors import ConfigError, ConflictError
+
+
+class RoleCalls:
+    """What JobMaster does for roles and shards."""
+
+    def __init__(self, core: MasterCore, resume: bool) -> None:
+        """The roles of ``roles.json`` (none: a plain job) and the shard queues, taken back when resumed."""
+        self.core, self.job, config = core, core.job, core.config
+        roles = load_roles(config.run_dir)
+        self.role_master = RoleMaster(self.job, roles, config.max_restarts) if roles else None
+        """A job of roles: its processes come from the heartbeats' assignments."""
+        self.taken_back: list[Event] = []
+        """What a resumed master took back of the role processes (its events)."""
+        if resume and self.role_master is not None and self.job.status == RUNNING:  # before any save replaces it
+            saved = read_part(config.run_dir, ROLES_PART)
+            self.taken_back = self.role_master.load_state(json.loads(saved)) if saved else self.job.abort(
+                "the master restarted and its state holds no roles to take back; run the job again")
+        self.shards = ShardMaster.from_state_json(read_part(config.run_dir, STATE_PART) if resume else None)
+        """The datasets' shard queues, at the position the state file kept when the master is resumed."""
+        if self.role_master is not None:
+            self.role_master.exit_hooks.append(self.shards.process_exited)
+
+    def save_with(self, store: Store) -> None:
+        store.parts[STATE_PART] = self.shards.state_json
+        role_master = self.role_master
+        if role_master is not None:
+            store.parts[ROLES_PART] = lambda: json.dumps(role_master.state(), sort_keys=True)
+
+    def role_report(self, report: p.RoleReport) -> p.Ack:
+        """A role process started or exited (a job of roles only)."""
+        with self.core.changed:
+            self.core.nodes.seen(report.node_id, time.monotonic())
+            self.core.apply(self.required().report(report))
+            self._write_memory()
+            return p.Ack()
+
+    def memory_report(self, report: p.MemoryReport) -> p.Ack:
+        """A node's free memory and its role processes' peaks; a measuring iteration sizes its role."""
+        with self.core.changed:
+            self.core.nodes.seen(report.node_id, time.monotonic())
+            self.core.apply(self.required().memory(report))
+            self._write_memory()
+            return p.Ack()
+
+    def _write_memory(self) -> None:
+        sizing = self.required().sizing
+        if sizing.changed:
+            sizing.changed = False
+            write_memory(self.core.config.run_dir, sizing.rows(), sizing.margin.margin())
+
+    def scale(self, req: p.ScaleRequest) -> p.Ack:
+        """``convoy scale``: run ``req.count`` processes of a role; a count the role cannot take is a 409."""
+        with self.core.changed:
+            try:
+                asked = [Event("action", f"{req.author}: scale role {req.role} to {req.count}")] if req.author else []
+                self.core.apply(asked + self.required().scale(req.role, req.count))
+            except ConfigError as exc:
+                raise ConflictError(str(exc)) from exc
+            return p.Ack()
+
+    def shard_call(self, req: sp.ShardWorker) -> Any:
+        """A worker process's shard call (declare, request, progress, done), forwarded by its agent; a call of a
+        process that is no longer the job's (restarted, stopped, of an ended round) is a 409."""
+        with self.core.changed:
+            roles = self.role_master
+            if self.core.ended:
+                gone = f"job {self.job.job_id} has ended"
+            elif roles is not None:
+                gone = "" if roles.is_running(req.role, req.rank, req.incarnation) else "is no longer running"
+            else:
+                gone = "" if (req.role, req.incarnation) == (PLAIN_ROLE, self.job.round_id) else "ran in another round"
+            if gone:
+                raise ConflictError(f"refused a shard call of worker {req.worker_id}: {gone}")
+            answer = self.shards.call(req, None if roles else self.job.round_id)
+            self.core.apply(answer.events)
+            if answer.reply is None:
+                raise ConflictError(answer.refusal)
+            return answer.reply
+
+    def required(self) -> RoleMaster:
+        """The job's roles; a call that needs them in a job without roles is a 409 that says how to give some."""
+        if self.role_master is None:
+            raise ConflictError(f"job {self.job.job_id} declares no roles: give it some with --ps, --workers, --role "
+                                "or [roles.NAME] in a job file")
+        return self.role_master

@@ -1,0 +1,399 @@
+"""The master's side of a job of roles: ``Roles`` decides, this carries the decisions out.
+
+It places each process on a node of the closed round (least loaded first, a restarted rank back on its node and
+port), queues the node's assignments and stops for its heartbeat replies (delivered again until the agent
+reports on them), feeds the agents' reports into ``Roles``, starts the non-service roles only once every
+service process (ps) has published its address, and ends the job when every role has finished and the services
+are stopped. The roles do not share a torch.distributed world (the PS data plane talks over its own sockets), so
+a job of roles needs no round of its own per change: the round only gathers the nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from convoy.control.job import RUNNING, Event, Job
+from convoy.control.protocol import messages as p
+from convoy.control.roles.members import FINISHED, SERVICE_ROLES, Decision, FailJob, RestartJob, Roles, Start, Stop
+from convoy.control.roles.orders import Key, Orders
+from convoy.control.roles.placement import Need, Rooms, Taken
+from convoy.control.roles.sizing import RoleSizing
+from convoy.errors import ConfigError
+from convoy.roles_config import RoleCount, RoleSpec
+
+ROLES_FILE = "roles.json"
+"""Where the launcher leaves the job's roles in the run dir for the master (a job without it has none)."""
+ROLES_PART = "roles"
+"""The name of the roles' state among the master's saved parts (``Store.parts``)."""
+
+
+def save_roles(run_dir: Path, roles: tuple[RoleSpec, ...]) -> None:
+    """Write the roles for the master (``convoy run`` starts the master as a process of its own)."""
+    (Path(run_dir) / ROLES_FILE).write_text(json.dumps([asdict(role) for role in roles], indent=1))
+
+
+def load_roles(run_dir: Path) -> tuple[RoleSpec, ...]:
+    """The roles ``save_roles`` wrote; none for a job without the file."""
+    path = Path(run_dir) / ROLES_FILE
+    if not path.is_file():
+        return ()
+    try:
+        listed = json.loads(path.read_text())
+        roles = tuple(RoleSpec(**{**role, "args": tuple(role["args"]), "count": RoleCount(**role["count"])})
+                      for role in listed)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"{path} does not hold the job's roles ({exc}); start the job again with convoy run") from exc
+    for role in roles:
+        role.validate()
+    return roles
+
+
+@dataclass
+class Placed:
+    node_id: str
+    port: int = 0
+    address: str = ""
+    gpus: list[int] = field(default_factory=list)
+    """The node's devices handed to the process."""
+
+
+class RoleMaster:
+    """Carries out the decisions of ``Roles`` for one job; the caller (JobMaster) holds its lock around each call."""
+
+    def __init__(self, job: Job, specs: tuple[RoleSpec, ...], max_restarts: int) -> None:
+        self.job = job
+        self.specs = {spec.name: spec for spec in specs}
+        self.roles = Roles(specs, max_restarts)
+        self.sizing = RoleSizing(specs)
+        self.begun = False
+        self.pending: list[Start] = []
+        self.placed: dict[Key, Placed] = {}
+        self.homes: dict[tuple[str, int], tuple[str, int]] = {}
+        """(role, rank) -> (node, port) it last ran on: a restart goes back there."""
+        self.stopping: set[Key] = set()
+        self.orders = Orders()
+        """What each node is to be told, until it reports on it."""
+        self.lost: dict[str, int] = {}
+        """Lost node -> the round it was lost in: nothing is placed on it until a later round has it again."""
+        self.exit_hooks: list[Callable[[str, int, int, str], list[Event]]] = []
+        """Told of every process exit, (role, rank, incarnation, how): the shard queues take back its shard."""
+        self.rooms = Rooms()
+        """What each node has for role processes, and who waits for room."""
+        self.faults: list[tuple[str, str]] = []
+        """The infrastructure faults announced, (node, cause): each is one event however many processes it ended."""
+
+    def advance(self, now: float | None = None) -> list[Event]:
+        """Start the roles once the first round has closed, place what waits, and end the job when all is done;
+        ``now`` (the master's ticks give it): also fail a role that has waited below its MIN too long."""
+        if self.job.status != RUNNING:
+            return []
+        events: list[Event] = []
+        if not self.begun and self.job.membership is not None:
+            self.begun = True
+            decisions, events = self.roles.start()
+            for name in self.sizing.roles:
+                decisions += self.roles.start_measuring(name) if self.specs[name].count.auto else []
+            events += self._carry_out(decisions)
+        events += self._place()
+        return events + (self._check_short(now) if now is not None else []) + self._check_done()
+
+    def report(self, report: p.RoleReport) -> list[Event]:
+        """An agent's word on one process: started (its address) or exited (its code)."""
+        if report.role not in self.specs:
+            return [Event("stale_report", f"ignored a report of unknown role {report.role!r}", report.node_id)]
+        key = (report.role, report.rank, report.incarnation)
+        self.orders.reported(report.node_id, key, exited=report.state == "exited")
+        if report.state == "started":
+            placed = self.placed.setdefault(key, Placed(report.node_id))
+            placed.address = report.address
+            port = report.address.rpartition(":")[2]
+            if port.isdigit():
+                placed.port = int(port)
+                self.homes[(report.role, report.rank)] = (report.node_id, placed.port)
+            where = ", ".join(filter(None, (report.node_id, f"pid {report.pid}" if report.pid else "",
+                                            report.cpu_limit)))
+            return self.roles.started(report.role, report.rank, report.incarnation, report.address, where) + \
+                self.advance()
+        self.placed.pop(key, None)
+        what = f"{report.role} {report.rank} (incarnation {report.incarnation}) {report.describe()}"
+        events = [Event("role_exited", what + report.last_lines(), report.node_id)] + self.sizing.exited(key, report)
+        for hook in self.exit_hooks:
+            events += hook(*key, report.describe())
+        live = key not in self.stopping and self._is_current(key) and not report.infrastructure
+        measuring_failed = self.sizing.measuring_failed(key, report) if live else None
+        relaunch = self.sizing.oom(key, report) if live and report.oom_killed and not measuring_failed else None
+        if measuring_failed:
+            events += [Event("measuring_failed", measuring_failed)] + self.job.abort(measuring_failed + report.last_lines())
+        elif relaunch is not None:
+            decisions, more = self.roles.relaunch(report.role, report.rank, report.incarnation, relaunch[1])
+            events += more + self._carry_out(decisions)
+        elif key in self.stopping:
+            self.stopping.discard(key)
+            if self._is_current(key):  # a service stopped at the end: it is done
+                decisions, more = self.roles.finished(report.role, report.rank, report.incarnation)
+                events += more + self._carry_out(decisions)
+        elif report.infrastructure:
+            events += self._infrastructure_fault(report)
+        elif report.exitcode == 0 and not report.start_failed:
+            decisions, more = self.roles.finished(report.role, report.rank, report.incarnation)
+            events += more + self._carry_out(decisions)
+        else:
+            decisions, more = self.roles.failed(report.role, report.rank, report.incarnation, report.describe())
+            events += more + self._carry_out(decisions, report.last_lines())
+        self.job.restart_count = self.roles.restarts_spent()
+        return events + self.advance()
+
+    def _infrastructure_fault(self, report: p.RoleReport) -> list[Event]:
+        """A process ended by a fault of its node (its fork server died, the node was lost) starts again, spending
+        no restart of its role; the fault is one event however many processes it ended, and counts in the node's
+        regroup budget (a node over it is excluded, and its processes go elsewhere)."""
+        fault = (report.node_id, report.infrastructure)
+        events: list[Event] = []
+        if fault not in self.faults:
+            self.faults = [*self.faults[-63:], fault]
+            events.append(Event("infrastructure_fault", f"infrastructure fault: {report.infrastructure}; the role "
+                                f"processes it ended start again (no role restart is spent)", report.node_id,
+                                console=True))
+            events += self.job.infrastructure_fault(report.node_id, report.infrastructure, time.monotonic())
+            if self.job.refusal(report.node_id) is not None and report.node_id not in self.lost:
+                events += self.node_lost(report.node_id)
+        decisions = self.roles.displaced(report.role, report.rank, report.incarnation,
+                                         f"was ended by an infrastructure fault ({report.infrastructure})")
+        return events + self._carry_out(decisions)
+
+    def memory(self, report: p.MemoryReport) -> list[Event]:
+        """A node's memory report: peaks for status, and a role's measuring iteration, which sizes the role."""
+        events: list[Event] = []
+        for role, rank, incarnation, figures in self.sizing.memory(report):
+            if self._is_current((role, rank, incarnation)):
+                events += self._size(role, report.node_id, figures)
+        return events + self.advance()
+
+    def _size(self, role: str, node_id: str, figures: p.MeasuredIterationReport) -> list[Event]:
+        running: dict[str, int] = {}
+        for key, placed in self.placed.items():
+            if key[0] == role:
+                running[placed.node_id] = running.get(placed.node_id, 0) + 1
+        waiting = [start.rank for start in self.pending if start.role == role]
+        try:
+            sized = self.sizing.measured(role, node_id, figures, running, waiting)
+        except ConfigError as exc:
+            reason = f"role {role} cannot be sized from its measuring iteration: {exc}"
+            return [Event("sizing_failed", reason)] + self.job.abort(reason)
+        for rank, node in sized.homes.items():
+            self.homes[(role, rank)] = (node, 0)
+        events = [Event("role_predicted", f"role {role}: {sized.why}", node_id, console=True)]
+        if sized.count is not None:
+            decisions, more = self.roles.size(role, sized.count, "sized from its measuring iteration")
+            events += more + self._carry_out(decisions)
+        return events
+
+    def scale(self, role: str, count: int) -> list[Event]:
+        """Run ``count`` processes of ``role``; a ConfigError names the role's allowed counts."""
+        decisions, events = self.roles.scale(role, count)
+        return events + self._carry_out(decisions) + self.advance()
+
+    def node_lost(self, node_id: str) -> list[Event]:
+        """A lost node is a change of membership, not a failure: its processes start again on the nodes that
+        remain, where their resources fit, and no role spends a restart (the job counts the loss in the node's
+        regroup budget, as for a job without roles)."""
+        self.orders.forget(node_id)
+        self.lost[node_id] = self.job.round_id
+        on_it = sorted(key for key, placed in self.placed.items() if placed.node_id == node_id)
+        cause = f"node {node_id} was lost"
+        self.faults = [*self.faults[-63:], (node_id, cause)]  # the job's regroup says so, and counts it
+        listed = ", ".join(f"{role} {rank}" for role, rank, _ in on_it if (role, rank, _) not in self.stopping)
+        events = [Event("role_moved", f"{cause}: its role processes ({listed}) start again on the other nodes (no "
+                        "role restart is spent)", node_id, console=True)] if listed else []
+        for key in on_it:
+            self.homes.pop(key[:2], None)
+            events += self.report(p.RoleReport(node_id=node_id, role=key[0], rank=key[1], incarnation=key[2],
+                                               state="exited", infrastructure=cause))
+        return events
+
+    def restart_roles(self, names: Sequence[str], reason: str) -> list[Event]:
+        """Every process of ``names`` stops and starts again as a new incarnation of its rank, spending no role
+        restart (a whole-job restart, a training-config change those roles must restart for); a service among
+        them restarts first, and the other roles' new processes wait for its new address. A ConfigError names a
+        role the job does not have."""
+        events = self._restart(names, reason)
+        return events + self.advance()
+
+    def is_running(self, role: str, rank: int, incarnation: int) -> bool:
+        """Whether this process is its rank's current one and has not finished (its calls still count)."""
+        member = self.roles.roles[role].members.get(rank) if role in self.roles.roles else None
+        return member is not None and member.incarnation == incarnation and member.state != FINISHED
+
+    def published(self) -> tuple[int, dict[str, list[str]], dict[str, list[int]]]:
+        """``(version, addresses, incarnations)``: every role's current addresses by rank (``""`` while a process
+        is down) and the incarnation each rank runs as, versioned (heartbeat replies carry them to the agents)."""
+        return self.orders.publish(self.roles.addresses(), self.roles.incarnations())
+
+    def has_news(self, node_id: str) -> bool:
+        """Whether the node has assignments or stops not sent yet (its heartbeat answers at once)."""
+        return self.orders.has_news(node_id)
+
+    def deliver(self, node_id: str, now: float) -> tuple[list[p.RoleAssignment], list[p.RoleStop]]:
+        """What to tell the node now: what it was not told yet, or was told over REDELIVER_S ago."""
+        return self.orders.deliver(node_id, now)
+
+    def state(self) -> dict[str, Any]:
+        """Everything a restarted master needs to take the running role processes back (JSON-ready)."""
+        return {
+            "roles": self.roles.state(), "sizing": self.sizing.state(), "begun": self.begun,
+            "pending": [asdict(start) for start in self.pending],
+            "placed": [[*key, asdict(placed)] for key, placed in self.placed.items()],
+            "homes": [[*key, *home] for key, home in self.homes.items()],
+            "stopping": [list(key) for key in self.stopping], "lost": self.lost, "orders": self.orders.state(),
+            "rooms": self.rooms.state(), "faults": [list(fault) for fault in self.faults],
+        }
+
+    def load_state(self, saved: dict[str, Any]) -> list[Event]:
+        """Take back a previous master's roles: the processes run on (their agents reattach and report), and
+        what it had not heard back about is told again at once."""
+        self.roles.load_state(saved["roles"])
+        self.sizing.load_state(saved["sizing"])
+        self.begun = saved["begun"]
+        self.pending = [Start(**start) for start in saved["pending"]]
+        self.placed = {(role, rank, inc): Placed(**placed) for role, rank, inc, placed in saved["placed"]}
+        self.homes = {(role, rank): (node, port) for role, rank, node, port in saved["homes"]}
+        self.stopping = {(role, rank, inc) for role, rank, inc in saved["stopping"]}
+        self.lost = dict(saved["lost"])
+        self.rooms.load_state(saved["rooms"])
+        self.faults = [(node, cause) for node, cause in saved["faults"]]
+        self.orders.load_state(saved["orders"])
+        running = sum(1 for key in self.placed if self._is_current(key))
+        return [Event("roles_resumed", f"the restarted master takes back {running} role process(es); "
+                                       f"{len(self.pending)} wait to be placed", console=True)]
+
+    def _carry_out(self, decisions: list[Decision], tail: str = "") -> list[Event]:
+        events: list[Event] = []
+        for decision in decisions:
+            if isinstance(decision, Start):
+                self.pending.append(decision)
+            elif isinstance(decision, Stop):
+                self._stop(decision.role, decision.rank, decision.reason)
+            elif isinstance(decision, RestartJob):
+                events += self._restart(list(self.roles.roles), decision.reason)
+            elif isinstance(decision, FailJob):
+                events += self.job.abort(decision.reason + tail)
+        return events
+
+    def _stop(self, role: str, rank: int, reason: str) -> None:
+        self.pending = [start for start in self.pending if (start.role, start.rank) != (role, rank)]
+        for key, placed in self.placed.items():
+            if key[:2] == (role, rank) and key not in self.stopping:
+                self.stopping.add(key)
+                self.orders.stop(placed.node_id, p.RoleStop(role=role, rank=rank, incarnation=key[2], reason=reason))
+
+    def _restart(self, names: Sequence[str], reason: str) -> list[Event]:
+        starts = self.roles.restart(names, reason)  # a ConfigError before anything changed, for an unknown role
+        for role, rank, _ in list(self.placed):
+            if role in names:
+                self._stop(role, rank, reason)
+        self.pending = [start for start in self.pending if start.role not in names] + starts
+        which = "every role process" if set(names) >= set(self.roles.roles) else \
+            f"every process of role(s) {', '.join(names)}"
+        return [Event("roles_restarted", f"{which} starts again: {reason}", console=True)]
+
+    def _place(self) -> list[Event]:
+        """Assign what waits to nodes with room for it; non-service roles wait until every service has an address,
+        and a process no node has room for waits, said once (its role runs below its count meanwhile)."""
+        membership = self.job.membership
+        if membership is None or not self.pending:
+            return []
+        nodes = [member.node_id for member in membership.members
+                 if self.lost.get(member.node_id, -1) < membership.round_id]
+        if not nodes:
+            return []
+        services_ready = all(member.address for name in SERVICE_ROLES if name in self.roles.roles
+                             for member in self.roles.roles[name].members.values())
+        taken = self._taken()
+        events, waiting = [], []
+        for start in self.pending:
+            key = (start.role, start.rank, start.incarnation)
+            if not self._is_current(key):
+                continue  # replaced or scaled away before it was placed
+            if (start.role not in SERVICE_ROLES and not services_ready) or self.sizing.waits(start.role, start.rank):
+                waiting.append(start)
+                continue
+            home, port = self.homes.get((start.role, start.rank), ("", 0))
+            choice, said = self.rooms.place(key, self._need(start.role, start.rank), nodes, taken, home,
+                                            self._placed_count(start.role), self.roles.world_size(start.role),
+                                            self.specs[start.role].count.minimum)
+            events += said
+            if choice is None:
+                waiting.append(start)
+                continue
+            events.append(self._assign(start, choice.node_id, port if choice.node_id == home else 0, choice.gpus))
+        self.pending = waiting
+        return events
+
+    def node_room(self, node_id: str, memory_bytes: int, cpus: float, gpus: int) -> None:
+        """What a node reported when it joined (its first join's figures stand): the room its processes take."""
+        self.rooms.node_joined(node_id, memory_bytes, cpus, gpus)
+
+    def _need(self, role: str, rank: int) -> Need:
+        spec = self.specs[role]
+        return Need(self.sizing.limit_for(role, rank), spec.cpus or 0.0, spec.gpus)
+
+    def _taken(self) -> dict[str, Taken]:
+        taken: dict[str, Taken] = {}
+        for (role, rank, _), placed in self.placed.items():
+            taken.setdefault(placed.node_id, Taken()).add(self._need(role, rank), placed.gpus)
+        return taken
+
+    def _placed_count(self, role: str) -> int:
+        return sum(1 for key in self.placed if key[0] == role and self._is_current(key))
+
+    def _check_short(self, now: float) -> list[Event]:
+        """Fail the job once a role has stayed below its MIN for want of room as long as a round may wait for its
+        MIN nodes (``join_timeout_s``): a node with room has not come."""
+        for name, state in self.roles.roles.items():
+            waiting = [start for start in self.pending
+                       if start.role == name and (name, start.rank, start.incarnation) in self.rooms.told_waiting]
+            minimum, placed = state.spec.count.minimum, self._placed_count(name)
+            short = bool(waiting) and not state.spec.count.auto and placed < minimum
+            waited = self.rooms.below_min_too_long(name, short, now, self.job.join_timeout_s)
+            if waited is not None:
+                return self.job.abort(f"role {name} has had {placed} of its MIN {minimum} process(es) placed for "
+                                      f"{waited:.0f} s: no node has room for one more (each needs "
+                                      f"{self._need(name, waiting[0].rank).describe()}); add a node, or lower the "
+                                      "role's count or resources")
+        return []
+
+    def _assign(self, start: Start, node_id: str, port: int, gpus: tuple[int, ...] = ()) -> Event:
+        key = (start.role, start.rank, start.incarnation)
+        spec = self.specs[start.role]
+        addresses = {name: listed for name, listed in self.roles.addresses().items() if listed and all(listed)}
+        assignment = p.RoleAssignment(
+            role=start.role, rank=start.rank, incarnation=start.incarnation, restore=start.restore, port=port,
+            world_size=self.roles.world_size(start.role), addresses=addresses, entrypoint=spec.entrypoint,
+            module=spec.module, args=list(spec.args), reason=start.reason,
+            memory_limit_bytes=self.sizing.limit_for(start.role, start.rank),
+            measure=self.sizing.measures(start.role, start.rank),
+            threads=max(1, int(spec.cpus)) if spec.cpus else 0, cpus=spec.cpus or 0.0, gpus=list(gpus),
+            gpus_managed=any(other.gpus for other in self.specs.values()),
+        )
+        self.placed[key] = Placed(node_id, port, gpus=list(gpus))
+        self.sizing.placed(key, node_id)
+        self.orders.assign(node_id, assignment)
+        again = " (restored)" if start.restore else ""
+        return Event("role_placed", f"{start.role} {start.rank} (incarnation {start.incarnation}) on node "
+                                    f"{node_id}{again}: {start.reason}", node_id)
+
+    def _check_done(self) -> list[Event]:
+        if not self.roles.done() or any(key[0] in SERVICE_ROLES for key in self.placed):
+            return []
+        counts = ", ".join(f"{name} x{len(state.members)}" for name, state in self.roles.roles.items())
+        return self.job.succeed(f"every role finished ({counts})")
+
+    def _is_current(self, key: Key) -> bool:
+        member = self.roles.roles[key[0]].members.get(key[1])
+        return member is not None and member.incarnation == key[2]
+
