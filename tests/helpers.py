@@ -234,11 +234,12 @@ class ProcessScope:
 
 
 def as_a_terminal_starts_it() -> None:
-    """In a child before exec: SIGINT and SIGQUIT at their defaults, as a terminal's foreground command has them,
-    whatever the test runner inherited (a shell without job control, a CI's among them, starts a background
-    command with both ignored, and a Python program started so never sees a Ctrl-C)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+    """In a child before exec: the signals a command may be asked to stop by at their defaults, as a terminal's
+    foreground command has them, whatever the test runner inherited (a shell without job control, a CI's among
+    them, starts a background command with SIGINT and SIGQUIT ignored, so a Python program started so never sees
+    a Ctrl-C; ``nohup`` ignores SIGHUP). A test that wants one ignored ignores it in its own command."""
+    for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def _describe(proc: psutil.Process) -> str:

@@ -82,20 +82,17 @@ class CpuLimiter:
             made = self._try(name, cpus, CGROUP_V2, memory_cgroup, own=False)
             if made is not None:
                 return made
-        if self.mechanism in (None, CGROUP_V2) and memory_cgroup is None:
-            parent = _v2_parent()
-            made = self._try(name, cpus, CGROUP_V2, parent / _group(name), own=True) if parent else None
+        for mechanism, parent_of, missing in (
+                (CGROUP_V2, _v2_parent, "no cpu controller for this process's children"),
+                (CGROUP_V1, _v1_parent, "no cpu controller mounted for this process")):
+            if self.mechanism not in (None, mechanism) or (mechanism == CGROUP_V2 and memory_cgroup is not None):
+                continue
+            parent = parent_of()
+            made = self._try(name, cpus, mechanism, parent / _group(name), own=True) if parent else None
             if made is not None:
                 return made
             if parent is None:
-                self.refusals.append(f"{CGROUP_V2}: no cpu controller for this process's children")
-        if self.mechanism in (None, CGROUP_V1):
-            parent = _v1_parent()
-            made = self._try(name, cpus, CGROUP_V1, parent / _group(name), own=True) if parent else None
-            if made is not None:
-                return made
-            if parent is None:
-                self.refusals.append(f"{CGROUP_V1}: no cpu controller mounted for this process")
+                self.refusals.append(f"{mechanism}: {missing}")
         self.mechanism = self.mechanism or AFFINITY
         pinned = self._least_used(math.ceil(cpus))
         self._pinned[name] = pinned

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from convoy.config import MasterConfig
 from convoy.control.job import RUNNING, Event, Job
 from convoy.control.nodes import NodeRegistry
+from convoy.control.shards.master import PLAIN_ROLE
 
 
 @dataclass(frozen=True)
@@ -25,3 +26,15 @@ class MasterCore:
     @property
     def ended(self) -> bool:
         return self.job.status != RUNNING
+
+    def stale(self, role_master: Any, role: str, rank: int, incarnation: int) -> str:
+        """Why a call of process (``role``, ``rank``, ``incarnation``) comes from one that is no longer the job's:
+        its job has ended, it no longer runs (a job of roles: ``role_master``), or it ran in another round (a plain
+        job, whose processes' incarnation is their round); empty where it is current."""
+        if self.ended:
+            return f"job {self.job.job_id} has ended"
+        if role_master is not None:
+            return "" if role_master.is_running(role, rank, incarnation) else "is no longer running"
+        if (role, incarnation) == (PLAIN_ROLE, self.job.round_id):
+            return ""
+        return f"ran in another round (round {incarnation}; the current round is {self.job.round_id})"

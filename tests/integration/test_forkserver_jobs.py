@@ -9,11 +9,12 @@ import json
 import os
 import re
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import pytest
-from helpers import REPO, ProcessScope, fixture, wait_for
+from helpers import REPO, Launched, ProcessScope, fixture, wait_for
 
 pytestmark = pytest.mark.slow
 WORKER = str(REPO / "tests" / "fixtures" / "worker.py")
@@ -53,9 +54,9 @@ def test_a_stopped_fork_server_is_replaced_and_the_rank_killed_under_it_is_named
     assert procs.wait_no_leftovers() == []
 
 
-def test_a_killed_fork_server_of_a_job_of_roles_costs_no_restart(procs: ProcessScope, run_dir: Path,
-                                                                  tmp_path: Path) -> None:
-    go = tmp_path / "go"
+def role_job(procs: ProcessScope, run_dir: Path, go: Path) -> tuple[Launched, Callable[[], list[dict]]]:
+    """A job of one PS and two workers forked from one server, each holding until ``go`` exists; and what its
+    processes recorded of themselves so far."""
     job = procs.start(["run", "--ps", "1", "--workers", "2", "--preload", "json", "--stop-grace", "1",
                        "--run-dir", str(run_dir), ROLE_SCRIPT, "--hold-until", str(go)])
     path = run_dir / "role_records.jsonl"
@@ -63,6 +64,13 @@ def test_a_killed_fork_server_of_a_job_of_roles_costs_no_restart(procs: ProcessS
     def seen() -> list[dict]:
         return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
+    return job, seen
+
+
+def test_a_killed_fork_server_of_a_job_of_roles_costs_no_restart(procs: ProcessScope, run_dir: Path,
+                                                                  tmp_path: Path) -> None:
+    go = tmp_path / "go"
+    job, seen = role_job(procs, run_dir, go)
     wait_for(lambda: len(seen()) == 3, 60, "the PS and both workers to run")
     servers = {psutil.Process(record["pid"]).ppid() for record in seen()}
     assert len(servers) == 1, seen()
@@ -96,13 +104,7 @@ def test_a_stopped_fork_server_of_a_job_of_roles_is_replaced_once_a_restart_need
     the server not answering: it is killed with the PS and the other worker, which start again on a fresh one
     as one infrastructure fault."""
     go = tmp_path / "go"
-    job = procs.start(["run", "--ps", "1", "--workers", "2", "--preload", "json", "--stop-grace", "1",
-                       "--run-dir", str(run_dir), ROLE_SCRIPT, "--hold-until", str(go)])
-    path = run_dir / "role_records.jsonl"
-
-    def seen() -> list[dict]:
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
+    job, seen = role_job(procs, run_dir, go)
     wait_for(lambda: len(seen()) == 3, 60, "the PS and both workers to run")
     worker0 = next(r["pid"] for r in seen() if (r["role"], r["rank"]) == ("worker", 0))
     server = psutil.Process(worker0).ppid()

@@ -16,7 +16,7 @@ from convoy.control.job import RUNNING, Event
 from convoy.control.protocol import messages as p
 from convoy.control.protocol import shards as sp
 from convoy.control.roles.master import ROLES_PART, RoleMaster, load_roles
-from convoy.control.shards.master import PLAIN_ROLE, STATE_PART, ShardMaster
+from convoy.control.shards.master import STATE_PART, ShardMaster
 from convoy.control.status import write_memory
 from convoy.control.store import Store, read_part
 from convoy.errors import ConfigError, ConflictError
@@ -85,12 +85,7 @@ class RoleCalls:
         process that is no longer the job's (restarted, stopped, of an ended round) is a 409."""
         with self.core.changed:
             roles = self.role_master
-            if self.core.ended:
-                gone = f"job {self.job.job_id} has ended"
-            elif roles is not None:
-                gone = "" if roles.is_running(req.role, req.rank, req.incarnation) else "is no longer running"
-            else:
-                gone = "" if (req.role, req.incarnation) == (PLAIN_ROLE, self.job.round_id) else "ran in another round"
+            gone = self.core.stale(roles, req.role, req.rank, req.incarnation)
             if gone:
                 raise ConflictError(f"refused a shard call of worker {req.worker_id}: {gone}")
             answer = self.shards.call(req, None if roles else self.job.round_id)

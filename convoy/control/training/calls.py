@@ -122,14 +122,7 @@ class TrainCalls:
                 "dropped": self.status_store.dropped}
 
     def _check_current(self, req: tp.Task, what: str) -> None:
-        roles = self.role_master
-        if self.core.ended:
-            gone = f"job {self.job.job_id} has ended"
-        elif roles is not None:
-            gone = "" if roles.is_running(req.role, req.rank, req.incarnation) else "is no longer running"
-        else:
-            gone = "" if (req.role, req.incarnation) == (PLAIN_ROLE, self.job.round_id) else \
-                f"ran in round {req.incarnation}, not in the current round {self.job.round_id}"
+        gone = self.core.stale(self.role_master, req.role, req.rank, req.incarnation)
         if gone:
             raise ConflictError(f"refused: {req.task_id} may not {what}: it {gone}")
 
