@@ -55,7 +55,7 @@ def job_client(run_dir: Path, tls_ca: str | None = None, running: bool = True) -
 
 def run(args: argparse.Namespace) -> int:
     from convoy.control.protocol import training as tp
-    from convoy.control.training.config_versions import parse_assignments
+    from convoy.control.training.versions import parse_assignments
 
     if args.config_command == "set":
         values = parse_assignments(args.values)

@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from convoy.cli.live_config import job_client
     from convoy.control.protocol import training as tp
-    from convoy.control.training.config_versions import parse_assignments
+    from convoy.control.training.versions import parse_assignments
     from convoy.control.training.rules import RULES
 
     rules = {rule.strip() for rule in args.auto_apply.split(",") if rule.strip()}

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 from convoy.cli.jobfile import JOB_FILE_SUFFIX, load_job_file
 from convoy.config import (MAX_NPROC_PER_NODE, JobConfig, MasterConfig, RendezvousConfig, WorkerConfig, default_run_dir,
                            parse_nnodes)
-from convoy.control.training.config_versions import parse_assignments
+from convoy.control.training.versions import parse_assignments
 from convoy.log import LEVELS
 from convoy.roles_config import apply_role_counts, role_counts_from_flags
 

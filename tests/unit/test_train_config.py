@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from convoy.control.protocol import training as tp
-from convoy.control.training.config_versions import ConfigHistory, FieldSpec, Schema, parse_assignments
+from convoy.control.training.versions import ConfigHistory, FieldSpec, Schema, parse_assignments
 from convoy.control.training.master import TrainMaster
 from convoy.errors import ConfigError, ConflictError
 from convoy.worker.live_config import (LiveConfig, config_file, declared_fields, effective, generation_file, hot,

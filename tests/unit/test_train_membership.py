@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 
 from convoy.control.protocol import training as tp
-from convoy.control.training.config_versions import ConfigHistory
+from convoy.control.training.versions import ConfigHistory
 from convoy.control.training.master import TRUST_STEPS, TrainMaster
 from convoy.control.training.proposals import Kept
 from convoy.errors import ConflictError

@@ -17,8 +17,8 @@ from typing import Any, Callable, Collection, Iterable, Mapping
 
 from convoy.control.job import Event
 from convoy.control.protocol import training as tp
-from convoy.control.training.config_versions import (ACTIVE, CHANGE, HOT, PENDING, RESTART, REVERT, REVERTED,
-                                                     SUPERSEDED, ConfigHistory, FieldSpec, Schema, Version)
+from convoy.control.training.versions import (ACTIVE, CHANGE, HOT, PENDING, RESTART, REVERT, REVERTED, SUPERSEDED,
+                                              ConfigHistory, FieldSpec, Schema, Version)
 from convoy.control.training.proposals import APPLIED, JobProposals
 from convoy.errors import ConfigError, ConflictError
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from convoy.control.job import Event
-from convoy.control.training.config_versions import CHANGE, RESTART, REVERTED, ConfigHistory, Version
+from convoy.control.training.versions import CHANGE, RESTART, REVERTED, ConfigHistory, Version
 from convoy.control.training.rules import ConfigVersion, Point, Proposal, RuleConfig, Rules
 from convoy.errors import ConflictError
 
