@@ -49,7 +49,10 @@ def main() -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     data = torch.Generator().manual_seed(1000 + ctx.rank)  # this rank's data stream; its position is checkpointed
     true_weights = torch.linspace(-1, 1, 16)
-    ckpt = convoy.Checkpointer(model, optimizer, state={"data": data}, persist_every=args.persist_every)
+    # replicated either way (DDP, or the same all_reduce of every gradient): a rank whose last snapshot was still
+    # landing when it died takes that step's model from a peer and keeps its own data position
+    ckpt = convoy.Checkpointer(model, optimizer, state={"data": data}, persist_every=args.persist_every,
+                               replicated=True)
     start = ckpt.restore()
     if ctx.rank == 0:
         print(f"starting at step {start} (round {ctx.round_id}, world size {ctx.world_size}, "

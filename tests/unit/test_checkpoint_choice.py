@@ -18,6 +18,12 @@ def test_with_peers_a_step_one_peer_holds_whole_is_covered() -> None:
     assert choose_step([{5, 6}, set()], [{5, 6}, set()], TOGETHER, None) == StepChoice(6)  # a node that joined
 
 
+def test_a_replica_killed_while_its_last_snapshot_landed_takes_that_step_from_a_peer() -> None:
+    """Rank 1 died in step 12 with step 11 still landing (partial): rank 0 holds 11 whole, so the job
+    resumes at 12 with rank 0's model and rank 1's own data position, not apart from step 10."""
+    assert choose_step([{11, 12}, {10}], [{11, 12}, {10, 11}], TOGETHER, None) == StepChoice(11)
+
+
 def test_ranks_sharing_no_step_resume_after_the_newest_any_rank_holds() -> None:
     """A node out of the job for a while holds only old steps: the job goes on from the newest."""
     assert choose_step([{138, 139}, {3, 4}], [{138, 139}, {3, 4}], ALONE, None) == StepChoice(139, apart=True)
