@@ -11,8 +11,8 @@ from typing import Any
 
 __version__ = "0.1.0"
 __all__ = ["Checkpointer", "Context", "RoleInfo", "accelerate", "attention", "exit_without_teardown", "hot", "init",
-           "measure_iteration", "memory_baseline", "positions", "report", "restart", "role", "shards", "train_config",
-           "train_step"]
+           "measure_iteration", "memory_baseline", "positions", "report", "restart", "role", "roles", "scale", "shards",
+           "train_config", "train_step"]
 
 _LAZY = {
     "init": "convoy.runtime.init",
@@ -24,6 +24,8 @@ _LAZY = {
     "measure_iteration": "convoy.worker.measure",
     "memory_baseline": "convoy.worker.measure",
     "shards": "convoy.worker.shards",
+    "scale": "convoy.worker.scaling",
+    "roles": "convoy.worker.scaling",
     "report": "convoy.worker.report",
     "train_config": "convoy.worker.live_config",
     "hot": "convoy.worker.live_config",

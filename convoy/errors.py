@@ -34,7 +34,12 @@ class CheckpointError(ConvoyError):
 
 
 class ConflictError(ConvoyError):
-    """A request clashes with the job's state (e.g. a node id already in use); HTTP 409."""
+    """A request clashes with the job's state (e.g. a node id already in use); HTTP 409. ``reason``: the master's
+    own words, without who answered (what the agent passes on to the process that asked)."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or message
 
 
 class ScheduleError(ConvoyError):

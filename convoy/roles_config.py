@@ -18,15 +18,26 @@ AUTO = "auto"
 DEFAULT_ROLE = "default"
 """torchrun's ROLE_NAME of a job that declares no roles: every worker process is one of it, as before roles."""
 RESTART_JOB, RESTART_ONE, RESTORE_ONE = "restart-job", "restart-one", "restore-one"
+RESTART_ROLE, REPLACE = "restart-role", "replace"
 FAILURE_POLICIES = {
     RESTART_JOB: "a new round for the whole job (every process restarts from its latest checkpoint)",
     RESTART_ONE: "restart only the failed process; its unfinished data goes back to the queue",
     RESTORE_ONE: "restart only the failed process and give it back its state (a PS its shard)",
+    RESTART_ROLE: "restart every process of the role together, as one group; the other roles keep running",
+    REPLACE: "start another process in its place on any node with room, spending no restart, within the role's "
+             "max_replacements per replacement_window_s",
 }
 """What the master does when a process of the role fails."""
 DEFAULT_FAILURE_POLICY = {"worker": RESTART_ONE, "ps": RESTORE_ONE, "chief": RESTART_JOB}
-"""The policy of each well-known role; any other role restarts the job, as a job without roles does."""
-ROLE_KEYS = ("entrypoint", "args", "module", "count", "memory", "cpus", "gpus", "failure_policy")
+"""The policy of each well-known role; a role group restarts as a group; any other role restarts the job, as a job
+without roles does."""
+ALONE_POLICIES = (RESTART_ONE, RESTORE_ONE, REPLACE)
+"""Policies that start one process again while its role's others run on: not for a role group, whose members share
+one torch.distributed world that breaks with any of them."""
+DEFAULT_SERVICES = ("ps",)
+"""Roles that are services unless their table says ``service = false``."""
+ROLE_KEYS = ("entrypoint", "args", "module", "count", "memory", "cpus", "gpus", "failure_policy", "service", "after",
+             "group", "max_replacements", "replacement_window_s")
 """The keys a ``[roles.NAME]`` table may hold."""
 ROLE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,31}")
 MEMORY_UNITS = {"": None, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
@@ -91,10 +102,28 @@ class RoleSpec:
     gpus: int = 0
     """GPUs each process takes from its node: the agent hands out whole devices, visible to the process as
     ``CUDA_VISIBLE_DEVICES`` (so it sees them as ``cuda:0`` ...); 0: none."""
+    service: bool | None = None
+    """A service runs until every non-service role has finished, then is stopped; its failures never decide the
+    job's outcome by finishing. None: the role's default (DEFAULT_SERVICES)."""
+    after: tuple[str, ...] | None = None
+    """Roles whose processes must all have published their addresses before this role's start (``()``: at once).
+    None: a non-service role starts after every service role, a service at once."""
+    group: bool = False
+    """The role's processes share a torch.distributed world of their own (RANK, WORLD_SIZE, MASTER_ADDR/PORT of the
+    role), formed by a rendezvous of the role alone and formed again, from the members' snapshots, in a new round of
+    the role whenever a member fails or its count changes."""
+    max_replacements: int = 10
+    """``replace``: more replacements than this within ``replacement_window_s`` is a failure loop: the job fails."""
+    replacement_window_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.failure_policy:
-            object.__setattr__(self, "failure_policy", DEFAULT_FAILURE_POLICY.get(self.name, RESTART_JOB))
+            default = RESTART_ROLE if self.group else DEFAULT_FAILURE_POLICY.get(self.name, RESTART_JOB)
+            object.__setattr__(self, "failure_policy", default)
+        if self.service is None:
+            object.__setattr__(self, "service", self.name in DEFAULT_SERVICES)
+        if self.after is not None and not isinstance(self.after, tuple):
+            object.__setattr__(self, "after", tuple(self.after))
 
     @property
     def memory(self) -> str:
@@ -119,8 +148,30 @@ class RoleSpec:
                 raise ConfigError(f"count {self.count}: give one count; {FIXED_COUNT[self.name]}")
             if self.failure_policy not in FAILURE_POLICIES:
                 raise ConfigError(f"failure_policy {self.failure_policy!r}: use one of {', '.join(FAILURE_POLICIES)}")
+            self._validate_group()
+            if isinstance(self.max_replacements, bool) or not isinstance(self.max_replacements, int) \
+                    or self.max_replacements < 0:
+                raise ConfigError(f"max_replacements {self.max_replacements!r}: need a whole number, 0 or more")
+            if not (math.isfinite(self.replacement_window_s) and self.replacement_window_s > 0):
+                raise ConfigError(f"replacement_window_s {self.replacement_window_s}: need a positive number of "
+                                  "seconds")
         except ConfigError as exc:
             raise ConfigError(f"role {self.name!r}: {exc}") from None
+
+
+    def _validate_group(self) -> None:
+        if not self.group:
+            return
+        if self.count.auto:
+            raise ConfigError("group = true needs a count (N or MIN:MAX), not auto: an auto role is sized from one "
+                              "process measuring an iteration alone, while a group's members start together in one "
+                              "world; measure with a count of 1, then give the role its count")
+        if self.failure_policy in ALONE_POLICIES:
+            raise ConfigError(f"failure_policy {self.failure_policy!r} restarts one process while the others run on, "
+                              "but a group's members share one torch.distributed world that breaks with any of "
+                              f"them: use {RESTART_ROLE!r} (the default of a group) or {RESTART_JOB!r}")
+        if self.name in FIXED_COUNT:
+            raise ConfigError(f"group = true: the {self.name} role serves over its own sockets and forms no group")
 
 
 def parse_count(value: object) -> RoleCount:
@@ -184,6 +235,9 @@ def role_from_table(name: str, table: dict[str, object], locate: Callable[[str],
         module=read("module", _boolean, False), count=read("count", parse_count, RoleCount()),
         memory_bytes=memory_bytes, memory_auto=memory_auto, cpus=read("cpus", _cpus, None),
         gpus=read("gpus", _gpus, 0), failure_policy=read("failure_policy", _policy, ""),
+        service=read("service", _boolean, None), after=read("after", _role_names, None),
+        group=read("group", _boolean, False), max_replacements=read("max_replacements", _whole, 10),
+        replacement_window_s=read("replacement_window_s", _seconds, 60.0),
     )
     spec.validate()
     return spec
@@ -237,7 +291,8 @@ def apply_role_counts(roles: tuple[RoleSpec, ...], counts: list[tuple[str, RoleC
 
 
 def check_roles(roles: tuple[RoleSpec, ...], job_has_script: bool) -> None:
-    """Each role valid, named once, and with something to run."""
+    """Each role valid, named once, with something to run, and the ``after``s naming roles there are, in no
+    cycle."""
     seen = set()
     for role in roles:
         role.validate()
@@ -247,6 +302,45 @@ def check_roles(roles: tuple[RoleSpec, ...], job_has_script: bool) -> None:
         if not role.entrypoint and not job_has_script:
             raise ConfigError(f"role {role.name!r} has no entrypoint and the job gives no script: give the role an "
                               "entrypoint, or the job a SCRIPT that asks convoy.role()")
+    start_order(roles)
+
+
+def waits_for(roles: tuple[RoleSpec, ...]) -> dict[str, tuple[str, ...]]:
+    """The roles each role starts after: its ``after``, else every service (none for a service)."""
+    services = tuple(role.name for role in roles if role.service)
+    return {role.name: role.after if role.after is not None else () if role.service else services for role in roles}
+
+
+def start_order(roles: tuple[RoleSpec, ...]) -> list[str]:
+    """The roles in an order that starts each after the roles it waits for; a ConfigError for an ``after`` that
+    names a role the job does not have, or for a cycle of them (named in full)."""
+    waits, known = waits_for(roles), [role.name for role in roles]
+    for name, before in waits.items():
+        for other in before:
+            if other not in known:
+                close = difflib.get_close_matches(other, known, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ConfigError(f"role {name!r}: after = {list(before)} names {other!r}, which is not a role of "
+                                  f"this job{hint}; its roles: {', '.join(known)}")
+    order: list[str] = []
+    path: list[str] = []
+
+    def visit(name: str) -> None:
+        if name in order:
+            return
+        if name in path:
+            cycle = [*path[path.index(name):], name]
+            raise ConfigError(f"roles wait for each other in a cycle: {' -> '.join(cycle)} (each 'after' waits for the "
+                              "next); drop one of these after entries")
+        path.append(name)
+        for other in waits[name]:
+            visit(other)
+        path.pop()
+        order.append(name)
+
+    for name in known:
+        visit(name)
+    return order
 
 
 def _cpus(value: object) -> float | None:
@@ -265,6 +359,26 @@ def _policy(value: object) -> str:
     if value not in FAILURE_POLICIES:
         raise ConfigError(f"failure_policy {value!r}: use one of {', '.join(FAILURE_POLICIES)}")
     return str(value)
+
+
+def _role_names(value: object) -> tuple[str, ...]:
+    names = _strings(value)
+    for name in names:
+        if not ROLE_NAME.fullmatch(name):
+            raise ConfigError(f"{name!r} is not a role name (a letter, then letters, digits, '_' or '-')")
+    return tuple(names)
+
+
+def _whole(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{value!r}: need a whole number, 0 or more")
+    return value
+
+
+def _seconds(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{value!r}: need a positive number of seconds, e.g. 60")
+    return float(value)
 
 
 def _string(value: object) -> str:

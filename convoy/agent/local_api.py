@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from convoy import log
 from convoy.control.protocol import messages as p
+from convoy.control.protocol import roles as rp
 from convoy.control.protocol import shards as sp
 from convoy.control.protocol import training as tp
 from convoy.errors import ConfigError, ConflictError, ConvoyError
@@ -38,6 +39,8 @@ ROUTES: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
     "/shards/done": (sp.ShardDone, sp.ShardAck),
     "/train/declare": (tp.ConfigDeclare, tp.ConfigState),
     "/train/report": (tp.StatusReport, tp.StatusAck),
+    "/roles/scale": (rp.RoleScale, rp.RolesView),
+    "/roles/list": (rp.RolesQuery, rp.RolesView),
 }
 """Local path (under ``/v1``) -> (request, reply) models; the master serves the same path."""
 
@@ -100,7 +103,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             reply = self.server.forward(path.removeprefix(p.API_PREFIX), request, reply_model)
         except ConflictError as exc:
-            return self._reply(409, str(exc))
+            return self._reply(409, exc.reason)
         except ConfigError as exc:  # the master found a value of the request wrong: the process must not retry
             return self._reply(400, str(exc))
         except ConvoyError as exc:  # the master is unreachable or failed the call: the process may retry

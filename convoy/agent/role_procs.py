@@ -38,11 +38,12 @@ from convoy.agent.reap import NodeCgroup
 from convoy.agent.role_memory import RoleMemory
 from convoy.config import WorkerConfig
 from convoy.control.protocol import messages as p
-from convoy.errors import WorkerStartError
+from convoy.errors import ConfigError, WorkerStartError
 from convoy.ports import free_port
 from convoy.procs import die_with_parent, signal_name
 from convoy.worker.lease import LEASE_ENV
-from convoy.worker.role_env import ADDRESSES_FILE_ENV, INCARNATION_ENV, addresses_file, role_env, service_env
+from convoy.worker.role_env import (ADDRESSES_FILE_ENV, INCARNATION_ENV, addresses_file, group_env, role_env,
+                                    service_env)
 
 ROLE_PORT_ENV = "CONVOY_ROLE_PORT"
 Key = tuple[str, int, int]
@@ -229,7 +230,7 @@ class RoleProcesses:
                                   incarnation=assignment.incarnation, state="started")
             try:
                 process = self.start(assignment)
-            except (WorkerStartError, OSError) as exc:
+            except (WorkerStartError, ConfigError, OSError) as exc:
                 log.warning(f"convoy agent {self.context.node_id}: {exc}")
                 report.state, report.start_failed, report.log_tail = "exited", True, [str(exc)]
                 process = None
@@ -358,6 +359,8 @@ class RoleProcesses:
             ADDRESSES_FILE_ENV: str(addresses_file(context.run_dir, context.node_id)),
             **service_env(context.job_token, context.host, context.tls),
             **({LEASE_ENV: context.lease_file} if context.lease_file else {}),
+            **(group_env(assignment.role, assignment.rank, assignment.world_size, assignment.group_round, context.host,
+                         port, assignment.group_address) if assignment.group_round else {}),
         }
 
 

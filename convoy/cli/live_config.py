@@ -110,8 +110,8 @@ def _refusal(call: Any, what: str) -> Any:
 
     try:
         return call()
-    except ConflictError as exc:  # "master answered 409 to PATH: REASON"
-        raise ConfigError(f"{what}: {str(exc).split(': ', 1)[-1]}") from None
+    except ConflictError as exc:
+        raise ConfigError(f"{what}: {exc.reason}") from None
     except ConfigError as exc:  # "master answered 400 to PATH: REASON (naming the field)"
         raise ConfigError(str(exc).split(": ", 1)[-1]) from None
 

@@ -222,7 +222,7 @@ def _master(args: argparse.Namespace) -> int:
 
 
 def _agent(args: argparse.Namespace) -> int:
-    from convoy.control.roles.master import ROLES_FILE
+    from convoy.control.roles.roles_file import ROLES_FILE
 
     workers = worker_config(args)
     run_dir = args.run_dir or args.token_file.parent
@@ -270,6 +270,7 @@ def _agent(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     import json
 
+    from convoy.control.roles.views import format_roles, read_role_views
     from convoy.control.status import format_status, format_training, read_memory
     from convoy.control.store import read_part, read_status
     from convoy.control.training.master import STATE_PART
@@ -278,7 +279,7 @@ def _status(args: argparse.Namespace) -> int:
     state = read_status(args.run_dir)
     versions = json.loads(read_part(args.run_dir, STATE_PART) or "{}").get("versions") or []
     training = format_training(latest_by_task(args.run_dir), versions)
-    print(format_status(state, read_memory(args.run_dir), training))
+    print(format_status(state, read_memory(args.run_dir), format_roles(read_role_views(args.run_dir)) + training))
     return 0
 
 

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from convoy.control.limits import FrontDoor, Limits, Pages, PrefixedReader, Screened, SocketWriter, plain_reply
 from convoy.control.protocol import messages as p
+from convoy.control.protocol import roles as rp
 from convoy.control.protocol import shards as sp
 from convoy.control.protocol import training as tp
 from convoy.control.replies import MAX_KEY_LENGTH, ReplyCache
@@ -42,6 +43,8 @@ ENDPOINTS: dict[str, tuple[type[BaseModel] | None, type[BaseModel] | None, str]]
     "/leave": (p.LeaveRequest, p.Ack, "a node leaves the job"),
     "/role_report": (p.RoleReport, p.Ack, "a role process started (its address) or exited (its code)"),
     "/scale": (p.ScaleRequest, p.Ack, "run COUNT processes of a role (409 if the role cannot take it)"),
+    "/roles/scale": (rp.RoleScale, rp.RolesView, "a process of the job scales a role (convoy.scale; 409: refused)"),
+    "/roles/list": (rp.RolesQuery, rp.RolesView, "a process of the job reads every role's counts (convoy.roles())"),
     "/memory": (p.MemoryReport, p.Ack, "a node's free memory and its role processes' peaks (a measured iteration)"),
     "/abort": (p.AbortRequest, p.Ack, "end the job as failed"),
     "/shards/declare": (sp.ShardDeclare, sp.ShardDeclared, "a worker declares a dataset (the first declaration wins)"),
@@ -72,6 +75,7 @@ def _routes(master: Routed) -> dict[str, tuple[type[BaseModel] | None, Callable[
         "/join": master.join, "/wait": master.wait, "/heartbeat": master.heartbeat,
         "/worker_exit": master.worker_exit, "/event": master.worker_event, "/node_done": master.node_done,
         "/leave": master.leave, "/role_report": roles.role_report, "/scale": roles.scale,
+        "/roles/scale": roles.scale_from_job, "/roles/list": roles.roles_view,
         "/memory": roles.memory_report,
         "/abort": lambda req: master.abort(printable(req.reason)) or p.Ack(), "/status": lambda _: master.status(),
         "/openapi.json": lambda _: openapi_schema(),

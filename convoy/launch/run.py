@@ -55,7 +55,7 @@ def run_local_job(config: JobConfig, relaunch: bool = False, console: Callable[[
     started = time.monotonic()
     try:
         if config.roles:  # the master runs them; it ends the job when every role has finished
-            from convoy.control.roles.master import save_roles
+            from convoy.control.roles.roles_file import save_roles
 
             save_roles(run_dir, config.roles)
             roles = ", ".join(f"{role.name} x{role.count}" for role in config.roles)

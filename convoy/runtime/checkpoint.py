@@ -31,6 +31,7 @@ from convoy.runtime.slots import SnapshotFile
 from convoy.runtime.snapshot import RankSnapshots
 from convoy.runtime.stop_copy import ExitAfterCopy
 from convoy.shm import segment_path
+from convoy.worker.role_env import GROUP_ENV
 from convoy.worker.shards import AGENT_URL_ENV
 
 ROLLBACK_ENV = "CONVOY_RESTORE_AT_MOST"
@@ -92,13 +93,16 @@ class Checkpointer:
         self.fence = RoundFence(self._say)
         job_id = os.environ.get("CONVOY_JOB_ID")
         # keyed by node and local rank, not global rank: ranks shift when nodes come and go, and
-        # a worker must find its own snapshot on its own host
-        worker = f"{os.environ.get('CONVOY_NODE_ID', 'node')}-local{os.environ.get('LOCAL_RANK', self.rank)}"
+        # a worker must find its own snapshot on its own host; in a role group, by role and role rank (stable)
+        node, role_group = os.environ.get("CONVOY_NODE_ID", "node"), os.environ.get(GROUP_ENV, "")
+        worker = f"{node}-{role_group}{self.rank}" if role_group else \
+            f"{node}-local{os.environ.get('LOCAL_RANK', self.rank)}"
         slot_file = SnapshotFile(segment_path(job_id, worker)) if job_id else None
         group, peer_group = self._new_groups()
         peers = next(peers for peers in self.peer_sets if self.rank in peers)
         self._closed = False
-        root = Path(directory) if directory else Path(os.environ.get("CONVOY_RUN_DIR", ".")) / "checkpoints"
+        root = Path(directory) if directory else \
+            Path(os.environ.get("CONVOY_RUN_DIR", ".")) / "checkpoints" / role_group
         round_id = int(os.environ.get("CONVOY_ROUND", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
         self._saver = persist.PersistentSaver(root, group, self.rank, keep, round_id, self.log, self.fence)
         self.root = root

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from convoy.errors import ConfigError
 from convoy.ports import free_port
 from convoy.runtime.devices import choose_backend, nccl_environment
+from convoy.worker.role_env import GROUP_ROUND_ENV
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -82,7 +83,8 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Co
         rank=rank, world_size=world_size, local_rank=local_rank,
         local_world_size=_env_int("LOCAL_WORLD_SIZE", 1), node_rank=_env_int("GROUP_RANK", 0),
         num_nodes=_env_int("GROUP_WORLD_SIZE", 1), topology=topology,  # type: ignore[arg-type]
-        round_id=_env_int("CONVOY_ROUND", 1), restart_count=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
+        round_id=_env_int("CONVOY_ROUND", _env_int(GROUP_ROUND_ENV, 1)),
+        restart_count=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
         job_id=os.environ.get("CONVOY_JOB_ID", os.environ.get("TORCHELASTIC_RUN_ID", "local")),
         run_dir=Path(os.environ.get("CONVOY_RUN_DIR", ".")), backend=choice.backend, device=device,
     )

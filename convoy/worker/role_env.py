@@ -11,6 +11,7 @@ import hmac
 import json
 import os
 import re
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -24,6 +25,8 @@ whole by the agent whenever the master's version of the addresses grows (``""`` 
 INCARNATION_ENV = "CONVOY_ROLE_INCARNATION"
 """Which launch of its rank this process is (the master's count, never reused within the role)."""
 DEFAULT_ROLE = "default"
+WAIT_FIRST_S, WAIT_MOST_S = 0.005, 0.05
+"""``wait_changed`` reads the agent's file again after these pauses (growing): a change is seen within 50 ms."""
 
 
 @dataclass(frozen=True)
@@ -49,15 +52,35 @@ class RoleInfo:
     them): a role service refuses a caller whose incarnation is no longer its rank's."""
 
     def refresh(self) -> RoleInfo:
-        """This role with the current addresses, read again from ``addresses_file`` (itself when the file is
-        absent or not newer)."""
+        """This role with the current addresses and world size, read again from ``addresses_file`` (itself when
+        the file is absent or not newer)."""
         if not self.addresses_file:
             return self
         published = read_published(Path(self.addresses_file))
         if published.version <= self.addresses_version:
             return self
+        world_size = len(published.addresses.get(self.name, ())) or self.world_size
         return replace(self, addresses=published.addresses, addresses_version=published.version,
-                       incarnations=published.incarnations)
+                       incarnations=published.incarnations, world_size=world_size)
+
+    def wait_changed(self, timeout: float | None = None) -> RoleInfo | None:
+        """This role again once any role's addresses or this role's world size differ from this one's (a process
+        moved, started or stopped; the role was scaled); None when ``timeout`` seconds pass first. Outside a convoy
+        job nothing ever changes: it waits out the timeout (None: a ConfigError, as it would wait for ever)."""
+        if not self.addresses_file and timeout is None:
+            raise ConfigError("wait_changed() without a timeout outside a convoy job of roles would never return; "
+                              "give a timeout")
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        pause = WAIT_FIRST_S
+        while True:
+            fresh = self.refresh()
+            if (fresh.addresses, fresh.world_size) != (self.addresses, self.world_size):
+                return fresh
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return None
+            time.sleep(pause if left is None else min(pause, left))
+            pause = min(pause * 2, WAIT_MOST_S)
 
     def current_incarnation(self, role: str, rank: int) -> int | None:
         """The incarnation ``role`` rank ``rank`` runs as now, as far as this process has heard (None: not known,
@@ -78,6 +101,27 @@ def role_env(name: str, rank: int, world_size: int, addresses: Mapping[str, Sequ
     """The variables that tell one process its role (written by the agent into a worker's environment)."""
     return {"ROLE_NAME": name, "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world_size),
             ADDRESSES_ENV: json.dumps({role: list(listed) for role, listed in addresses.items()}, sort_keys=True)}
+
+
+GROUP_ENV = "CONVOY_GROUP"
+"""The role whose process group this process belongs to (set only for a role with ``group = true``)."""
+GROUP_ROUND_ENV = "CONVOY_GROUP_ROUND"
+"""The round of the role's group this process was started for (1, then one more each time the group re-forms)."""
+
+
+def group_env(name: str, rank: int, world_size: int, group_round: int, host: str, port: int,
+              group_address: str) -> dict[str, str]:
+    """The torch.distributed world of a role group, as torchrun gives a job's: RANK and WORLD_SIZE are the role's,
+    MASTER_ADDR:MASTER_PORT where its rank 0 serves the rendezvous (rank 0 itself: its own role port), and
+    TORCHELASTIC_RESTART_COUNT counts the group's re-formings (what a script reads to know it was restarted)."""
+    if rank == 0:
+        master_host, master_port = host, str(port)
+    else:
+        master_host, _, master_port = group_address.rpartition(":")
+        if not master_host or not master_port.isdigit():
+            raise ConfigError(f"the group address {group_address!r} of role {name!r} is not host:port")
+    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": master_host, "MASTER_PORT": master_port,
+            "TORCHELASTIC_RESTART_COUNT": str(group_round - 1), GROUP_ENV: name, GROUP_ROUND_ENV: str(group_round)}
 
 
 def role(env: Mapping[str, str] | None = None) -> RoleInfo:

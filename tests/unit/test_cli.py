@@ -148,7 +148,8 @@ def test_a_bad_job_file_is_one_line_naming_file_line_and_key(capsys: pytest.Capt
     assert main(["run", "--run-dir", str(tmp_path / "r"), str(path)]) == 2
     err = capsys.readouterr().err
     assert err == f"convoy: error: {path}:4: unknown key 'mem' in [roles.worker]: did you mean 'memory'? " \
-                  "a role takes entrypoint, args, module, count, memory, cpus, gpus, failure_policy\n"
+                  "a role takes entrypoint, args, module, count, memory, cpus, gpus, failure_policy, service, after, " \
+                  "group, max_replacements, replacement_window_s\n"
     assert not (tmp_path / "r").exists(), "nothing started, not even the run dir"
 
 

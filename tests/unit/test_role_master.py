@@ -11,7 +11,8 @@ import pytest
 from convoy.control.job import FAILED, RUNNING, SUCCEEDED, Job
 from convoy.control.protocol import messages as p
 from convoy.control.rendezvous import Rendezvous
-from convoy.control.roles.master import RoleMaster, load_roles, save_roles
+from convoy.control.roles.master import RoleMaster
+from convoy.control.roles.roles_file import load_roles, save_roles
 from convoy.control.roles.orders import REDELIVER_S
 from convoy.errors import ConfigError
 from convoy.roles_config import RESTART_JOB, RoleSpec, parse_count

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from convoy.config import STATE_FILE
-from convoy.control.roles.master import ROLES_FILE
+from convoy.control.roles.views import read_role_views
 from convoy.control.store import read_part, read_status
 from convoy.control.training.master import PROPOSALS_PART, STATE_PART
+from convoy.errors import ConfigError
 
 END_KINDS = ("restart", "regroup", "reconfigure", "port_retry", "worker_failed", "node_left", "node_excluded")
 """Events that say why a round ended (the first one after its start)."""
@@ -83,11 +84,11 @@ def overview(run_dir: Path) -> dict[str, Any]:
 
 
 def _roles(run_dir: Path) -> list[dict[str, Any]]:
+    """Each role's counts (a job of roles), else the one role of a plain job."""
     try:
-        specs = json.loads((Path(run_dir) / ROLES_FILE).read_text())
-    except (OSError, ValueError):
-        return [{"name": "worker", "count": "one per slot"}]
-    return [{"name": s.get("name"), "count": s.get("count"), "restart": s.get("on_failure", "")} for s in specs]
+        return read_role_views(run_dir) or [{"name": "worker", "count": "one per slot"}]
+    except ConfigError as exc:
+        return [{"name": "?", "count": str(exc)}]
 
 
 def nodes(run_dir: Path, last_seen: dict[str, float] | None = None) -> dict[str, Any]:

@@ -99,7 +99,8 @@ class MasterClient:
             if status == 401:
                 raise AuthError(f"master at {self.host}:{self.port} rejected the token: {TOKEN_HINT}")
             if status == 409:  # refused for the job's state: the caller may act on it (a forwarded shard call)
-                raise ConflictError(f"master answered 409 to {path}: {_error_text(data)}")
+                reason = _error_text(data)
+                raise ConflictError(f"master answered 409 to {path}: {reason}", reason)
             if status == 400:  # a value of the request is wrong; the master's text names it
                 raise ConfigError(f"master answered 400 to {path}: {_error_text(data)}")
             raise ConvoyError(f"master answered {status} to {path}: {data.decode(errors='replace')}")

@@ -116,6 +116,10 @@ class RoleAssignment(Message):
                         "cpus), enforced by its agent; 0: no limit")
     threads: int = Field(default=0, ge=0, le=4096, description="OMP_NUM_THREADS of the process (its role's cpus); "
                          "0: one, unless the job's environment sets it")
+    group_round: int = Field(default=0, ge=0, description="the round of the role's process group (RANK, WORLD_SIZE "
+                             "and MASTER_* of the role); 0: the role forms no group")
+    group_address: str = Field(default="", max_length=300, description="host:port where the group's rank 0 serves "
+                               "its rendezvous; empty for rank 0 itself (it serves on its role port)")
 
 
 class RoleStop(Message):

@@ -14,12 +14,16 @@ from typing import Any
 from convoy.control.core import MasterCore
 from convoy.control.job import RUNNING, Event
 from convoy.control.protocol import messages as p
+from convoy.control.protocol import roles as rp
 from convoy.control.protocol import shards as sp
-from convoy.control.roles.master import ROLES_PART, RoleMaster, load_roles
+from convoy.control.roles.master import RoleMaster
+from convoy.control.roles.roles_file import ROLES_PART, load_roles
+from convoy.control.roles.views import role_views
 from convoy.control.shards.master import STATE_PART, ShardMaster
 from convoy.control.status import write_memory
 from convoy.control.store import Store, read_part
 from convoy.errors import ConfigError, ConflictError
+from convoy.sanitize import printable
 
 
 class RoleCalls:
@@ -74,11 +78,46 @@ class RoleCalls:
         """``convoy scale``: run ``req.count`` processes of a role; a count the role cannot take is a 409."""
         with self.core.changed:
             try:
-                asked = [Event("action", f"{req.author}: scale role {req.role} to {req.count}")] if req.author else []
-                self.core.apply(asked + self.required().scale(req.role, req.count))
+                why = f"asked by {req.author}" if req.author else "asked with convoy scale"
+                self.core.apply(self.required().scale(req.role, req.count, why))
             except ConfigError as exc:
                 raise ConflictError(str(exc)) from exc
             return p.Ack()
+
+    def scale_from_job(self, req: rp.RoleScale) -> rp.RolesView:
+        """``convoy.scale`` from a process of the job (through its agent): the role's new count, and every role's
+        counts; a count the role cannot take, or a caller that is no longer the job's, is a 409."""
+        with self.core.changed:
+            roles = self.required()
+            caller = f"{req.caller_role} {req.caller_rank}"
+            gone = self.core.stale(roles, req.caller_role, req.caller_rank, req.caller_incarnation)
+            if gone:
+                raise ConflictError(f"refused convoy.scale({req.role!r}, {req.count}) of {caller}: {gone}")
+            why = f"asked by {caller}" + (f": {printable(req.reason)}" if req.reason else "")
+            try:
+                self.core.apply(roles.scale(req.role, req.count, why))
+            except ConfigError as exc:
+                raise ConflictError(str(exc)) from exc
+            view = self._view(roles)
+            row = next(row for row in view.roles if row.name == req.role)
+            view.granted = row.wanted
+            view.message = (f"role {req.role}: {row.running} running, {row.pending} starting or waiting for room, of "
+                            f"{row.wanted}")
+            return view
+
+    def roles_view(self, req: rp.RolesQuery) -> rp.RolesView:
+        """``convoy.roles()``: every role's counts, as the master holds them now."""
+        with self.core.changed:
+            roles = self.required()
+            gone = self.core.stale(roles, req.caller_role, req.caller_rank, req.caller_incarnation)
+            if gone:
+                raise ConflictError(f"refused convoy.roles() of {req.caller_role} {req.caller_rank}: {gone}")
+            return self._view(roles)
+
+    @staticmethod
+    def _view(roles: RoleMaster) -> rp.RolesView:
+        rows = role_views(tuple(roles.specs.values()), roles.roles.state())
+        return rp.RolesView(roles=[rp.RoleView(**row) for row in rows])
 
     def shard_call(self, req: sp.ShardWorker) -> Any:
         """A worker process's shard call (declare, request, progress, done), forwarded by its agent; a call of a

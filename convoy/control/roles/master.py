@@ -10,48 +10,20 @@ a job of roles needs no round of its own per change: the round only gathers the 
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 from convoy.control.job import RUNNING, Event, Job
 from convoy.control.protocol import messages as p
-from convoy.control.roles.members import FINISHED, SERVICE_ROLES, Decision, FailJob, RestartJob, Roles, Start, Stop
+from convoy.control.roles.members import (FINISHED, RUNNING as MEMBER_RUNNING, Decision, FailJob, RestartJob,
+                                          RestartRole, Roles, Start, Stop)
 from convoy.control.roles.orders import Key, Orders
 from convoy.control.roles.placement import Need, Rooms, Taken
 from convoy.control.roles.sizing import RoleSizing
 from convoy.errors import ConfigError
-from convoy.roles_config import RoleCount, RoleSpec
-
-ROLES_FILE = "roles.json"
-"""Where the launcher leaves the job's roles in the run dir for the master (a job without it has none)."""
-ROLES_PART = "roles"
-"""The name of the roles' state among the master's saved parts (``Store.parts``)."""
-
-
-def save_roles(run_dir: Path, roles: tuple[RoleSpec, ...]) -> None:
-    """Write the roles for the master (``convoy run`` starts the master as a process of its own)."""
-    (Path(run_dir) / ROLES_FILE).write_text(json.dumps([asdict(role) for role in roles], indent=1))
-
-
-def load_roles(run_dir: Path) -> tuple[RoleSpec, ...]:
-    """The roles ``save_roles`` wrote; none for a job without the file."""
-    path = Path(run_dir) / ROLES_FILE
-    if not path.is_file():
-        return ()
-    try:
-        listed = json.loads(path.read_text())
-        roles = tuple(RoleSpec(**{**role, "args": tuple(role["args"]), "count": RoleCount(**role["count"])})
-                      for role in listed)
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise ConfigError(f"{path} does not hold the job's roles ({exc}); start the job again with convoy run") from exc
-    for role in roles:
-        role.validate()
-    return roles
-
+from convoy.roles_config import RoleSpec, waits_for
 
 @dataclass
 class Placed:
@@ -68,6 +40,8 @@ class RoleMaster:
     def __init__(self, job: Job, specs: tuple[RoleSpec, ...], max_restarts: int) -> None:
         self.job = job
         self.specs = {spec.name: spec for spec in specs}
+        self.waits = waits_for(tuple(specs))
+        """The roles each role starts after (their processes' addresses published first)."""
         self.roles = Roles(specs, max_restarts)
         self.sizing = RoleSizing(specs)
         self.begun = False
@@ -128,7 +102,8 @@ class RoleMaster:
         measuring_failed = self.sizing.measuring_failed(key, report) if live else None
         relaunch = self.sizing.oom(key, report) if live and report.oom_killed and not measuring_failed else None
         if measuring_failed:
-            events += [Event("measuring_failed", measuring_failed)] + self.job.abort(measuring_failed + report.last_lines())
+            events += [Event("measuring_failed", measuring_failed),
+                       *self.job.abort(measuring_failed + report.last_lines())]
         elif relaunch is not None:
             decisions, more = self.roles.relaunch(report.role, report.rank, report.incarnation, relaunch[1])
             events += more + self._carry_out(decisions)
@@ -143,7 +118,8 @@ class RoleMaster:
             decisions, more = self.roles.finished(report.role, report.rank, report.incarnation)
             events += more + self._carry_out(decisions)
         else:
-            decisions, more = self.roles.failed(report.role, report.rank, report.incarnation, report.describe())
+            decisions, more = self.roles.failed(report.role, report.rank, report.incarnation, report.describe(),
+                                                time.monotonic())
             events += more + self._carry_out(decisions, report.last_lines())
         self.job.restart_count = self.roles.restarts_spent()
         return events + self.advance()
@@ -193,9 +169,10 @@ class RoleMaster:
             events += more + self._carry_out(decisions)
         return events
 
-    def scale(self, role: str, count: int) -> list[Event]:
-        """Run ``count`` processes of ``role``; a ConfigError names the role's allowed counts."""
-        decisions, events = self.roles.scale(role, count)
+    def scale(self, role: str, count: int, why: str = "") -> list[Event]:
+        """Run ``count`` processes of ``role`` (``why``: who asked and their reason); a ConfigError names the role's
+        allowed counts."""
+        decisions, events = self.roles.scale(role, count, why)
         return events + self._carry_out(decisions) + self.advance()
 
     def node_lost(self, node_id: str) -> list[Event]:
@@ -275,11 +252,15 @@ class RoleMaster:
         events: list[Event] = []
         for decision in decisions:
             if isinstance(decision, Start):
+                if decision.anywhere:
+                    self.homes.pop((decision.role, decision.rank), None)
                 self.pending.append(decision)
             elif isinstance(decision, Stop):
                 self._stop(decision.role, decision.rank, decision.reason)
             elif isinstance(decision, RestartJob):
                 events += self._restart(list(self.roles.roles), decision.reason)
+            elif isinstance(decision, RestartRole):
+                events += self._restart([decision.role], decision.reason)
             elif isinstance(decision, FailJob):
                 events += self.job.abort(decision.reason + tail)
         return events
@@ -311,15 +292,16 @@ class RoleMaster:
                  if self.lost.get(member.node_id, -1) < membership.round_id]
         if not nodes:
             return []
-        services_ready = all(member.address for name in SERVICE_ROLES if name in self.roles.roles
-                             for member in self.roles.roles[name].members.values())
+        ready = {name: bool(state.members) and all(member.address for member in state.members.values())
+                 for name, state in self.roles.roles.items()}
         taken = self._taken()
         events, waiting = [], []
         for start in self.pending:
             key = (start.role, start.rank, start.incarnation)
             if not self._is_current(key):
                 continue  # replaced or scaled away before it was placed
-            if (start.role not in SERVICE_ROLES and not services_ready) or self.sizing.waits(start.role, start.rank):
+            if not all(ready[name] for name in self.waits[start.role]) or self.sizing.waits(start.role, start.rank) \
+                    or (start.rank and not self._group_address(start.role)):
                 waiting.append(start)
                 continue
             home, port = self.homes.get((start.role, start.rank), ("", 0))
@@ -379,6 +361,8 @@ class RoleMaster:
             measure=self.sizing.measures(start.role, start.rank),
             threads=max(1, int(spec.cpus)) if spec.cpus else 0, cpus=spec.cpus or 0.0, gpus=list(gpus),
             gpus_managed=any(other.gpus for other in self.specs.values()),
+            group_round=self.roles.group_round(start.role),
+            group_address=self._group_address(start.role) if spec.group and start.rank else "",
         )
         self.placed[key] = Placed(node_id, port, gpus=list(gpus))
         self.sizing.placed(key, node_id)
@@ -387,8 +371,16 @@ class RoleMaster:
         return Event("role_placed", f"{start.role} {start.rank} (incarnation {start.incarnation}) on node "
                                     f"{node_id}{again}: {start.reason}", node_id)
 
+    def _group_address(self, role: str) -> str:
+        """Where a role group's rank 0 serves its rendezvous (its address, once its current process has said it
+        runs); ``"-"`` for a role that forms no group (nothing to wait for)."""
+        if not self.specs[role].group:
+            return "-"
+        first = self.roles.roles[role].members.get(0)
+        return first.address if first is not None and first.state == MEMBER_RUNNING else ""
+
     def _check_done(self) -> list[Event]:
-        if not self.roles.done() or any(key[0] in SERVICE_ROLES for key in self.placed):
+        if not self.roles.done() or any(key[0] in self.roles.services for key in self.placed):
             return []
         counts = ", ".join(f"{name} x{len(state.members)}" for name, state in self.roles.roles.items())
         return self.job.succeed(f"every role finished ({counts})")

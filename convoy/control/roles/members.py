@@ -15,10 +15,8 @@ from typing import Any
 
 from convoy.control.job import Event
 from convoy.errors import ConfigError
-from convoy.roles_config import FIXED_COUNT, RESTART_JOB, RESTORE_ONE, RoleSpec
+from convoy.roles_config import FIXED_COUNT, REPLACE, RESTART_JOB, RESTART_ROLE, RESTORE_ONE, RoleSpec
 
-SERVICE_ROLES = ("ps",)
-"""Roles that serve the others: they run until every other role has finished, then they are stopped."""
 STARTING, RUNNING, FINISHED = "starting", "running", "finished"
 
 
@@ -33,6 +31,8 @@ class Start:
     incarnation: int = 0
     """Which launch of the role this process is (never reused): its reports carry it, so a late report of an
     earlier process of the rank is told apart and ignored."""
+    anywhere: bool = False
+    """Placed on any node with room, not back on the rank's last node (a replacement)."""
 
 
 @dataclass(frozen=True)
@@ -52,11 +52,19 @@ class RestartJob:
 
 
 @dataclass(frozen=True)
+class RestartRole:
+    """Every process of ``role`` starts again together, as a new round of the role (its group re-forms)."""
+
+    role: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class FailJob:
     reason: str
 
 
-Decision = Start | Stop | RestartJob | FailJob
+Decision = Start | Stop | RestartJob | RestartRole | FailJob
 
 
 @dataclass
@@ -76,6 +84,12 @@ class RoleState:
     restarts: int = 0
     launches: int = 0
     """Processes of the role started so far: the next one's incarnation."""
+    replaced_at: list[float] = field(default_factory=list)
+    """When each process of a ``replace`` role was replaced, within the last ``replacement_window_s``."""
+    replacements: int = 0
+    """Processes replaced in all (status)."""
+    group_round: int = 0
+    """The round of a role group: grows each time its members start again together (0: never started)."""
 
     def launch(self) -> int:
         self.launches += 1
@@ -93,6 +107,8 @@ class Roles:
             raise ConfigError(f"roles named twice: {sorted({n for n in names if names.count(n) > 1})}")
         self.max_restarts = max_restarts
         self.roles = {spec.name: RoleState(spec, 0 if spec.count.auto else spec.count.minimum) for spec in specs}
+        self.services = tuple(spec.name for spec in specs if spec.service)
+        """Roles that serve the others: they run until every other role has finished, then they are stopped."""
         self.failed_reason = ""
 
     def start(self) -> tuple[list[Decision], list[Event]]:
@@ -101,8 +117,11 @@ class Roles:
         events = []
         for name, state in self.roles.items():
             decisions += self._fill(state, "the job starts")
+            if state.spec.group and state.members:
+                state.group_round = 1
             counted = "auto: sized once measured" if state.spec.count.auto else str(state.target)
-            events.append(Event("role_declared", f"role {name}: {counted} process(es), on failure "
+            kind = ", a service" if state.spec.service else ", one process group" if state.spec.group else ""
+            events.append(Event("role_declared", f"role {name}: {counted} process(es){kind}, on failure "
                                                  f"{state.spec.failure_policy}"))
         return decisions, events
 
@@ -124,21 +143,25 @@ class Roles:
         events = [Event("role_finished", f"{role} {rank} finished")]
         decisions: list[Decision] = []
         if self.done():
-            for name in SERVICE_ROLES:
+            for name in self.services:
                 state = self.roles.get(name)
                 for member_rank, member in sorted(state.members.items()) if state else ():
                     if member.state != FINISHED:
                         decisions.append(Stop(name, member_rank, "every other role has finished"))
         return decisions, events
 
-    def failed(self, role: str, rank: int, incarnation: int, why: str) -> tuple[list[Decision], list[Event]]:
-        """A process failed: its role's policy says what follows, within the role's restart budget. The exit
-        of a process that was stopped on purpose (scaled away) or replaced already is ignored."""
+    def failed(self, role: str, rank: int, incarnation: int, why: str,
+               now: float = 0.0) -> tuple[list[Decision], list[Event]]:
+        """A process failed: its role's policy says what follows, within the role's restart budget (a ``replace``
+        role: within its replacements per window, at ``now``). The exit of a process that was stopped on purpose
+        (scaled away) or replaced already is ignored."""
         state = self.roles[self._known(role)]
         member = self._current(role, rank, incarnation)
         if member is None or self.failed_reason:
             return [], []
         policy = state.spec.failure_policy
+        if policy == REPLACE:
+            return self._replace(state, rank, member, why, now)
         if state.restarts >= self.max_restarts:
             self.failed_reason = (f"{role} {rank} failed ({why}) and role {role} has used its {self.max_restarts} "
                                   "restart(s)")
@@ -149,10 +172,33 @@ class Roles:
         if policy == RESTART_JOB:
             reason = f"{role} {rank} failed ({why}); role {role} restarts the whole job"
             return [RestartJob(reason)], [Event("role_failed", reason, console=True)]
+        if policy == RESTART_ROLE:
+            reason = (f"{role} {rank} failed ({why}); every process of role {role} starts again together (restart "
+                      f"{state.restarts} of {self.max_restarts} for role {role})")
+            return [RestartRole(role, reason)], [Event("role_failed", reason, console=True)]
         restore = policy == RESTORE_ONE
         reason = (f"{role} {rank} failed ({why}); restarting only it" + (" with its state" if restore else "")
                   + f" (restart {state.restarts} of {self.max_restarts} for role {role})")
         return [Start(role, rank, restore, reason, member.incarnation)], [Event("role_failed", reason, console=True)]
+
+    def _replace(self, state: RoleState, rank: int, member: Member, why: str,
+                 now: float) -> tuple[list[Decision], list[Event]]:
+        """An expendable process failed: another takes its rank on any node with room, spending no restart, unless
+        the role has replaced ``max_replacements`` within its window already (a failure loop: the job fails)."""
+        spec, role = state.spec, state.spec.name
+        state.replaced_at = [at for at in state.replaced_at if now - at < spec.replacement_window_s]
+        if len(state.replaced_at) >= spec.max_replacements:
+            self.failed_reason = (f"{role} {rank} failed ({why}) and role {role} has replaced {len(state.replaced_at)} "
+                                  f"process(es) within {spec.replacement_window_s:g} s (its max_replacements): a "
+                                  "failure loop, not bad luck")
+            return [FailJob(self.failed_reason)], [Event("job_failed", self.failed_reason, console=True)]
+        state.replaced_at.append(now)
+        state.replacements += 1
+        member.state, member.address, member.incarnation = STARTING, "", state.launch()
+        reason = (f"{role} {rank} failed ({why}); replaced on any node with room, no restart spent "
+                  f"({len(state.replaced_at)} of {spec.max_replacements} within {spec.replacement_window_s:g} s)")
+        return [Start(role, rank, False, reason, member.incarnation, anywhere=True)], \
+            [Event("role_replaced", reason, console=True)]
 
     def displaced(self, role: str, rank: int, incarnation: int, why: str) -> list[Decision]:
         """A process lost to a fault of its node, not of its own (the node lost, its fork server dead): it starts
@@ -164,6 +210,8 @@ class Roles:
         state = self.roles[role]
         if state.spec.failure_policy == RESTART_JOB:
             return [RestartJob(f"{role} {rank} {why}; role {role} restarts the whole job (no restart spent)")]
+        if state.spec.group:
+            return [RestartRole(role, f"{role} {rank} {why}; its group forms again (no restart spent)")]
         member.state, member.address, member.incarnation = STARTING, "", state.launch()
         return [Start(role, rank, state.spec.failure_policy == RESTORE_ONE, f"{role} {rank} {why}",
                       member.incarnation)]
@@ -175,6 +223,8 @@ class Roles:
         starts = []
         for name in [self._known(name) for name in names]:  # every name known before anything changes
             state = self.roles[name]
+            if state.spec.group:
+                state.group_round += 1
             for rank, member in sorted(state.members.items()):
                 member.incarnation, member.state, member.address = state.launch(), STARTING, ""
                 starts.append(Start(name, rank, state.spec.failure_policy == RESTORE_ONE, reason, member.incarnation))
@@ -184,8 +234,9 @@ class Roles:
         """Restarts the job's roles have spent in all (what the job's end reports)."""
         return sum(state.restarts for state in self.roles.values())
 
-    def scale(self, role: str, count: int) -> tuple[list[Decision], list[Event]]:
-        """Run ``count`` processes of ``role``: start the lowest free ranks or stop the highest ones."""
+    def scale(self, role: str, count: int, why: str = "") -> tuple[list[Decision], list[Event]]:
+        """Run ``count`` processes of ``role``: start the lowest free ranks or stop the highest ones; ``why`` (who
+        asked, and their reason) goes into the event."""
         state = self.roles[self._known(role)]
         count_spec = state.spec.count
         if role in FIXED_COUNT and count != state.target:
@@ -199,8 +250,13 @@ class Roles:
         for rank in sorted(state.members, reverse=True)[: max(0, len(state.members) - count)]:
             decisions.append(Stop(role, rank, f"role {role} scaled to {count}"))
             del state.members[rank]
-        decisions += self._fill(state, f"role {role} scaled to {count}")
-        return decisions, [Event("role_scaled", f"role {role}: {before} -> {count} process(es)", console=True)]
+        filled = self._fill(state, f"role {role} scaled to {count}")
+        if state.spec.group and before != count and state.members:  # a world of the new size: every member anew
+            decisions.append(RestartRole(role, f"role {role} scaled to {count}: its group forms again"))
+        else:
+            decisions += filled
+        because = f" ({why})" if why else ""
+        return decisions, [Event("role_scaled", f"role {role}: {before} -> {count} process(es){because}", console=True)]
 
     def size(self, role: str, count: int, why: str) -> tuple[list[Decision], list[Event]]:
         """Give an ``auto`` role its count, decided by the master (from one measured iteration)."""
@@ -218,13 +274,15 @@ class Roles:
         member = self._current(role, rank, incarnation)
         if member is None or self.failed_reason:
             return [], []
+        if self.roles[role].spec.group:
+            return [RestartRole(role, reason)], [Event("role_relaunched", reason, console=True)]
         member.state, member.address = STARTING, ""
         member.incarnation = self.roles[role].launch()
         return [Start(role, rank, False, reason, member.incarnation)], [Event("role_relaunched", reason, console=True)]
 
     def done(self) -> bool:
         """Every process of every non-service role has finished (and each such role has some)."""
-        working = [state for name, state in self.roles.items() if name not in SERVICE_ROLES]
+        working = [state for name, state in self.roles.items() if name not in self.services]
         return bool(working) and all(
             state.members and all(m.state == FINISHED for m in state.members.values()) for state in working)
 
@@ -241,10 +299,17 @@ class Roles:
     def world_size(self, role: str) -> int:
         return len(self.roles[self._known(role)].members)
 
+    def group_round(self, role: str) -> int:
+        """The round of a role group (0: the role forms no group)."""
+        state = self.roles[self._known(role)]
+        return state.group_round if state.spec.group else 0
+
     def state(self) -> dict[str, Any]:
         """What a restarted master needs to take the roles back (JSON-ready; the specs come from roles.json)."""
         return {"failed_reason": self.failed_reason, "roles": {
             name: {"target": state.target, "restarts": state.restarts, "launches": state.launches,
+                   "replaced_at": state.replaced_at, "replacements": state.replacements,
+                   "group_round": state.group_round,
                    "members": {str(rank): asdict(member) for rank, member in state.members.items()}}
             for name, state in self.roles.items()}}
 
@@ -257,6 +322,8 @@ class Roles:
         for name, entry in saved["roles"].items():
             state = self.roles[name]
             state.target, state.restarts, state.launches = entry["target"], entry["restarts"], entry["launches"]
+            state.replaced_at, state.replacements = list(entry["replaced_at"]), entry["replacements"]
+            state.group_round = entry["group_round"]
             state.members = {int(rank): Member(**member) for rank, member in entry["members"].items()}
 
     def _fill(self, state: RoleState, reason: str) -> list[Decision]:

@@ -208,7 +208,16 @@ function renderOverview() {
     ["nodes in round", `${o.nodes} (min ${o.min_nodes}, max ${o.max_nodes}); alive ${o.nodes_alive}`],
     ["world size", o.world_size], ["roles", o.roles.map((r) => `${r.name} x ${r.count}`).join(", ")],
     ["started", clock(o.created_at)], ["run time", seconds(runTime)], ["master", o.master_url]]),
-    abort];
+    roleTable(o.roles), abort];
+}
+
+function roleTable(roles) {
+  const counted = roles.filter((r) => r.wanted !== undefined);
+  if (!counted.length) return null;
+  return table(["role", "count", "wanted", "running", "pending", "group round", "on failure", "restarts",
+                "replaced", "preempted"],
+    counted.map((r) => [r.name + (r.service ? " (service)" : ""), r.count, r.wanted, r.running, r.pending,
+                        r.group_round || "-", r.failure_policy, r.restarts, r.replacements, r.preempted]));
 }
 
 function renderNodes() {
@@ -276,10 +285,10 @@ function renderConfig() {
     p.status === "open" ? h("span", {}, h("button", {class: "apply", "data-proposal": p.id,
       on: {click: () => act(`proposals/${p.id}/apply`)}}, "apply"),
       h("button", {on: {click: () => act(`proposals/${p.id}/dismiss`)}}, "dismiss")) : "-"]);
-  const roles = (app.data.overview.roles || []).filter((r) => typeof r.count === "number");
+  const roles = (app.data.overview.roles || []).filter((r) => r.wanted !== undefined && r.minimum !== r.maximum);
   const scale = roles.length ? h("div", {class: "filters"}, h("b", {}, "scale a role"),
     h("select", {id: "scale-role"}, roles.map((r) => h("option", {value: r.name}, r.name))),
-    h("input", {id: "scale-count", type: "number", min: 0, value: roles[0].count}),
+    h("input", {id: "scale-count", type: "number", min: 0, value: roles[0].wanted}),
     h("button", {id: "scale", on: {click: () => act("scale", {role: document.getElementById("scale-role").value,
       count: Number(document.getElementById("scale-count").value)})}}, "scale")) : null;
   return [h("h3", {}, `current version ${current ? current.number : "-"}`),

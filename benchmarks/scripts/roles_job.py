@@ -1,0 +1,111 @@
+"""The role scripts of ``benchmarks/roles.py`` (one file, dispatched on ``convoy.role().name``).
+
+- ``ctl`` scales ``probe`` up one process at a time, ``--scale-ups`` times: before each ``convoy.scale`` it
+  takes the wall time, and the new probe writes its own wall time as its script begins
+  (``RUN_DIR/probe-<rank>.txt``): ``RUN_DIR/scale-ups.txt`` gets one latency per line.
+- ``probe`` imports torch (as an RL actor would), writes when it began, and waits to be stopped.
+- ``trainer`` (a role group of 2) trains a small DDP model with an in-memory snapshot after every step; in group
+  round r <= ``--kills`` its rank 1 SIGKILLs itself in the middle of step ``--kill-every * r``, writing the
+  wall time first; rank 0 writes ``round step finished-at`` for every step it finishes and ``start round step at``
+  as each round begins (``RUN_DIR/trainer-steps.txt``).
+- ``bystander`` (a service) writes its incarnation once as it starts and waits to be stopped: a restart of any
+  process of another role would show as a second line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import convoy
+
+RUN_DIR = Path(os.environ.get("CONVOY_RUN_DIR", "."))
+
+
+def ctl(args: argparse.Namespace) -> None:
+    out = RUN_DIR / "scale-ups.txt"
+    for count in range(2, args.scale_ups + 2):
+        began = time.time()
+        granted = convoy.scale("probe", count, f"benchmark scale-up {count - 1}")
+        if granted.wanted != count:
+            sys.exit(f"ctl: asked probe={count}, granted {granted.wanted}")
+        started = RUN_DIR / f"probe-{count - 1}.txt"
+        deadline = time.monotonic() + 60
+        while not started.exists() or not started.read_text().endswith("\n"):
+            if time.monotonic() > deadline:
+                sys.exit(f"ctl: probe {count - 1} did not begin within 60 s")
+            time.sleep(0.002)
+        with out.open("a") as log:
+            log.write(f"{float(started.read_text()) - began:.4f}\n")
+
+
+def probe() -> None:
+    began = time.time()
+    import torch  # noqa: F401 (what an actor of an RL job imports)
+
+    me = convoy.role()
+    (RUN_DIR / f"probe-{me.rank}.txt").write_text(f"{began:.6f}\n")
+    while True:
+        time.sleep(1.0)
+
+
+def trainer(args: argparse.Namespace) -> None:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    ctx = convoy.init()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    model = DistributedDataParallel(net)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    data = torch.Generator().manual_seed(7 + ctx.rank)
+    ckpt = convoy.Checkpointer(model, optimizer, state={"data": data})
+    start = ckpt.restore()
+    log = (RUN_DIR / "trainer-steps.txt").open("a") if ctx.rank == 0 else None
+    if log is not None:
+        log.write(f"start {ctx.round_id} {start} {time.time():.6f}\n")
+        log.flush()
+    for step in range(start, args.steps):
+        inputs = torch.randn(64, 32, generator=data)
+        loss = torch.nn.functional.mse_loss(model(inputs), inputs.sum(1, keepdim=True))
+        optimizer.zero_grad()
+        loss.backward()
+        if ctx.rank == 1 and ctx.round_id <= args.kills and step == args.kill_every * ctx.round_id:
+            (RUN_DIR / f"kill-{ctx.round_id}.txt").write_text(f"{step} {time.time():.6f}\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+        optimizer.step()
+        ckpt.step(step)
+        if log is not None:
+            log.write(f"{ctx.round_id} {step} {time.time():.6f}\n")
+            log.flush()
+        time.sleep(args.step_time)
+    ckpt.close()
+    torch.distributed.destroy_process_group()
+
+
+def bystander() -> None:
+    me = convoy.role()
+    with (RUN_DIR / "bystander-starts.txt").open("a") as out:
+        out.write(f"{me.rank} {me.incarnation}\n")
+    while True:
+        time.sleep(1.0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--scale-ups", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--step-time", type=float, default=0.01)
+    parser.add_argument("--kills", type=int, default=5)
+    parser.add_argument("--kill-every", type=int, default=30)
+    args = parser.parse_args()
+    name = convoy.role().name
+    {"ctl": lambda: ctl(args), "probe": probe, "trainer": lambda: trainer(args), "bystander": bystander}[name]()
+
+
+if __name__ == "__main__":
+    main()

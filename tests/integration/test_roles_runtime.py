@@ -1,0 +1,82 @@
+"""The roles runtime end to end on real processes: the example job (a two-rank role group that trains with DDP
+and re-forms from its snapshots when a member is SIGKILLed, a service scaled from inside the job, the controller
+that starts after it), and the ``replace`` policy (a replacement spends no restart; too many in the window fail
+the job as a failure loop)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from helpers import REPO, ProcessScope, fixture
+
+pytestmark = pytest.mark.slow
+
+DEMO = REPO / "examples" / "roles_demo.py"
+ACTOR = fixture("replace_actor.py")
+
+
+def demo_job(tmp_path: Path, steps: int, kill_at: int) -> Path:
+    job = tmp_path / "roles_demo.toml"
+    job.write_text(f'entrypoint = "{DEMO}"\nargs = ["--steps", "{steps}", "--step-time", "0.01", "--kill-trainer-at", '
+                   f'"{kill_at}"]\nnnodes = 2\nstop_grace = 2\n'
+                   '[roles.trainer]\ncount = 2\ngroup = true\n'
+                   '[roles.echo]\ncount = "1:3"\nservice = true\n'
+                   '[roles.controller]\nafter = ["echo"]\n')
+    return job
+
+
+def test_the_demo_group_re_forms_alone_and_the_controller_scales_the_service(procs: ProcessScope,
+                                                                              run_dir: Path, tmp_path: Path) -> None:
+    result = procs.run(["run", demo_job(tmp_path, 60, 20), "--run-dir", run_dir])
+    out = result.stdout
+    assert result.returncode == 0, result.explain()
+    assert "convoy: job succeeded: every role finished (trainer x2, echo x1, controller x1)" in out
+    assert "[trainer0]: trainer group round 1: world size 2, starting at step 0" in out
+    assert "trainer 1 failed (was killed by SIGKILL); every process of role trainer starts again together (restart " \
+           "1 of 3 for role trainer)" in out
+    assert "[trainer0]: trainer group round 2: world size 2, starting at step 20 (restored from in-memory snapshot " \
+           "of step 19" in out, result.explain()
+    assert re.search(r"trainer: 60 of 60 steps trained, \d redone after a failure, 0 lost", out), result.explain()
+    assert "controller: convoy.scale('echo', 4) refused: role echo can run 1..3 processes (its count is 1:3), not 4" \
+        in out
+    assert "convoy: role echo: 1 -> 3 process(es) (asked by controller 0: demo: more load on echo)" in out
+    assert re.search(r"controller: echo runs 3 process\(es\): [\d.:]+, [\d.:]+, [\d.:]+\n", out), result.explain()
+    assert "convoy: role echo: 3 -> 1 process(es) (asked by controller 0: demo: the load is gone)" in out
+    assert "controller: echo runs 1 process(es)" in out
+    status = procs.run(["status", "--run-dir", run_dir]).stdout
+    assert "  trainer (group round 2): 0 running, 0 pending of 2 wanted (count 2); on failure restart-role; " \
+           "restarts 1" in status, status
+    assert "  controller: 0 running, 0 pending of 1 wanted (count 1); on failure restart-job\n" in status, \
+        "no process of another role restarted"
+    assert "  echo (service): 0 running, 0 pending of 1 wanted (count 1:3); on failure restart-job\n" in status
+    started = re.findall(r"^  (\w+ \d+) \(incarnation \d+\) ", status, re.MULTILINE)  # the memory table's rows
+    assert (started.count("controller 0"), started.count("echo 0"), started.count("trainer 1")) == (1, 1, 2), status
+
+
+def actor_job(run_dir: Path, fail_times: int, max_replacements: int) -> list[object]:
+    job = run_dir.parent / "actors.toml"
+    job.write_text(f'entrypoint = "{ACTOR}"\nargs = ["--fail-rank", "1", "--fail-times", "{fail_times}"]\n'
+                   f'nnodes = 2\nstop_grace = 1\npreload = []\nmax_restarts = 0\n'
+                   f'[roles.actor]\ncount = 2\nfailure_policy = "replace"\nmax_replacements = {max_replacements}\n'
+                   'replacement_window_s = 60\n')
+    return ["run", job, "--run-dir", run_dir]
+
+
+def test_a_replaced_actor_spends_no_restart(procs: ProcessScope, run_dir: Path) -> None:
+    result = procs.run(actor_job(run_dir, fail_times=2, max_replacements=2))
+    assert result.returncode == 0, result.explain()
+    out = result.stdout
+    assert out.count("replaced on any node with room, no restart spent") == 2, result.explain()
+    assert "(2 of 2 within 60 s)" in out and "with 0 restart(s)" in out
+    starts = (run_dir / "actor-starts.txt").read_text().split("\n")
+    assert sorted(line.split()[0] for line in starts if line) == ["0", "1", "1", "1"]
+
+
+def test_replacing_beyond_the_budget_is_a_failure_loop_that_fails_the_job(procs: ProcessScope,
+                                                                          run_dir: Path) -> None:
+    result = procs.run(actor_job(run_dir, fail_times=5, max_replacements=2))
+    assert result.returncode != 0
+    assert "role actor has replaced 2 process(es) within 60 s (its max_replacements): a failure loop, not bad luck" \
+        in result.stdout, result.explain()
