@@ -10,8 +10,10 @@
 2. A member of a 2-rank role group SIGKILLed 5 times (once per group round, in the middle of a step): from the
    kill to the group's first step finished after it (median of 5), finished steps lost (a round resuming below the
    step the killed rank was in), and the starts of the other role's process (a service beside the group: 1 means
-   none restarted). Peer: ``torchrun --max-restarts 5`` with the same DDP trainer saving every rank's state after
-   every step (its whole worker group restarts). Target: <= 2 s, 0 lost, 0 restarts of another role.
+   none restarted). Peer: ``torchrun --standalone --max-restarts 10`` with the same DDP trainer saving every rank's
+   state after every step (its whole worker group restarts; twice the kills in restarts because on this machine a
+   restarted group's gloo rendezvous now and then fails and spends one: that time counts in its recovery). Target:
+   <= 2 s, 0 lost, 0 restarts of another role.
 
 ``--quick``: 5 scale-ups and 2 kills. Exits 0 whether the targets are met or missed.
 """
@@ -67,19 +69,18 @@ def ray_actors(work: Path, count: int) -> list[float] | str:
     return [float(line) for line in out.read_text().split()]
 
 
-def recoveries(run_dir: Path, kills: int) -> tuple[list[float], int, list[tuple[int, int]]]:
-    """(kill -> first step finished after it, per kill; finished steps lost; (round, start step) per round)."""
+def recoveries(run_dir: Path) -> tuple[list[float], int, list[tuple[int, int]]]:
+    """(kill -> the first step finished after it, per kill; finished steps lost; (round, start step) per start)."""
     lines = [line.split() for line in (run_dir / "trainer-steps.txt").read_text().splitlines()]
-    starts = [(int(r), int(s)) for kind, r, s, _ in (line for line in lines if line[0] == "start")]
-    done = [(int(r), int(s), float(t)) for r, s, t in (line for line in lines if line[0] != "start")]
+    starts = [(int(r), int(s), float(t)) for _, r, s, t in (line for line in lines if line[0] == "start")]
+    done = [(int(r), float(t)) for r, _, t in (line for line in lines if line[0] != "start")]
     times, lost = [], 0
-    for n in range(1, kills + 1):
-        step, killed_at = (run_dir / f"kill-{n}.txt").read_text().split()
-        after = [t for r, s, t in done if r == n + 1]
-        times.append(min(after) - float(killed_at))
-        resumed = next(s for r, s in starts if r == n + 1)
+    for path in sorted(run_dir.glob("kill-*.txt"), key=lambda p: int(p.stem.split("-")[1])):
+        step, killed_at, killed_in = path.read_text().split()  # the survivor may finish the step in progress: not it
+        times.append(min(t for r, t in done if r > int(killed_in)) - float(killed_at))
+        resumed = next(s for _, s, t in starts if t > float(killed_at))
         lost += max(0, int(step) - resumed)  # steps below the one in progress that had to be done again
-    return times, lost, starts
+    return times, lost, [(r, s) for r, s, _ in starts]
 
 
 def group_kills(work: Path, kills: int, every: int) -> tuple[list[float], int, int, list[tuple[int, int]]]:
@@ -90,7 +91,7 @@ def group_kills(work: Path, kills: int, every: int) -> tuple[list[float], int, i
                    '[roles.trainer]\ncount = 2\ngroup = true\n[roles.bystander]\nservice = true\n')
     run_dir = work / "group"
     run([*CONVOY, "run", str(job), "--run-dir", str(run_dir)], "the role-group job")
-    times, lost, starts = recoveries(run_dir, kills)
+    times, lost, starts = recoveries(run_dir)
     bystander = len((run_dir / "bystander-starts.txt").read_text().splitlines())
     return times, lost, bystander, starts
 
@@ -99,10 +100,10 @@ def torchrun_kills(work: Path, kills: int, every: int) -> tuple[list[float], int
     run_dir = work / "torchrun"
     run_dir.mkdir()
     steps = every * (kills + 1)
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", str(kills),
-         "--monitor-interval", "0.1", str(PEERS), "torchrun", "--run-dir", str(run_dir), "--steps", str(steps),
-         "--kills", str(kills), "--kill-every", str(every)], "the torchrun peer")
-    times, lost, starts = recoveries(run_dir, kills)
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+         str(2 * kills), "--monitor-interval", "0.1", str(PEERS), "torchrun", "--run-dir", str(run_dir), "--steps",
+         str(steps), "--kills", str(kills), "--kill-every", str(every)], "the torchrun peer")
+    times, lost, starts = recoveries(run_dir)
     return times, lost, starts
 
 
@@ -134,7 +135,8 @@ def main() -> None:
         print(f"target scale p50 <= 0.5 s: {p50:.3f} s {'met' if p50 <= 0.5 else 'missed'}")
         print(f"target scale p95 <= 1 s: {p95:.3f} s {'met' if p95 <= 1.0 else 'missed'}")
 
-        print(f"\n2. a member of a 2-rank role group SIGKILLed {kills} times: kill -> the group's next finished step (s)")
+        print(f"\n2. a member of a 2-rank role group SIGKILLed {kills} times: kill -> the group's next finished step "
+              "(s)")
         times, lost, bystander, starts = group_kills(work, kills, 30)
         say_series("convoy role group", times)
         print(f"  rounds (round, resumed at step): {starts}; finished steps lost {lost}; starts of the bystander "

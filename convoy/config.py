@@ -96,6 +96,10 @@ ROLE_PRELOAD = ("torch", "convoy.worker.shards", "convoy.parallel.ps.client", "c
 take about 0.2 s to build, and the parameter-server client and server), imported once rather than by every
 role process as it starts (none reads its environment at import time)."""
 
+GROUP_PRELOAD = ("torch._dynamo", "convoy.runtime.init", "convoy.runtime.checkpoint")
+"""Added where a role forms a group: DDP's imports and convoy's torch side (the Checkpointer's alone takes 0.14 s),
+paid once per node instead of by every member each time its group forms."""
+
 
 def _per_rank(value: str, local_rank: int) -> str:
     """A torchrun stream setting (``3``, or ``0:3,1:0``) for one local rank."""
@@ -138,6 +142,9 @@ class WorkerConfig:
     torch._dynamo is in the default because DistributedDataParallel imports it on construction, and that
     import is one of the slowest parts of a worker's start.
     """
+    role_groups: bool = False
+    """Some role of the job forms a process group (``group = true``): its processes build DDP, so the fork server
+    of a job of roles preloads torch._dynamo too (it would cost each group member about 1 s as the group forms)."""
 
     def shows_console(self, local_rank: int) -> bool:
         """Whether a local rank's output goes to the console (``-r``, ``-t`` and ``--local-ranks-filter``)."""
@@ -147,9 +154,12 @@ class WorkerConfig:
 
     def role_preload(self) -> tuple[str, ...]:
         """What the fork server of a job of roles preloads: the list given, but in place of the default list
-        ``ROLE_PRELOAD``. Role processes (servers, the workers of a PS) seldom build DDP, and the import of
-        torch._dynamo (about 2 s of CPU) would stand between the job's start and its first process."""
-        return ROLE_PRELOAD if self.preload == DEFAULT_PRELOAD else self.preload
+        ``ROLE_PRELOAD``, with torch._dynamo where a role forms a group. Other role processes (servers, the workers
+        of a PS) seldom build DDP, and the import of torch._dynamo (about 2 s of CPU) would stand between the job's
+        start and its first process."""
+        if self.preload != DEFAULT_PRELOAD:
+            return self.preload
+        return (*ROLE_PRELOAD, *GROUP_PRELOAD) if self.role_groups else ROLE_PRELOAD
 
     def validate(self, need_entrypoint: bool = True) -> None:
         """``need_entrypoint`` False: every role of the job has its own script, so the job's may be empty."""

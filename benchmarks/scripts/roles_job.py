@@ -4,10 +4,10 @@
   takes the wall time, and the new probe writes its own wall time as its script begins
   (``RUN_DIR/probe-<rank>.txt``): ``RUN_DIR/scale-ups.txt`` gets one latency per line.
 - ``probe`` imports torch (as an RL actor would), writes when it began, and waits to be stopped.
-- ``trainer`` (a role group of 2) trains a small DDP model with an in-memory snapshot after every step; in group
-  round r <= ``--kills`` its rank 1 SIGKILLs itself in the middle of step ``--kill-every * r``, writing the
-  wall time first; rank 0 writes ``round step finished-at`` for every step it finishes and ``start round step at``
-  as each round begins (``RUN_DIR/trainer-steps.txt``).
+- ``trainer`` (a role group of 2) trains a small DDP model with an in-memory snapshot after every step; its rank 1
+  SIGKILLs itself in the middle of step ``--kill-every * n`` for its n-th kill (``--kills`` in all), writing the
+  step, the wall time and its round first (``RUN_DIR/kill-<n>.txt``); rank 0 writes ``round step finished-at`` for
+  every step it finishes and ``start round step at`` as each round begins (``RUN_DIR/trainer-steps.txt``).
 - ``bystander`` (a service) writes its incarnation once as it starts and waits to be stopped: a restart of any
   process of another role would show as a second line.
 """
@@ -74,8 +74,9 @@ def trainer(args: argparse.Namespace) -> None:
         loss = torch.nn.functional.mse_loss(model(inputs), inputs.sum(1, keepdim=True))
         optimizer.zero_grad()
         loss.backward()
-        if ctx.rank == 1 and ctx.round_id <= args.kills and step == args.kill_every * ctx.round_id:
-            (RUN_DIR / f"kill-{ctx.round_id}.txt").write_text(f"{step} {time.time():.6f}\n")
+        killed = len(list(RUN_DIR.glob("kill-*.txt")))
+        if ctx.rank == 1 and killed < args.kills and step == args.kill_every * (killed + 1):
+            (RUN_DIR / f"kill-{killed + 1}.txt").write_text(f"{step} {time.time():.6f} {ctx.round_id}\n")
             os.kill(os.getpid(), signal.SIGKILL)
         optimizer.step()
         ckpt.step(step)

@@ -4,8 +4,8 @@
 trainer of ``roles_job.py`` as a plain DDP script that saves every rank's state after every step with
 ``torch.save`` (written aside, then renamed: a crash never leaves half a file), so that a restart loses no step
 either; torchrun restarts the whole worker group on a failure. Rank 1 SIGKILLs itself in the middle of step
-``--kill-every * (restarts + 1)`` while ``TORCHELASTIC_RESTART_COUNT`` < ``--kills``; the logs are
-``roles_job.py``'s (``trainer-steps.txt``, ``kill-<n>.txt``).
+``--kill-every * n`` for its n-th kill, ``--kills`` in all; the logs are ``roles_job.py``'s (``trainer-steps.txt``,
+``kill-<n>.txt``).
 
 ``ray`` (``python roles_peers.py ray --out FILE --count N``): N actors created one at a time on a local Ray
 cluster (``ray.init()``, as its users start one), each with 0.1 CPU (20 on a 2-CPU machine fit); an actor's
@@ -55,8 +55,9 @@ def torchrun_trainer(args: argparse.Namespace) -> None:
         loss = torch.nn.functional.mse_loss(model(inputs), inputs.sum(1, keepdim=True))
         optimizer.zero_grad()
         loss.backward()
-        if rank == 1 and restarts < args.kills and step == args.kill_every * (restarts + 1):
-            (run_dir / f"kill-{restarts + 1}.txt").write_text(f"{step} {time.time():.6f}\n")
+        killed = len(list(run_dir.glob("kill-*.txt")))
+        if rank == 1 and killed < args.kills and step == args.kill_every * (killed + 1):
+            (run_dir / f"kill-{killed + 1}.txt").write_text(f"{step} {time.time():.6f} {restarts + 1}\n")
             os.kill(os.getpid(), signal.SIGKILL)
         optimizer.step()
         aside = saved.with_suffix(".partial")

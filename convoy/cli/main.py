@@ -222,11 +222,12 @@ def _master(args: argparse.Namespace) -> int:
 
 
 def _agent(args: argparse.Namespace) -> int:
-    from convoy.control.roles.roles_file import ROLES_FILE
+    from convoy.control.roles.roles_file import ROLES_FILE, load_roles
 
     workers = worker_config(args)
     run_dir = args.run_dir or args.token_file.parent
     roles = (run_dir / ROLES_FILE).is_file()
+    workers.role_groups = roles and any(role.group for role in load_roles(run_dir))
     workers.validate(need_entrypoint=not roles)  # roles may each name their script
     host, port = parse_address(args.master)
     resolve_address(host, port)

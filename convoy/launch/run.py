@@ -49,6 +49,7 @@ def run_local_job(config: JobConfig, relaunch: bool = False, console: Callable[[
     port = _usable_port(config.master.port)
     token_file = run_dir / TOKEN_FILE
     token = write_token(token_file)
+    config.workers.role_groups = any(role.group for role in config.roles)  # their fork servers preload DDP's imports
     scheduler = LocalScheduler(config, token_file, port, agent_host=agent_host)
     client: MasterClient | None = None
     previous = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
