@@ -15,7 +15,13 @@
    restarted group's gloo rendezvous now and then fails and spends one: that time counts in its recovery). Target:
    <= 2 s, 0 lost, 0 restarts of another role.
 
-``--quick``: 5 scale-ups and 2 kills. Exits 0 whether the targets are met or missed.
+3. Preemption: a job whose elastic ``worker`` role (4 processes of 0.5 CPU) takes units of work from a shard queue,
+   and 5 times a job of priority 10 (``convoy preempt``) that needs one CPU more than the pool has free, for 1 s:
+   the time until its CPUs are free (median of 5), the units of work lost or done twice (counted end to end), and
+   the time from the preempting job's end until ``worker`` runs 4 again. No peer: Ray core has no priorities or
+   preemption between jobs. Targets: free <= 2 s, 0 units lost, back at its count <= 5 s.
+
+``--quick``: 5 scale-ups, 2 kills, 2 preemptions. Exits 0 whether the targets are met or missed.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -36,6 +43,7 @@ JOB = SCRIPTS / "roles_job.py"
 PEERS = SCRIPTS / "roles_peers.py"
 CONVOY = [sys.executable, "-m", "convoy"]
 TIMEOUT_S = 600
+PEER_LIMIT_S = 120.0
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -70,14 +78,18 @@ def ray_actors(work: Path, count: int) -> list[float] | str:
 
 
 def recoveries(run_dir: Path) -> tuple[list[float], int, list[tuple[int, int]]]:
-    """(kill -> the first step finished after it, per kill; finished steps lost; (round, start step) per start)."""
+    """(kill -> the first step finished after it, per kill that was followed by one; finished steps lost; (round,
+    start step) per start)."""
     lines = [line.split() for line in (run_dir / "trainer-steps.txt").read_text().splitlines()]
     starts = [(int(r), int(s), float(t)) for _, r, s, t in (line for line in lines if line[0] == "start")]
     done = [(int(r), float(t)) for r, _, t in (line for line in lines if line[0] != "start")]
     times, lost = [], 0
     for path in sorted(run_dir.glob("kill-*.txt"), key=lambda p: int(p.stem.split("-")[1])):
         step, killed_at, killed_in = path.read_text().split()  # the survivor may finish the step in progress: not it
-        times.append(min(t for r, t in done if r > int(killed_in)) - float(killed_at))
+        after = [t for r, t in done if r > int(killed_in)]
+        if not after:
+            continue  # never trained again (a peer that hung)
+        times.append(min(after) - float(killed_at))
         resumed = next(s for _, s, t in starts if t > float(killed_at))
         lost += max(0, int(step) - resumed)  # steps below the one in progress that had to be done again
     return times, lost, [(r, s) for r, s, _ in starts]
@@ -96,15 +108,42 @@ def group_kills(work: Path, kills: int, every: int) -> tuple[list[float], int, i
     return times, lost, bystander, starts
 
 
-def torchrun_kills(work: Path, kills: int, every: int) -> tuple[list[float], int, list[tuple[int, int]]]:
+def torchrun_kills(work: Path, kills: int, every: int) -> tuple[list[float], int, list[tuple[int, int]], str]:
+    """The peer's recoveries, and what went wrong where it did not finish (its workers hung in a restarted group's
+    gloo rendezvous: killed, with its launcher, after PEER_LIMIT_S)."""
     run_dir = work / "torchrun"
     run_dir.mkdir()
     steps = every * (kills + 1)
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
-         str(2 * kills), "--monitor-interval", "0.1", str(PEERS), "torchrun", "--run-dir", str(run_dir), "--steps",
-         str(steps), "--kills", str(kills), "--kill-every", str(every)], "the torchrun peer")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+           str(2 * kills), "--monitor-interval", "0.1", str(PEERS), "torchrun", "--run-dir", str(run_dir), "--steps",
+           str(steps), "--kills", str(kills), "--kill-every", str(every)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            start_new_session=True)
+    problem = ""
+    try:
+        _, err = proc.communicate(timeout=PEER_LIMIT_S)
+        if proc.returncode != 0:
+            errors = [line.strip() for line in err.splitlines() if "Error:" in line]
+            problem = f"torchrun exited {proc.returncode}, its last error: {errors[-1][:300] if errors else '-'}"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        problem = (f"torchrun had not finished after {PEER_LIMIT_S:.0f} s (a restarted group's workers waited in "
+                   "init_process_group's gloo rendezvous); killed")
     times, lost, starts = recoveries(run_dir)
-    return times, lost, starts
+    return times, lost, starts, problem
+
+
+def preemptions(work: Path, count: int, units: int) -> tuple[list[float], list[float], int, int]:
+    """(seconds until free, seconds until grown back) per preemption; units lost; units done twice."""
+    job = work / "preempt.toml"
+    job.write_text(f'entrypoint = "{JOB}"\nargs = ["--preemptions", "{count}", "--units", "{units}"]\nstop_grace = 1\n'
+                   '[roles.worker]\ncount = "1:4"\ncpus = 0.5\n[roles.preemptor]\nafter = []\n')
+    run_dir = work / "preempt"
+    run([*CONVOY, "run", str(job), "--run-dir", str(run_dir)], "the preemption job")
+    rows = [line.split() for line in (run_dir / "preemptions.txt").read_text().splitlines()]
+    done = [int(line) for line in (run_dir / "units-done.txt").read_text().split()]
+    return [float(r[0]) for r in rows], [float(r[1]) for r in rows], units - len(set(done)), len(done) - len(set(done))
 
 
 def say_series(name: str, values: list[float]) -> None:
@@ -116,6 +155,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     count, kills = (5, 2) if args.quick else (20, 5)
+    os.environ.setdefault("CONVOY_POOL", str(Path(tempfile.mkdtemp(prefix="convoy-roles-pool-")) / "pool.db"))
     work = Path(tempfile.mkdtemp(prefix="convoy-roles-bench-"))
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     try:
@@ -141,15 +181,30 @@ def main() -> None:
         say_series("convoy role group", times)
         print(f"  rounds (round, resumed at step): {starts}; finished steps lost {lost}; starts of the bystander "
               f"role's process: {bystander}")
-        peer_times, peer_lost, peer_starts = torchrun_kills(work, kills, 30)
+        peer_times, peer_lost, peer_starts, problem = torchrun_kills(work, kills, 30)
         say_series("torchrun --max-restarts, torch.save every step", peer_times)
-        print(f"  rounds (restart, resumed at step): {peer_starts}; finished steps lost {peer_lost}")
-        median, peer_median = statistics.median(times), statistics.median(peer_times)
-        print(f"  median: convoy {median:.3f} s, torchrun {peer_median:.3f} s: {median / peer_median:.2f}x")
+        print(f"  rounds (restart, resumed at step): {peer_starts}; finished steps lost {peer_lost}; recovered from "
+              f"{len(peer_times)} of {kills} kills" + (f"; {problem}" if problem else ""))
+        median = statistics.median(times)
+        if peer_times:
+            peer_median = statistics.median(peer_times)
+            print(f"  median: convoy {median:.3f} s, torchrun {peer_median:.3f} s (of the kills it recovered from): "
+                  f"{median / peer_median:.2f}x")
         print(f"target group member killed, trains again <= 2 s (median of {kills}): {median:.3f} s "
               f"{'met' if median <= 2.0 else 'missed'}")
         print(f"target finished steps lost = 0: {lost} {'met' if lost == 0 else 'missed'}")
         print(f"target restarts of another role = 0: {bystander - 1} {'met' if bystander == 1 else 'missed'}")
+
+        print(f"\n3. {kills} preemptions of an elastic role by a job of priority 10 (s)")
+        freed, grown, lost, twice = preemptions(work, kills, 1200)
+        say_series("until the preempting job's CPUs were free", freed)
+        say_series("from its end until the role ran at its count again", grown)
+        print(f"  units of work lost {lost}, done twice {twice}; no peer (Ray core has no priorities between jobs)")
+        print(f"target preempted CPUs free <= 2 s (median of {kills}): {statistics.median(freed):.3f} s "
+              f"{'met' if statistics.median(freed) <= 2.0 else 'missed'}")
+        print(f"target units of work lost = 0: {lost} {'met' if lost == 0 else 'missed'}")
+        print(f"target role back at its count <= 5 s after the preempting job ends: {max(grown):.3f} s (the slowest of "
+              f"{kills}) {'met' if max(grown) <= 5.0 else 'missed'}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

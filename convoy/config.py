@@ -242,6 +242,14 @@ class MasterConfig:
     checked against the script's fields when it declares them."""
     auto_apply: tuple[str, ...] = ()
     """Status rules whose proposals the master applies by itself (``--auto-apply nan,divergence``)."""
+    priority: int = 0
+    """The job's priority among the jobs of its pool: a job of higher priority that asks for more CPUs than are free
+    gets them from the elastic roles of jobs below it (``--priority``)."""
+    preempt_grace_s: float = 10.0
+    """How long a preempted process has, once told, to finish its unit of work before SIGTERM (``--preempt-grace``)."""
+    pool: str = ""
+    """The pool's file this job's claims go to (its nodes all on this machine: ``convoy run`` gives it); empty: the
+    job is in no pool (nodes on several hosts)."""
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "run_dir": str(self.run_dir)})
@@ -271,6 +279,9 @@ class MasterConfig:
         if unknown:
             raise ConfigError(f"--auto-apply {','.join(unknown)}: not a status rule "
                               f"(the rules: {', '.join(STATUS_RULES)})")
+        check_seconds("--preempt-grace", self.preempt_grace_s)
+        if not -1000 <= self.priority <= 1000:
+            raise ConfigError(f"--priority {self.priority}: give a whole number from -1000 to 1000")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("give --tls-cert and --tls-key together (or neither, for plain HTTP)")
         for flag, path in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key)):

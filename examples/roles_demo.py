@@ -8,10 +8,15 @@
   round of the role from the members' snapshots, no finished step is lost, and no other role restarts.
 - ``echo`` (``service = true``, 1 to 3 processes): stands for a service such as a replay buffer; it serves
   until every other role has finished, then is stopped.
+- ``worker`` (1 to 4 processes of 0.5 CPU each, elastic): takes units of work from a shard queue
+  (``convoy.shards``) and checks ``convoy.role().preempted`` between units.
 - ``controller`` (1 process, ``after = ["echo"]``): scales ``echo`` up and down from inside the job with
-  ``convoy.scale`` and sees each change with ``convoy.role().wait_changed``.
+  ``convoy.scale`` and sees each change with ``convoy.role().wait_changed``; then runs ``convoy preempt`` for a job
+  of priority 10 that needs one CPU more than the pool has free: this job's workers give CPUs back (each finishes
+  its unit, then exits), and grow back to 4 once the preempting job is gone.
 
-Every step the trainers finish is appended to ``RUN_DIR/trained-steps.txt``; the demo's last line counts them.
+Every step the trainers finish is appended to ``RUN_DIR/trained-steps.txt``, every unit a worker finishes to
+``RUN_DIR/units-done.txt``; the trainer and the last worker count them.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -77,6 +83,41 @@ def echo() -> None:
         time.sleep(1.0)
 
 
+def work(args: argparse.Namespace) -> None:
+    """Units of work from the job's shard queue; a preempted worker finishes its unit, then exits 0."""
+    me = convoy.role()
+    done = Path(os.environ["CONVOY_RUN_DIR"]) / "units-done.txt"
+    for shard in convoy.shards("units", num_samples=args.units, shard_size=1):
+        time.sleep(args.unit_time)  # the unit's work
+        with done.open("a") as out:
+            out.write(f"{shard.start}\n")
+        shard.done()
+        if me.preempted:
+            print(f"worker {me.rank}: preempted; unit {shard.start} finished, exiting", flush=True)
+            return
+    units = [int(line) for line in done.read_text().split()]
+    print(f"worker {me.rank}: no units left; {len(set(units))} of {args.units} done, "
+          f"{len(units) - len(set(units))} twice, {args.units - len(set(units))} lost", flush=True)
+
+
+def preempt_once() -> None:
+    """A job of priority 10 that needs one CPU more than the pool has free, for 2 s (``convoy preempt``)."""
+    from convoy.control.pool.store import PoolStore
+
+    view = PoolStore().view()
+    cpus = min(view.capacity, view.free + 1.0)
+    began = time.monotonic()
+    subprocess.run([sys.executable, "-m", "convoy", "preempt", "--cpus", f"{cpus:g}", "--priority", "10",
+                    "--seconds", "2"], check=True)
+    ended = time.monotonic()
+    while convoy.roles()["worker"].running < 4:
+        if time.monotonic() - ended > 30:
+            sys.exit("controller: the workers did not grow back to 4 within 30 s")
+        time.sleep(0.05)
+    print(f"controller: the preempting job took {ended - began:.1f} s; worker back at 4 processes "
+          f"{time.monotonic() - ended:.2f} s after it ended", flush=True)
+
+
 def control(args: argparse.Namespace) -> None:
     me = convoy.role()
     try:
@@ -95,16 +136,23 @@ def control(args: argparse.Namespace) -> None:
         print(f"controller: echo runs {count} process(es): {', '.join(me.addresses['echo'])}", flush=True)
     counts = convoy.roles()
     print("controller: " + ", ".join(f"{name} {c.running}/{c.wanted}" for name, c in counts.items()), flush=True)
+    convoy.scale("worker", 4, "demo: every worker, 2 CPUs of the pool")
+    while convoy.roles()["worker"].running < 4:  # every worker started: there is something to preempt
+        time.sleep(0.05)
+    preempt_once()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--step-time", type=float, default=0.02)
     parser.add_argument("--kill-trainer-at", type=int, default=-1, help="trainer 1 SIGKILLs itself once here")
+    parser.add_argument("--units", type=int, default=400)
+    parser.add_argument("--unit-time", type=float, default=0.05)
     args = parser.parse_args()
     name = convoy.role().name
-    {"trainer": lambda: train(args), "echo": echo, "controller": lambda: control(args)}[name]()
+    {"trainer": lambda: train(args), "echo": echo, "controller": lambda: control(args),
+     "worker": lambda: work(args)}[name]()
 
 
 if __name__ == "__main__":

@@ -149,8 +149,10 @@ class ProcessScope:
         self.launched: list[Launched] = []
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        """The test's environment: tagged, and with a CPU pool of its own (no claim of another test or job)."""
         env = dict(os.environ)
         env[TAG_VAR] = self.tag
+        env["CONVOY_POOL"], env["CONVOY_POOL_CPUS"] = str(self.tmp_path / "cpu-pool.db"), "2"
         env.update(extra or {})
         return env
 

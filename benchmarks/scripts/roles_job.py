@@ -10,13 +10,20 @@
   every step it finishes and ``start round step at`` as each round begins (``RUN_DIR/trainer-steps.txt``).
 - ``bystander`` (a service) writes its incarnation once as it starts and waits to be stopped: a restart of any
   process of another role would show as a second line.
+- ``worker`` (elastic, 0.5 CPU each) takes units of work from a shard queue, one line each in
+  ``RUN_DIR/units-done.txt``, and exits after its unit once preempted.
+- ``preemptor`` scales ``worker`` to 4, then ``--preemptions`` times runs ``convoy preempt`` for a job of priority 10
+  that needs one CPU more than the pool has free, for 1 s; ``RUN_DIR/preemptions.txt`` gets, per preemption, the
+  seconds until the CPUs were free and from the preempting job's end until ``worker`` ran 4 again.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -96,6 +103,39 @@ def bystander() -> None:
         time.sleep(1.0)
 
 
+def worker(args: argparse.Namespace) -> None:
+    me = convoy.role()
+    for shard in convoy.shards("units", num_samples=args.units, shard_size=1):
+        time.sleep(args.unit_time)
+        with (RUN_DIR / "units-done.txt").open("a") as out:
+            out.write(f"{shard.start}\n")
+        shard.done()
+        if me.preempted:
+            return
+
+
+def preemptor(args: argparse.Namespace) -> None:
+    from convoy.control.pool.store import PoolStore
+
+    convoy.scale("worker", 4, "benchmark: every worker")
+    for _ in range(args.preemptions):
+        while convoy.roles()["worker"].running < 4:
+            time.sleep(0.02)
+        time.sleep(0.5)
+        pool = PoolStore().view()
+        cpus = min(pool.capacity, pool.free + 1)
+        out = subprocess.run([sys.executable, "-m", "convoy", "preempt", "--cpus", f"{cpus:g}", "--priority", "10",
+                              "--seconds", "1"], capture_output=True, text=True, check=True).stdout
+        ended = time.monotonic()
+        freed = re.search(r"free after ([\d.]+) s", out)
+        if freed is None:
+            sys.exit(f"preemptor: convoy preempt said {out!r}")
+        while convoy.roles()["worker"].running < 4:
+            time.sleep(0.02)
+        with (RUN_DIR / "preemptions.txt").open("a") as log:
+            log.write(f"{freed.group(1)} {time.monotonic() - ended:.3f}\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--scale-ups", type=int, default=20)
@@ -103,9 +143,13 @@ def main() -> None:
     parser.add_argument("--step-time", type=float, default=0.01)
     parser.add_argument("--kills", type=int, default=5)
     parser.add_argument("--kill-every", type=int, default=30)
+    parser.add_argument("--units", type=int, default=1200)
+    parser.add_argument("--unit-time", type=float, default=0.05)
+    parser.add_argument("--preemptions", type=int, default=5)
     args = parser.parse_args()
     name = convoy.role().name
-    {"ctl": lambda: ctl(args), "probe": probe, "trainer": lambda: trainer(args), "bystander": bystander}[name]()
+    {"ctl": lambda: ctl(args), "probe": probe, "trainer": lambda: trainer(args), "bystander": bystander,
+     "worker": lambda: worker(args), "preemptor": lambda: preemptor(args)}[name]()
 
 
 if __name__ == "__main__":

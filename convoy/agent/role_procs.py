@@ -42,8 +42,8 @@ from convoy.errors import ConfigError, WorkerStartError
 from convoy.ports import free_port
 from convoy.procs import die_with_parent, signal_name
 from convoy.worker.lease import LEASE_ENV
-from convoy.worker.role_env import (ADDRESSES_FILE_ENV, INCARNATION_ENV, addresses_file, group_env, role_env,
-                                    service_env)
+from convoy.worker.role_env import (ADDRESSES_FILE_ENV, INCARNATION_ENV, PREEMPT_FILE_ENV, addresses_file,
+                                    group_env, preempt_file, role_env, service_env)
 
 ROLE_PORT_ENV = "CONVOY_ROLE_PORT"
 Key = tuple[str, int, int]
@@ -59,6 +59,8 @@ class RoleProcess:
     address: str
     kill_at: float | None = None
     """When a process told to stop gets SIGKILL (None: not told to stop)."""
+    term_at: float | None = None
+    """When a preempted process, told at once, gets SIGTERM (None: not preempted, or sent already)."""
     cpu: CpuLimit | None = None
     """The kernel's hold on its role's ``cpus`` (None: the role declares none)."""
     slot: int = 0
@@ -248,11 +250,21 @@ class RoleProcesses:
         return reports
 
     def stop(self, stop: p.RoleStop) -> None:
-        """SIGTERM now; ``poll`` sends SIGKILL once the stop grace has passed."""
-        process = self.running.get((stop.role, stop.rank, stop.incarnation))
-        if process is not None and process.kill_at is None:
+        """SIGTERM now; ``poll`` sends SIGKILL once the stop grace has passed. A preempted process (``notice_s``) is
+        told at once (its notice file) and gets SIGTERM only after ``notice_s``."""
+        key = (stop.role, stop.rank, stop.incarnation)
+        process = self.running.get(key)
+        if process is None or process.kill_at is not None:
+            return
+        now = time.monotonic()
+        if stop.notice_s > 0:
+            notice = preempt_file(self.context.run_dir, *key)
+            notice.parent.mkdir(parents=True, exist_ok=True)
+            notice.write_text(stop.reason + "\n")
+            process.term_at = now + stop.notice_s
+        else:
             process.signal(signal.SIGTERM)
-            process.kill_at = time.monotonic() + self.workers.stop_grace_s
+        process.kill_at = now + stop.notice_s + self.workers.stop_grace_s
 
     def poll(self) -> list[tuple[RoleProcess, p.RoleReport]]:
         """The processes that exited since the last call, each with its report for the master (a fork server that
@@ -263,6 +275,9 @@ class RoleProcesses:
         for key, process in list(self.running.items()):
             code = process.proc.poll()
             if code is None:
+                if process.term_at is not None and now >= process.term_at:
+                    process.term_at = None
+                    process.signal(signal.SIGTERM)  # preempted, and the grace to finish its unit is over
                 if process.kill_at is not None and now >= process.kill_at:
                     process.signal(signal.SIGKILL)
                 continue
@@ -270,6 +285,7 @@ class RoleProcesses:
             process.pump.join(timeout=2.0)  # its group is gone, so the pipe closes: its last lines reach the tail
             del self.running[key]
             self._release(process)
+            preempt_file(self.context.run_dir, *key).unlink(missing_ok=True)
             exited.append((process, self._exit_report(process, code)))
         return exited
 
@@ -357,6 +373,8 @@ class RoleProcesses:
             "CONVOY_LOG_FILE": str(log_path),
             **context.agent_env,
             ADDRESSES_FILE_ENV: str(addresses_file(context.run_dir, context.node_id)),
+            PREEMPT_FILE_ENV: str(preempt_file(context.run_dir, assignment.role, assignment.rank,
+                                               assignment.incarnation)),
             **service_env(context.job_token, context.host, context.tls),
             **({LEASE_ENV: context.lease_file} if context.lease_file else {}),
             **(group_env(assignment.role, assignment.rank, assignment.world_size, assignment.group_round, context.host,

@@ -84,6 +84,7 @@ JOB_FILE_OPTIONS: dict[str, tuple[str, Callable[[object], object]]] = {
     "preload": ("preload", lambda value: ",".join(_strings(value))),
     "ps": ("ps", parse_count), "workers": ("workers", parse_count), "role": ("role", _strings),
     "auto_apply": ("auto_apply", lambda value: ",".join(_strings(value))),
+    "priority": ("priority", _whole(-1000, 1000)), "preempt_grace": ("preempt_grace", _seconds(False)),
 }
 """Each top-level key: the argparse dest of the ``convoy run`` flag it stands for, and the check of its value."""
 _KEY_PART = r"""(?:[A-Za-z0-9_-]+|"(?:[^"\\]|\\.)*"|'[^']*')"""

@@ -1,5 +1,5 @@
-"""``convoy run | master | agent | status | scale | pipeline plan | decode | gbdt | confidential``: parse, then
-call."""
+"""``convoy run | master | agent | status | scale | preempt | pool | pipeline plan | decode | gbdt | confidential``:
+parse, then call."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from typing import NoReturn, Sequence
 from convoy import __version__, log
 from convoy.cli.options import (RUN_DESCRIPTION, add_master_options, add_run_options, add_worker_options, job_config,
                                 master_config, worker_config)
+from convoy.cli.pool import add_pool_commands, preempt, show_pool
 from convoy.cli.scale import scale_roles
 from convoy.cli.torchrun import stop_signals
 from convoy.cli.torchrun import translate as translate_torchrun
@@ -75,6 +76,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     master.add_argument("--token-file", type=Path, default=None, help="use or create the token here")
     master.add_argument("--under-run", action="store_true", help=argparse.SUPPRESS)
     master.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)  # the claimed endpoint
+    master.add_argument("--pool", default="", help=argparse.SUPPRESS)  # convoy run's: the machine's CPU pool
     agent = commands.add_parser("agent", help="join a master as one node and run its workers")
     agent.add_argument("--master", required=True, help="the master's HOST:PORT")
     agent.add_argument("--token-file", type=Path, required=True, help="the job's token file (from the master)")
@@ -94,6 +96,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     add_worker_options(agent)
     status = commands.add_parser("status", help="show a job's nodes, round, restarts and recent events")
     status.add_argument("--run-dir", type=Path, required=True, help="the job's run directory")
+    add_pool_commands(commands)
     scale = commands.add_parser("scale", help="change how many processes a role of a running job runs")
     scale.add_argument("--run-dir", type=Path, required=True, help="the job's run directory")
     scale.add_argument("counts", metavar="ROLE=COUNT", nargs="+", help="e.g. worker=4")
@@ -302,7 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.setup(getattr(args, "log_level", None))
     run_argv = argv[argv.index(command) + 1:] if command == "run" else []
     handlers = {"run": lambda args: _run(args, run_argv), "master": _master, "agent": _agent, "status": _status,
-                "scale": scale_roles}
+                "scale": scale_roles, "preempt": preempt, "pool": show_pool}
     try:
         if args.command in WORKLOAD_COMMANDS:
             for name in NEEDS.get(args.command, ()):  # before any work: the extra it needs is there

@@ -78,6 +78,12 @@ def add_master_options(parser: Options, host: str) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a value of the script's training config (convoy.train_config), over its default; "
                              "repeatable")
+    parser.add_argument("--priority", type=int, default=_MASTER.priority, metavar="N",
+                        help="the job's priority among the jobs on this machine: one of higher priority that asks for "
+                             "more CPUs than are free gets them from the elastic roles of lower ones (default 0)")
+    parser.add_argument("--preempt-grace", type=float, default=_MASTER.preempt_grace_s, metavar="S",
+                        help="seconds a preempted process has to finish its unit of work before SIGTERM "
+                             "(default %(default)s)")
     parser.add_argument("--auto-apply", default="", metavar="RULES",
                         help="status rules whose proposals the master applies by itself, e.g. nan,divergence "
                              "(default: none; a person applies them with convoy config proposals --apply)")
@@ -159,6 +165,7 @@ def master_config(args: argparse.Namespace) -> MasterConfig:
         regroup_window_s=args.regroup_window, train_overrides=parse_assignments(args.set),
         job_id=getattr(args, "job_id", "") if getattr(args, "command", "") == "run" else "",
         auto_apply=tuple(filter(None, (rule.strip() for rule in args.auto_apply.split(",")))),
+        priority=args.priority, preempt_grace_s=args.preempt_grace, pool=getattr(args, "pool", "") or "",
     )
 
 

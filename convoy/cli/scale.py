@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 
-from convoy.errors import ConfigError, ConvoyError
+from convoy.errors import ConfigError, ConflictError
 
 
 def scale_roles(args: argparse.Namespace) -> int:
@@ -23,12 +22,7 @@ def scale_roles(args: argparse.Namespace) -> int:
     for request in requests:
         try:
             client.call("/scale", request, p.Ack)
-        except ConvoyError as exc:  # a 409 carries the master's reason as {"error": ...}: say just that
-            _, _, body = str(exc).partition("to /scale: ")
-            try:
-                reason = json.loads(body)["error"]
-            except (ValueError, KeyError, TypeError):
-                raise exc from None
-            raise ConfigError(f"cannot scale role {request.role} to {request.count}: {reason}") from None
+        except ConflictError as exc:  # the master's reason, without who answered
+            raise ConfigError(f"cannot scale role {request.role} to {request.count}: {exc.reason}") from None
         print(f"convoy: role {request.role} of job {job['job_id']} scaled to {request.count}", flush=True)
     return 0

@@ -374,6 +374,7 @@ class JobMaster:
         while not self._stopping.wait(TICK_S):
             with self._changed:
                 if self.ended:
+                    self.role_calls.pool_tick()  # withdraws the job's claim from the pool, once
                     continue
                 now = time.monotonic()
                 events = self.job.tick(now)
@@ -381,6 +382,7 @@ class JobMaster:
                     events += self.role_master.node_lost(node_id) if self.role_master else []
                     events += self.job.node_lost(node_id, f"sent no heartbeat for {self.nodes.timeout_s:.0f} s", now)
                 events += self.role_master.advance(now) if self.role_master else []
+                events += self.role_calls.pool_tick()
                 events += self.train_calls.advance(now)
                 events += self._state_write_give_up(now)
                 retry = self.store.failing_since is not None and now - self._last_write_try >= STATE_RETRY_S

@@ -23,6 +23,8 @@ ADDRESSES_FILE_ENV = "CONVOY_ROLE_ADDRESSES_FILE"
 """A JSON file ``{"version": n, "addresses": {role: [host:port, ...]}, "incarnations": {role: [n, ...]}}``, replaced
 whole by the agent whenever the master's version of the addresses grows (``""`` for a process that is down)."""
 INCARNATION_ENV = "CONVOY_ROLE_INCARNATION"
+PREEMPT_FILE_ENV = "CONVOY_PREEMPT_FILE"
+"""Where the agent writes this process's preemption notice (the file's existence is the notice)."""
 """Which launch of its rank this process is (the master's count, never reused within the role)."""
 DEFAULT_ROLE = "default"
 WAIT_FIRST_S, WAIT_MOST_S = 0.005, 0.05
@@ -50,6 +52,14 @@ class RoleInfo:
     incarnations: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """Each role's current incarnation by rank, as of ``addresses_version`` (empty until the agent's file has
     them): a role service refuses a caller whose incarnation is no longer its rank's."""
+    preempt_file: str = ""
+    """Where this process's preemption notice appears (``CONVOY_PREEMPT_FILE``; empty outside a job of roles)."""
+
+    @property
+    def preempted(self) -> bool:
+        """Whether a job of higher priority needs this process's CPUs: it is to finish its unit of work, flush, and
+        exit (0); SIGTERM follows after the job's preempt grace. One ``stat`` of a file: cheap between units."""
+        return bool(self.preempt_file) and os.path.exists(self.preempt_file)
 
     def refresh(self) -> RoleInfo:
         """This role with the current addresses and world size, read again from ``addresses_file`` (itself when
@@ -148,8 +158,13 @@ def role(env: Mapping[str, str] | None = None) -> RoleInfo:
         raise ConfigError(f"{INCARNATION_ENV}={env[INCARNATION_ENV]!r} is not a whole number; it is set by the "
                           "convoy agent") from exc
     info = RoleInfo(env.get("ROLE_NAME", DEFAULT_ROLE), rank, world_size, addresses, env.get(ADDRESSES_FILE_ENV, ""),
-                    incarnation=incarnation)
+                    incarnation=incarnation, preempt_file=env.get(PREEMPT_FILE_ENV, ""))
     return info.refresh()
+
+
+def preempt_file(run_dir: Path, role_name: str, rank: int, incarnation: int) -> Path:
+    """Where the agent writes one process's preemption notice."""
+    return Path(run_dir) / "roles" / f"preempted-{role_name}{rank}-{incarnation}"
 
 
 def addresses_file(run_dir: Path, node_id: str) -> Path:

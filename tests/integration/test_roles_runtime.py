@@ -1,6 +1,7 @@
 """The roles runtime end to end on real processes: the example job (a two-rank role group that trains with DDP
-and re-forms from its snapshots when a member is SIGKILLed, a service scaled from inside the job, the controller
-that starts after it), and the ``replace`` policy (a replacement spends no restart; too many in the window fail
+and re-forms from its snapshots when a member is SIGKILLed, a service scaled from inside the job, elastic workers
+preempted by a job of higher priority and grown back, the controller that starts after the service), and the
+``replace`` policy (a replacement spends no restart; too many in the window fail
 the job as a failure loop)."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers import REPO, ProcessScope, fixture
+from helpers import REPO, ProcessScope, fixture, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -18,12 +19,14 @@ ACTOR = fixture("replace_actor.py")
 
 
 def demo_job(tmp_path: Path, steps: int, kill_at: int) -> Path:
+    """The example's job file with a shorter run (its keys as the example has them)."""
     job = tmp_path / "roles_demo.toml"
-    job.write_text(f'entrypoint = "{DEMO}"\nargs = ["--steps", "{steps}", "--step-time", "0.01", "--kill-trainer-at", '
-                   f'"{kill_at}"]\nnnodes = 2\nstop_grace = 2\n'
-                   '[roles.trainer]\ncount = 2\ngroup = true\n'
-                   '[roles.echo]\ncount = "1:3"\nservice = true\n'
-                   '[roles.controller]\nafter = ["echo"]\n')
+    text = (REPO / "examples" / "roles_demo.toml").read_text()
+    text = text.replace('entrypoint = "roles_demo.py"', f'entrypoint = "{DEMO}"')
+    text = text.replace('args = ["--kill-trainer-at", "40"]', f'args = ["--steps", "{steps}", "--step-time", "0.01", '
+                                                             f'"--kill-trainer-at", "{kill_at}", "--units", "200"]')
+    assert str(DEMO) in text and "--units" in text, "the example's job file changed: update this test"
+    job.write_text(text)
     return job
 
 
@@ -32,7 +35,7 @@ def test_the_demo_group_re_forms_alone_and_the_controller_scales_the_service(pro
     result = procs.run(["run", demo_job(tmp_path, 60, 20), "--run-dir", run_dir])
     out = result.stdout
     assert result.returncode == 0, result.explain()
-    assert "convoy: job succeeded: every role finished (trainer x2, echo x1, controller x1)" in out
+    assert "convoy: job succeeded: every role finished (trainer x2, echo x1, worker x4, controller x1)" in out
     assert "[trainer0]: trainer group round 1: world size 2, starting at step 0" in out
     assert "trainer 1 failed (was killed by SIGKILL); every process of role trainer starts again together (restart " \
            "1 of 3 for role trainer)" in out
@@ -45,12 +48,20 @@ def test_the_demo_group_re_forms_alone_and_the_controller_scales_the_service(pro
     assert re.search(r"controller: echo runs 3 process\(es\): [\d.:]+, [\d.:]+, [\d.:]+\n", out), result.explain()
     assert "convoy: role echo: 3 -> 1 process(es) (asked by controller 0: demo: the load is gone)" in out
     assert "controller: echo runs 1 process(es)" in out
+    preempted = re.findall(r"convoy: worker (\d) preempted: a job of higher priority asks for 1 CPU\(s\) more", out)
+    assert sorted(preempted) == ["2", "3"], "the highest ranks, 0.5 CPU each: 1 CPU given back, no more"
+    assert re.search(r"\[controller0\]: convoy preempt: 1 CPU\(s\) free after \d\.\d+ s \(priority 10\)", out)
+    assert out.count("(grows back: the pool has room again)") == 2
+    assert re.search(r"worker back at 4 processes \d+\.\d+ s after it ended", out), result.explain()
+    assert re.search(r"\[worker\d\]: worker \d: no units left; 200 of 200 done, 0 twice, 0 lost", out), \
+        result.explain()
     status = procs.run(["status", "--run-dir", run_dir]).stdout
     assert "  trainer (group round 2): 0 running, 0 pending of 2 wanted (count 2); on failure restart-role; " \
            "restarts 1" in status, status
     assert "  controller: 0 running, 0 pending of 1 wanted (count 1); on failure restart-job\n" in status, \
         "no process of another role restarted"
     assert "  echo (service): 0 running, 0 pending of 1 wanted (count 1:3); on failure restart-job\n" in status
+    assert "  worker: 0 running, 0 pending of 4 wanted (count 1:4); on failure restart-one; preempted 2\n" in status
     started = re.findall(r"^  (\w+ \d+) \(incarnation \d+\) ", status, re.MULTILINE)  # the memory table's rows
     assert (started.count("controller 0"), started.count("echo 0"), started.count("trainer 1")) == (1, 1, 2), status
 
@@ -80,3 +91,25 @@ def test_replacing_beyond_the_budget_is_a_failure_loop_that_fails_the_job(procs:
     assert result.returncode != 0
     assert "role actor has replaced 2 process(es) within 60 s (its max_replacements): a failure loop, not bad luck" \
         in result.stdout, result.explain()
+
+
+def test_a_process_that_ignores_its_preemption_notice_is_stopped_after_the_grace_and_the_job_goes_on(
+        procs: ProcessScope, run_dir: Path) -> None:
+    job = run_dir.parent / "hogs.toml"
+    job.write_text(f'entrypoint = "{ACTOR}"\nargs = ["--work", "6"]\nnnodes = 1\nstop_grace = 1\npreload = []\n'
+                   'preempt_grace = 0.5\n[roles.actor]\ncount = "1:2"\ncpus = 1\n')
+    launched = procs.start(["run", job, "--run-dir", run_dir])
+    launched.wait_output(r"convoy: round 1: ")
+    assert procs.run(["scale", "--run-dir", run_dir, "actor=2"]).returncode == 0
+    wait_for(lambda: "  actor: 2 running" in procs.run(["status", "--run-dir", run_dir]).stdout, 30,
+             "both actors running")
+    preempted = procs.run(["preempt", "--cpus", "1", "--priority", "5", "--seconds", "0.5"])
+    assert preempted.returncode == 0, preempted.explain()
+    assert re.search(r"convoy preempt: 1 CPU\(s\) free after (0\.[5-9]|1\.\d)\d* s", preempted.stdout), \
+        "free once the ignored notice's grace (0.5 s) was over and SIGTERM ended it: " + preempted.stdout
+    result = launched.wait()
+    assert result.returncode == 0, result.explain()
+    assert "convoy: actor 1 preempted: a job of higher priority asks for 1 CPU(s) more than the pool has free; " \
+           "told to finish its unit of work, SIGTERM after 0.5 s" in result.stdout
+    assert "convoy: role actor: 1 -> 2 process(es) (grows back: the pool has room again)" in result.stdout
+    assert "with 0 restart(s)" in result.stdout, "a preempted process is released, not failed"

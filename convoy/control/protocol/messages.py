@@ -129,6 +129,8 @@ class RoleStop(Message):
     rank: int
     incarnation: int
     reason: str = ""
+    notice_s: float = Field(default=0.0, ge=0, le=3600, description="preempted: the process is told at once "
+                            "(convoy.role().preempted) and gets SIGTERM only this many seconds later; 0: SIGTERM now")
 
 
 class HeartbeatResponse(Message):

@@ -8,15 +8,20 @@ restarted master takes the role processes and the shard queues back.
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
+from pathlib import Path
 from typing import Any
 
 from convoy.control.core import MasterCore
 from convoy.control.job import RUNNING, Event
+from convoy.control.pool.scheduler import PoolScheduler, Scheduler, Unbounded
+from convoy.control.pool.store import PoolStore
 from convoy.control.protocol import messages as p
 from convoy.control.protocol import roles as rp
 from convoy.control.protocol import shards as sp
 from convoy.control.roles.master import RoleMaster
+from convoy.control.roles.preemption import pool_tick
 from convoy.control.roles.roles_file import ROLES_PART, load_roles
 from convoy.control.roles.views import role_views
 from convoy.control.shards.master import STATE_PART, ShardMaster
@@ -33,8 +38,11 @@ class RoleCalls:
         """The roles of ``roles.json`` (none: a plain job) and the shard queues, taken back when resumed."""
         self.core, self.job, config = core, core.job, core.config
         roles = load_roles(config.run_dir)
-        self.role_master = RoleMaster(self.job, roles, config.max_restarts) if roles else None
+        self.role_master = RoleMaster(self.job, roles, config.max_restarts, self._scheduler(core),
+                                      config.preempt_grace_s) if roles else None
         """A job of roles: its processes come from the heartbeats' assignments."""
+        self.pool_fault = ""
+        """Why the pool could not be read at the last tick ("withdrawn": the job ended and left it)."""
         self.taken_back: list[Event] = []
         """What a resumed master took back of the role processes (its events)."""
         if resume and self.role_master is not None and self.job.status == RUNNING:  # before any save replaces it
@@ -45,6 +53,33 @@ class RoleCalls:
         """The datasets' shard queues, at the position the state file kept when the master is resumed."""
         if self.role_master is not None:
             self.role_master.exit_hooks.append(self.shards.process_exited)
+
+    @staticmethod
+    def _scheduler(core: MasterCore) -> Scheduler:
+        """The job's claims in the machine's pool where ``convoy run`` gave one (its nodes all on this machine)."""
+        config = core.config
+        if not config.pool:
+            return Unbounded()
+        return PoolScheduler(PoolStore(Path(config.pool)), core.job.job_id, config.priority, str(config.run_dir))
+
+    def pool_tick(self) -> list[Event]:
+        """The job's claim synced with the pool (the master's tick, under its lock); withdrawn once the job ended. A
+        pool that cannot be read now (another job holds it too long) is tried again at the next tick."""
+        roles = self.role_master
+        if roles is None or self.pool_fault == "withdrawn":
+            return []
+        if self.core.ended:
+            self.pool_fault = "withdrawn"
+            roles.scheduler.close()
+            return []
+        try:
+            events = pool_tick(roles)
+        except sqlite3.Error as exc:
+            said, self.pool_fault = self.pool_fault, str(exc)
+            return [] if said else [Event("pool_unreadable", f"the CPU pool cannot be read now ({exc}); tried again "
+                                                             "each tick")]
+        self.pool_fault = ""
+        return events
 
     def save_with(self, store: Store) -> None:
         store.parts[STATE_PART] = self.shards.state_json

@@ -1,44 +1,45 @@
 """The master's side of a job of roles: ``Roles`` decides, this carries the decisions out.
 
 It places each process on a node of the closed round (least loaded first, a restarted rank back on its node and
-port), queues the node's assignments and stops for its heartbeat replies (delivered again until the agent
-reports on them), feeds the agents' reports into ``Roles``, starts the non-service roles only once every
-service process (ps) has published its address, and ends the job when every role has finished and the services
-are stopped. The roles do not share a torch.distributed world (the PS data plane talks over its own sockets), so
-a job of roles needs no round of its own per change: the round only gathers the nodes.
+port) where its scheduler grants the room, queues the node's assignments and stops for its heartbeat replies
+(delivered again until the agent reports on them), feeds the agents' reports into ``Roles``, starts each role
+once the roles it waits for have published their addresses (a group's ranks once its rank 0 runs), and ends the
+job when every non-service role has finished and the services are stopped. A job of roles needs no round of its
+own per change: the round only gathers the nodes; a role group re-forms in rounds of its own.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from convoy.control.job import RUNNING, Event, Job
 from convoy.control.protocol import messages as p
-from convoy.control.roles.members import (FINISHED, RUNNING as MEMBER_RUNNING, Decision, FailJob, RestartJob,
-                                          RestartRole, Roles, Start, Stop)
+from convoy.control.roles.members import FINISHED, Decision, FailJob, RestartJob, RestartRole, Roles, Start, Stop
 from convoy.control.roles.orders import Key, Orders
-from convoy.control.roles.placement import Need, Rooms, Taken
+from convoy.control.roles.placement import Need, Placed, Rooms, Taken
+from convoy.control.pool.scheduler import Scheduler, Unbounded
 from convoy.control.roles.sizing import RoleSizing
 from convoy.errors import ConfigError
 from convoy.roles_config import RoleSpec, waits_for
-
-@dataclass
-class Placed:
-    node_id: str
-    port: int = 0
-    address: str = ""
-    gpus: list[int] = field(default_factory=list)
-    """The node's devices handed to the process."""
 
 
 class RoleMaster:
     """Carries out the decisions of ``Roles`` for one job; the caller (JobMaster) holds its lock around each call."""
 
-    def __init__(self, job: Job, specs: tuple[RoleSpec, ...], max_restarts: int) -> None:
+    def __init__(self, job: Job, specs: tuple[RoleSpec, ...], max_restarts: int, scheduler: Scheduler | None = None,
+                 preempt_grace_s: float = 10.0) -> None:
         self.job = job
+        self.scheduler: Scheduler = scheduler or Unbounded()
+        """Where placement asks for capacity beyond the nodes' own room (a pool shared with other jobs)."""
+        self.preempt_grace_s = preempt_grace_s
+        """How long a preempted process has to finish its unit of work before SIGTERM."""
+        self.pool_waiting: set[Key] = set()
+        """Processes waiting for the pool's room (what this job asks of it)."""
+        self.releasing: set[Key] = set()
+        """Preempted processes told to finish their unit of work: their calls count until they exit."""
         self.specs = {spec.name: spec for spec in specs}
         self.waits = waits_for(tuple(specs))
         """The roles each role starts after (their processes' addresses published first)."""
@@ -72,7 +73,7 @@ class RoleMaster:
             decisions, events = self.roles.start()
             for name in self.sizing.roles:
                 decisions += self.roles.start_measuring(name) if self.specs[name].count.auto else []
-            events += self._carry_out(decisions)
+            events += self.carry_out(decisions)
         events += self._place()
         return events + (self._check_short(now) if now is not None else []) + self._check_done()
 
@@ -94,6 +95,7 @@ class RoleMaster:
             return self.roles.started(report.role, report.rank, report.incarnation, report.address, where) + \
                 self.advance()
         self.placed.pop(key, None)
+        self.releasing.discard(key)
         what = f"{report.role} {report.rank} (incarnation {report.incarnation}) {report.describe()}"
         events = [Event("role_exited", what + report.last_lines(), report.node_id)] + self.sizing.exited(key, report)
         for hook in self.exit_hooks:
@@ -106,21 +108,21 @@ class RoleMaster:
                        *self.job.abort(measuring_failed + report.last_lines())]
         elif relaunch is not None:
             decisions, more = self.roles.relaunch(report.role, report.rank, report.incarnation, relaunch[1])
-            events += more + self._carry_out(decisions)
+            events += more + self.carry_out(decisions)
         elif key in self.stopping:
             self.stopping.discard(key)
             if self._is_current(key):  # a service stopped at the end: it is done
                 decisions, more = self.roles.finished(report.role, report.rank, report.incarnation)
-                events += more + self._carry_out(decisions)
+                events += more + self.carry_out(decisions)
         elif report.infrastructure:
             events += self._infrastructure_fault(report)
         elif report.exitcode == 0 and not report.start_failed:
             decisions, more = self.roles.finished(report.role, report.rank, report.incarnation)
-            events += more + self._carry_out(decisions)
+            events += more + self.carry_out(decisions)
         else:
             decisions, more = self.roles.failed(report.role, report.rank, report.incarnation, report.describe(),
                                                 time.monotonic())
-            events += more + self._carry_out(decisions, report.last_lines())
+            events += more + self.carry_out(decisions, report.last_lines())
         self.job.restart_count = self.roles.restarts_spent()
         return events + self.advance()
 
@@ -140,7 +142,7 @@ class RoleMaster:
                 events += self.node_lost(report.node_id)
         decisions = self.roles.displaced(report.role, report.rank, report.incarnation,
                                          f"was ended by an infrastructure fault ({report.infrastructure})")
-        return events + self._carry_out(decisions)
+        return events + self.carry_out(decisions)
 
     def memory(self, report: p.MemoryReport) -> list[Event]:
         """A node's memory report: peaks for status, and a role's measuring iteration, which sizes the role."""
@@ -166,14 +168,14 @@ class RoleMaster:
         events = [Event("role_predicted", f"role {role}: {sized.why}", node_id, console=True)]
         if sized.count is not None:
             decisions, more = self.roles.size(role, sized.count, "sized from its measuring iteration")
-            events += more + self._carry_out(decisions)
+            events += more + self.carry_out(decisions)
         return events
 
     def scale(self, role: str, count: int, why: str = "") -> list[Event]:
         """Run ``count`` processes of ``role`` (``why``: who asked and their reason); a ConfigError names the role's
         allowed counts."""
         decisions, events = self.roles.scale(role, count, why)
-        return events + self._carry_out(decisions) + self.advance()
+        return events + self.carry_out(decisions) + self.advance()
 
     def node_lost(self, node_id: str) -> list[Event]:
         """A lost node is a change of membership, not a failure: its processes start again on the nodes that
@@ -202,9 +204,11 @@ class RoleMaster:
         return events + self.advance()
 
     def is_running(self, role: str, rank: int, incarnation: int) -> bool:
-        """Whether this process is its rank's current one and has not finished (its calls still count)."""
+        """Whether this process is its rank's current one and has not finished, or a preempted one finishing its unit
+        of work (its calls still count)."""
         member = self.roles.roles[role].members.get(rank) if role in self.roles.roles else None
-        return member is not None and member.incarnation == incarnation and member.state != FINISHED
+        current = member is not None and member.incarnation == incarnation and member.state != FINISHED
+        return current or (role, rank, incarnation) in self.releasing
 
     def published(self) -> tuple[int, dict[str, list[str]], dict[str, list[int]]]:
         """``(version, addresses, incarnations)``: every role's current addresses by rank (``""`` while a process
@@ -248,7 +252,8 @@ class RoleMaster:
         return [Event("roles_resumed", f"the restarted master takes back {running} role process(es); "
                                        f"{len(self.pending)} wait to be placed", console=True)]
 
-    def _carry_out(self, decisions: list[Decision], tail: str = "") -> list[Event]:
+    def carry_out(self, decisions: list[Decision], tail: str = "") -> list[Event]:
+        """Do what ``Roles`` decided (``tail``: the failed process's last lines, for a failure of the job)."""
         events: list[Event] = []
         for decision in decisions:
             if isinstance(decision, Start):
@@ -256,7 +261,8 @@ class RoleMaster:
                     self.homes.pop((decision.role, decision.rank), None)
                 self.pending.append(decision)
             elif isinstance(decision, Stop):
-                self._stop(decision.role, decision.rank, decision.reason)
+                self._stop(decision.role, decision.rank, decision.reason,
+                           self.preempt_grace_s if decision.notice else 0.0)
             elif isinstance(decision, RestartJob):
                 events += self._restart(list(self.roles.roles), decision.reason)
             elif isinstance(decision, RestartRole):
@@ -265,12 +271,15 @@ class RoleMaster:
                 events += self.job.abort(decision.reason + tail)
         return events
 
-    def _stop(self, role: str, rank: int, reason: str) -> None:
+    def _stop(self, role: str, rank: int, reason: str, notice_s: float = 0.0) -> None:
         self.pending = [start for start in self.pending if (start.role, start.rank) != (role, rank)]
         for key, placed in self.placed.items():
             if key[:2] == (role, rank) and key not in self.stopping:
                 self.stopping.add(key)
-                self.orders.stop(placed.node_id, p.RoleStop(role=role, rank=rank, incarnation=key[2], reason=reason))
+                if notice_s:
+                    self.releasing.add(key)
+                self.orders.stop(placed.node_id, p.RoleStop(role=role, rank=rank, incarnation=key[2], reason=reason,
+                                                            notice_s=notice_s))
 
     def _restart(self, names: Sequence[str], reason: str) -> list[Event]:
         starts = self.roles.restart(names, reason)  # a ConfigError before anything changed, for an unknown role
@@ -301,7 +310,7 @@ class RoleMaster:
             if not self._is_current(key):
                 continue  # replaced or scaled away before it was placed
             if not all(ready[name] for name in self.waits[start.role]) or self.sizing.waits(start.role, start.rank) \
-                    or (start.rank and not self._group_address(start.role)):
+                    or (start.rank and not self.roles.group_address(start.role)):
                 waiting.append(start)
                 continue
             home, port = self.homes.get((start.role, start.rank), ("", 0))
@@ -312,6 +321,11 @@ class RoleMaster:
             if choice is None:
                 waiting.append(start)
                 continue
+            if not self.scheduler.take(self._need(start.role, start.rank).cpus):
+                self.pool_waiting.add(key)  # what this job asks of the pool: jobs of lower priority give it back
+                waiting.append(start)
+                continue
+            self.pool_waiting.discard(key)
             events.append(self._assign(start, choice.node_id, port if choice.node_id == home else 0, choice.gpus))
         self.pending = waiting
         return events
@@ -362,7 +376,7 @@ class RoleMaster:
             threads=max(1, int(spec.cpus)) if spec.cpus else 0, cpus=spec.cpus or 0.0, gpus=list(gpus),
             gpus_managed=any(other.gpus for other in self.specs.values()),
             group_round=self.roles.group_round(start.role),
-            group_address=self._group_address(start.role) if spec.group and start.rank else "",
+            group_address=self.roles.group_address(start.role) if spec.group and start.rank else "",
         )
         self.placed[key] = Placed(node_id, port, gpus=list(gpus))
         self.sizing.placed(key, node_id)
@@ -370,14 +384,6 @@ class RoleMaster:
         again = " (restored)" if start.restore else ""
         return Event("role_placed", f"{start.role} {start.rank} (incarnation {start.incarnation}) on node "
                                     f"{node_id}{again}: {start.reason}", node_id)
-
-    def _group_address(self, role: str) -> str:
-        """Where a role group's rank 0 serves its rendezvous (its address, once its current process has said it
-        runs); ``"-"`` for a role that forms no group (nothing to wait for)."""
-        if not self.specs[role].group:
-            return "-"
-        first = self.roles.roles[role].members.get(0)
-        return first.address if first is not None and first.state == MEMBER_RUNNING else ""
 
     def _check_done(self) -> list[Event]:
         if not self.roles.done() or any(key[0] in self.roles.services for key in self.placed):

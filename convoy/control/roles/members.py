@@ -42,6 +42,8 @@ class Stop:
     role: str
     rank: int
     reason: str = ""
+    notice: bool = False
+    """Preempted: the process is told first and given a grace to finish its unit of work before SIGTERM."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,10 @@ class RoleState:
     """Processes replaced in all (status)."""
     group_round: int = 0
     """The round of a role group: grows each time its members start again together (0: never started)."""
+    preempted: int = 0
+    """Processes given back to jobs of higher priority (status)."""
+    grow_to: int = 0
+    """The count the role had before it was preempted: it grows back to it as the pool has room (0: none)."""
 
     def launch(self) -> int:
         self.launches += 1
@@ -258,6 +264,31 @@ class Roles:
         because = f" ({why})" if why else ""
         return decisions, [Event("role_scaled", f"role {role}: {before} -> {count} process(es){because}", console=True)]
 
+    def preempt(self, role: str, why: str) -> tuple[list[Decision], list[Event]]:
+        """Give back the role's highest rank to a job of higher priority: the role runs one fewer (not below its MIN),
+        and grows back to its count before the preemption once there is room again."""
+        state = self.roles[self._known(role)]
+        if state.target <= state.spec.count.minimum or not state.members:
+            return [], []
+        rank = max(state.members)
+        state.grow_to = max(state.grow_to, state.target)
+        state.target -= 1
+        state.preempted += 1
+        del state.members[rank]
+        reason = f"{role} {rank} preempted: {why}"
+        return [Stop(role, rank, reason, notice=True)], [Event("role_preempted", reason, console=True)]
+
+    def grow_back(self, role: str) -> tuple[list[Decision], list[Event]]:
+        """One more process of a preempted role, toward its count before the preemption."""
+        state = self.roles[self._known(role)]
+        if state.grow_to <= state.target:
+            state.grow_to = 0
+            return [], []
+        decisions, events = self.scale(role, state.target + 1, "grows back: the pool has room again")
+        if state.target >= state.grow_to:
+            state.grow_to = 0
+        return decisions, events
+
     def size(self, role: str, count: int, why: str) -> tuple[list[Decision], list[Event]]:
         """Give an ``auto`` role its count, decided by the master (from one measured iteration)."""
         decisions, _ = self.scale(role, count)
@@ -299,6 +330,15 @@ class Roles:
     def world_size(self, role: str) -> int:
         return len(self.roles[self._known(role)].members)
 
+    def group_address(self, role: str) -> str:
+        """Where a role group's rank 0 serves its rendezvous (its address, once its current process has said it
+        runs); ``"-"`` for a role that forms no group (nothing to wait for)."""
+        state = self.roles[self._known(role)]
+        if not state.spec.group:
+            return "-"
+        first = state.members.get(0)
+        return first.address if first is not None and first.state == RUNNING else ""
+
     def group_round(self, role: str) -> int:
         """The round of a role group (0: the role forms no group)."""
         state = self.roles[self._known(role)]
@@ -309,7 +349,7 @@ class Roles:
         return {"failed_reason": self.failed_reason, "roles": {
             name: {"target": state.target, "restarts": state.restarts, "launches": state.launches,
                    "replaced_at": state.replaced_at, "replacements": state.replacements,
-                   "group_round": state.group_round,
+                   "group_round": state.group_round, "preempted": state.preempted, "grow_to": state.grow_to,
                    "members": {str(rank): asdict(member) for rank, member in state.members.items()}}
             for name, state in self.roles.items()}}
 
@@ -324,6 +364,7 @@ class Roles:
             state.target, state.restarts, state.launches = entry["target"], entry["restarts"], entry["launches"]
             state.replaced_at, state.replacements = list(entry["replaced_at"]), entry["replacements"]
             state.group_round = entry["group_round"]
+            state.preempted, state.grow_to = entry["preempted"], entry["grow_to"]
             state.members = {int(rank): Member(**member) for rank, member in entry["members"].items()}
 
     def _fill(self, state: RoleState, reason: str) -> list[Decision]:

@@ -35,6 +35,15 @@ class Need:
 
 
 @dataclass
+class Placed:
+    node_id: str
+    port: int = 0
+    address: str = ""
+    gpus: list[int] = field(default_factory=list)
+    """The node's devices handed to the process."""
+
+
+@dataclass
 class NodeRoom:
     """A node as it joined: its memory (0: unknown, not checked), CPUs (0: unknown) and GPUs (device indices)."""
 

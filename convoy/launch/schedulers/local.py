@@ -17,6 +17,7 @@ from convoy import log
 from convoy.agent.env import spawn_env
 from convoy.agent.forked import launch_server, server_env
 from convoy.config import JobConfig
+from convoy.control.pool.store import pool_path
 from convoy.procs import die_with_parent
 
 CONVOY = [sys.executable, "-m", "convoy"]
@@ -76,7 +77,8 @@ class LocalScheduler:
                     "--rdzv-wait", str(rdzv.wait_s), "--join-timeout", str(rdzv.join_timeout_s),
                     "--heartbeat-timeout", str(master.heartbeat_timeout_s), "--job-id", master.job_id,
                     "--max-regroups", str(master.max_regroups), "--regroup-window", str(master.regroup_window_s),
-                    "--auto-apply", ",".join(master.auto_apply)]
+                    "--auto-apply", ",".join(master.auto_apply), "--priority", str(master.priority),
+                    "--preempt-grace", str(master.preempt_grace_s), "--pool", str(pool_path())]
             for key, value in master.train_overrides.items():
                 args += ["--set", f"{key}={value}"]
         fds: tuple[int, ...] = ()
