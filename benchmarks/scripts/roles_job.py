@@ -4,10 +4,8 @@
   takes the wall time, and the new probe writes its own wall time as its script begins
   (``RUN_DIR/probe-<rank>.txt``): ``RUN_DIR/scale-ups.txt`` gets one latency per line.
 - ``probe`` imports torch (as an RL actor would), writes when it began, and waits to be stopped.
-- ``trainer`` (a role group of 2) trains a small DDP model with an in-memory snapshot after every step; its rank 1
-  SIGKILLs itself in the middle of step ``--kill-every * n`` for its n-th kill (``--kills`` in all), writing the
-  step, the wall time and its round first (``RUN_DIR/kill-<n>.txt``); rank 0 writes ``round step finished-at`` for
-  every step it finishes and ``start round step at`` as each round begins (``RUN_DIR/trainer-steps.txt``).
+- ``trainer`` (a role group of 2) runs ``roles_trainer.py``'s training with an in-memory snapshot after every step
+  (its rank 1 SIGKILLs itself ``--kills`` times, once every ``--kill-every`` steps).
 - ``bystander`` (a service) writes its incarnation once as it starts and waits to be stopped: a restart of any
   process of another role would show as a second line.
 - ``worker`` (elastic, 0.5 CPU each) takes units of work from a shard queue, one line each in
@@ -22,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -30,6 +27,7 @@ from pathlib import Path
 
 import convoy
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 RUN_DIR = Path(os.environ.get("CONVOY_RUN_DIR", "."))
 
 
@@ -62,35 +60,13 @@ def probe() -> None:
 
 def trainer(args: argparse.Namespace) -> None:
     import torch
-    from torch.nn.parallel import DistributedDataParallel
+    from roles_trainer import build, train
 
     ctx = convoy.init()
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
-    model = DistributedDataParallel(net)
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    data = torch.Generator().manual_seed(7 + ctx.rank)
+    _, model, optimizer, data = build(ctx.rank)
     ckpt = convoy.Checkpointer(model, optimizer, state={"data": data})
     start = ckpt.restore()
-    log = (RUN_DIR / "trainer-steps.txt").open("a") if ctx.rank == 0 else None
-    if log is not None:
-        log.write(f"start {ctx.round_id} {start} {time.time():.6f}\n")
-        log.flush()
-    for step in range(start, args.steps):
-        inputs = torch.randn(64, 32, generator=data)
-        loss = torch.nn.functional.mse_loss(model(inputs), inputs.sum(1, keepdim=True))
-        optimizer.zero_grad()
-        loss.backward()
-        killed = len(list(RUN_DIR.glob("kill-*.txt")))
-        if ctx.rank == 1 and killed < args.kills and step == args.kill_every * (killed + 1):
-            (RUN_DIR / f"kill-{killed + 1}.txt").write_text(f"{step} {time.time():.6f} {ctx.round_id}\n")
-            os.kill(os.getpid(), signal.SIGKILL)
-        optimizer.step()
-        ckpt.step(step)
-        if log is not None:
-            log.write(f"{ctx.round_id} {step} {time.time():.6f}\n")
-            log.flush()
-        time.sleep(args.step_time)
+    train(RUN_DIR, ctx.rank, ctx.round_id, start, args, model, optimizer, data, ckpt.step)
     ckpt.close()
     torch.distributed.destroy_process_group()
 

@@ -1,11 +1,9 @@
 """The peers of ``benchmarks/roles.py``, each as its own users run it.
 
 ``torchrun`` (``python roles_peers.py torchrun ...`` under ``torchrun --nproc-per-node 2 --max-restarts K``): the
-trainer of ``roles_job.py`` as a plain DDP script that saves every rank's state after every step with
+training of ``roles_trainer.py`` as a plain DDP script that saves every rank's state after every step with
 ``torch.save`` (written aside, then renamed: a crash never leaves half a file), so that a restart loses no step
-either; torchrun restarts the whole worker group on a failure. Rank 1 SIGKILLs itself in the middle of step
-``--kill-every * n`` for its n-th kill, ``--kills`` in all; the logs are ``roles_job.py``'s (``trainer-steps.txt``,
-``kill-<n>.txt``).
+either; torchrun restarts the whole worker group on a failure.
 
 ``ray`` (``python roles_peers.py ray --out FILE --count N``): N actors created one at a time on a local Ray
 cluster (``ray.init()``, as its users start one), each with 0.1 CPU (20 on a 2-CPU machine fit); an actor's
@@ -16,25 +14,22 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def torchrun_trainer(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
+    from roles_trainer import build, train
 
     dist.init_process_group("gloo")
     rank, restarts = dist.get_rank(), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     run_dir = Path(args.run_dir)
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
-    model = DistributedDataParallel(net)
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    data = torch.Generator().manual_seed(7 + rank)
+    net, model, optimizer, data = build(rank)
     saved = run_dir / f"ckpt-rank{rank}.pt"
     start = 0
     if saved.exists():
@@ -43,31 +38,17 @@ def torchrun_trainer(args: argparse.Namespace) -> None:
         optimizer.load_state_dict(state["optim"])
         data.set_state(state["data"])
         start = state["step"] + 1
-    starts = [torch.tensor([start])] * 2
+    starts = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
     dist.all_gather(starts, torch.tensor([start]))
     start = min(int(s) for s in starts)  # a rank killed before its save of the last step: both redo it
-    log = (run_dir / "trainer-steps.txt").open("a") if rank == 0 else None
-    if log is not None:
-        log.write(f"start {restarts + 1} {start} {time.time():.6f}\n")
-        log.flush()
-    for step in range(start, args.steps):
-        inputs = torch.randn(64, 32, generator=data)
-        loss = torch.nn.functional.mse_loss(model(inputs), inputs.sum(1, keepdim=True))
-        optimizer.zero_grad()
-        loss.backward()
-        killed = len(list(run_dir.glob("kill-*.txt")))
-        if rank == 1 and killed < args.kills and step == args.kill_every * (killed + 1):
-            (run_dir / f"kill-{killed + 1}.txt").write_text(f"{step} {time.time():.6f} {restarts + 1}\n")
-            os.kill(os.getpid(), signal.SIGKILL)
-        optimizer.step()
+
+    def save(step: int) -> None:
         aside = saved.with_suffix(".partial")
         torch.save({"model": net.state_dict(), "optim": optimizer.state_dict(), "data": data.get_state(),
                     "step": step}, aside)
         os.replace(aside, saved)
-        if log is not None:
-            log.write(f"{restarts + 1} {step} {time.time():.6f}\n")
-            log.flush()
-        time.sleep(args.step_time)
+
+    train(run_dir, rank, restarts + 1, start, args, model, optimizer, data, save)
     dist.destroy_process_group()
 
 
