@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["Checkpointer", "Context", "RoleInfo", "accelerate", "attention", "exit_without_teardown", "hot", "init",
-           "measure_iteration", "memory_baseline", "positions", "report", "restart", "role", "roles", "scale", "shards",
-           "train_config", "train_step"]
+__all__ = ["Checkpointer", "Context", "CrossGroup", "RoleInfo", "accelerate", "attention", "exit_without_teardown",
+           "hot", "init", "join_group", "measure_iteration", "memory_baseline", "positions", "report", "restart",
+           "role", "roles", "scale", "shards", "train_config", "train_step"]
 
 _LAZY = {
     "init": "convoy.runtime.init",
@@ -25,6 +25,8 @@ _LAZY = {
     "memory_baseline": "convoy.worker.measure",
     "shards": "convoy.worker.shards",
     "scale": "convoy.worker.scaling",
+    "join_group": "convoy.runtime.cross_group",
+    "CrossGroup": "convoy.runtime.cross_group",
     "roles": "convoy.worker.scaling",
     "report": "convoy.worker.report",
     "train_config": "convoy.worker.live_config",

@@ -41,6 +41,8 @@ ROUTES: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
     "/train/report": (tp.StatusReport, tp.StatusAck),
     "/roles/scale": (rp.RoleScale, rp.RolesView),
     "/roles/list": (rp.RolesQuery, rp.RolesView),
+    "/groups/join": (rp.GroupJoin, rp.GroupView),
+    "/groups/publish": (rp.GroupPublish, rp.GroupView),
 }
 """Local path (under ``/v1``) -> (request, reply) models; the master serves the same path."""
 

@@ -9,7 +9,7 @@ naming who asked and why. Torch-free.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from convoy.control.protocol import roles as rp
@@ -61,6 +61,26 @@ def roles(env: Mapping[str, str] | None = None) -> dict[str, RoleCounts]:
     if isinstance(answer, str):
         raise ConfigError(answer)
     return {counts.name: counts for counts in _counts(answer)}
+
+
+def group_call(path: str, request: dict[str, object], env: Mapping[str, str] | None = None) -> rp.GroupView:
+    """One call of a group across roles (``/groups/join`` or ``/groups/publish``) as this process; a refusal raises
+    a ConfigError naming why (``convoy.join_group`` is built on it)."""
+    backend, caller = _backend("convoy.join_group", env)
+    model = rp.GroupJoin if path == "/groups/join" else rp.GroupPublish
+    answer = backend.call(path, model(**caller, **request), rp.GroupView)
+    if isinstance(answer, str):
+        raise ConfigError(answer)
+    return answer
+
+
+def group_version_now(roles: Sequence[str]) -> str | None:
+    """The version of the group across ``roles`` as the agent's published incarnations show it now (None: nothing
+    published yet, e.g. outside a job)."""
+    published = role().incarnations
+    if not published:
+        return None
+    return rp.group_version(rp.group_members(list(roles), {name: list(published.get(name, ())) for name in roles}))
 
 
 def _counts(view: rp.RolesView) -> list[RoleCounts]:

@@ -113,3 +113,25 @@ def test_a_process_that_ignores_its_preemption_notice_is_stopped_after_the_grace
            "told to finish its unit of work, SIGTERM after 0.5 s" in result.stdout
     assert "convoy: role actor: 1 -> 2 process(es) (grows back: the pool has room again)" in result.stdout
     assert "with 0 restart(s)" in result.stdout, "a preempted process is released, not failed"
+
+
+def test_a_group_across_roles_forms_and_forms_again_at_a_new_version_when_a_role_grows(procs: ProcessScope,
+                                                                                       run_dir: Path) -> None:
+    job = run_dir.parent / "cross.toml"
+    job.write_text(f'entrypoint = "{fixture("cross_group.py")}"\nnnodes = 2\nstop_grace = 1\n'
+                   '[roles.trainer]\ncount = 2\ngroup = true\n[roles.rollout]\ncount = "1:2"\nafter = []\n')
+    result = procs.run(["run", job, "--run-dir", run_dir])
+    assert result.returncode == 0, result.explain()
+    lines = re.findall(r"\] ?: (\w+ \d): group rank (\d) of (\d) at version (\w+): weights \[([^\]]*)\], members "
+                       r"counted (\d)", result.stdout)
+    by_world: dict[str, list[tuple[str, ...]]] = {}
+    for who, rank, world, version, weights, counted in lines:
+        by_world.setdefault(world, []).append((who, rank, version, weights, counted))
+    assert sorted(w[0] for w in by_world["3"]) == ["rollout 0", "trainer 0", "trainer 1"], result.explain()
+    assert sorted(w[0] for w in by_world["4"]) == ["rollout 0", "rollout 1", "trainer 0", "trainer 1"]
+    for world, seen in by_world.items():
+        assert len({version for _, _, version, _, _ in seen}) == 1, "one version per membership"
+        expected = ", ".join(f"{i * int(world)}.0" for i in range(4))
+        assert all(weights == expected and counted == world for _, _, _, weights, counted in seen), seen
+    assert by_world["3"][0][2] != by_world["4"][0][2], "the version changed with the members"
+    assert "(asked by trainer 0: test: a second rollout)" in result.stdout

@@ -39,7 +39,8 @@ def test_no_one_gives_back_for_a_job_of_equal_or_lower_priority_or_when_there_is
 
 
 def test_among_equal_priorities_the_newest_claim_gives_first() -> None:
-    pool = view(Claim("high", 10, wants=1.0), Claim("old", 0, held=2.0, since=1.0), Claim("new", 0, held=2.0, since=2.0))
+    pool = view(Claim("high", 10, wants=1.0), Claim("old", 0, held=2.0, since=1.0),
+                Claim("new", 0, held=2.0, since=2.0))
     assert (give_back(pool, "new"), give_back(pool, "old")) == (1.0, 0.0)
 
 

@@ -5,10 +5,15 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+import uuid
 
 import pytest
 
 from convoy.agent.reap import NodeCgroup, reap, tagged_processes
+
+RUN = uuid.uuid4().hex[:8]
+JOB1, JOB2, JOB3 = f"reap1{RUN}", f"reap2{RUN}", f"reap3{RUN}"
+"""Job ids of this run alone: a scan of /proc sees every process of the machine, another test run's too."""
 
 
 def _sleeper(env: dict[str, str], new_session: bool = False) -> subprocess.Popen[bytes]:
@@ -16,12 +21,12 @@ def _sleeper(env: dict[str, str], new_session: bool = False) -> subprocess.Popen
 
 
 def test_processes_with_the_node_environment_are_found_and_killed() -> None:
-    mine = _sleeper({"CONVOY_JOB_ID": "jobreap1", "CONVOY_NODE_ID": "n0"}, new_session=True)
-    other_node = _sleeper({"CONVOY_JOB_ID": "jobreap1", "CONVOY_NODE_ID": "n1"})
-    other_job = _sleeper({"CONVOY_JOB_ID": "jobreap2", "CONVOY_NODE_ID": "n0"})
+    mine = _sleeper({"CONVOY_JOB_ID": JOB1, "CONVOY_NODE_ID": "n0"}, new_session=True)
+    other_node = _sleeper({"CONVOY_JOB_ID": JOB1, "CONVOY_NODE_ID": "n1"})
+    other_job = _sleeper({"CONVOY_JOB_ID": JOB2, "CONVOY_NODE_ID": "n0"})
     try:
-        assert tagged_processes("jobreap1", "n0") == [mine.pid]
-        assert reap("jobreap1", "n0") == 1
+        assert tagged_processes(JOB1, "n0") == [mine.pid]
+        assert reap(JOB1, "n0") == 1
         assert mine.wait(5) == -9
         assert other_node.poll() is None and other_job.poll() is None, "only that job's node is reaped"
     finally:
@@ -31,7 +36,7 @@ def test_processes_with_the_node_environment_are_found_and_killed() -> None:
 
 
 def test_a_node_cgroup_holds_what_its_members_start_and_is_removed() -> None:
-    cgroup = NodeCgroup.create("jobreap3", "n0")
+    cgroup = NodeCgroup.create(JOB3, "n0")
     if cgroup is None:
         pytest.skip("no writable cgroup hierarchy here (the /proc scan still reaps)")
     parent = subprocess.Popen(["sh", "-c", "read go; sleep 60 & echo $!; wait"], stdin=subprocess.PIPE,
@@ -46,7 +51,7 @@ def test_a_node_cgroup_holds_what_its_members_start_and_is_removed() -> None:
         while child not in cgroup.pids() and time.monotonic() < deadline:
             time.sleep(0.01)
         assert sorted(cgroup.pids()) == sorted([parent.pid, child]), "a member's children stay in its cgroup"
-        assert reap("jobreap3", "n0") == 2
+        assert reap(JOB3, "n0") == 2
         assert parent.wait(5) == -9
         assert not cgroup.path.exists()
     finally:

@@ -58,3 +58,46 @@ class RolesView(Message):
     roles: list[RoleView]
     granted: Count | None = None
     message: str = ""
+
+
+GroupName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.+-]+$")]
+
+
+class GroupJoin(Caller):
+    """Join (or look up) the group ``name`` of every process of ``roles``: its version, this caller's rank in it, and
+    where its rank 0 serves the group's store once it does."""
+
+    name: GroupName
+    roles: list[RoleName] = Field(min_length=1, max_length=16)
+
+
+class GroupPublish(Caller):
+    """Rank 0 of the group's ``version`` serves its store at ``address`` (host:port)."""
+
+    name: GroupName
+    version: str = Field(min_length=1, max_length=64)
+    address: str = Field(min_length=3, max_length=300)
+
+
+class GroupView(Message):
+    name: GroupName
+    version: str
+    rank: int = Field(ge=-1, description="the caller's rank in the group (-1: not a member)")
+    world_size: Count
+    members: list[str] = Field(description="ROLE:RANK of every member, in rank order")
+    address: str = Field(default="", description="where rank 0 of this version serves the store (empty: not yet)")
+
+
+def group_members(roles: list[str], incarnations: dict[str, list[int]]) -> list[tuple[str, int, int]]:
+    """The members of a group across ``roles``: every current process of each, in the order the roles are given,
+    then by rank; ``incarnations``: each role's incarnation by rank, as the master publishes them."""
+    return [(role, rank, incarnation) for role in roles
+            for rank, incarnation in enumerate(incarnations.get(role, []))]
+
+
+def group_version(members: list[tuple[str, int, int]]) -> str:
+    """A version that changes whenever a member comes, goes or is replaced (a new incarnation of its rank)."""
+    import hashlib
+
+    text = ";".join(f"{role}:{rank}:{incarnation}" for role, rank, incarnation in members)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -20,6 +20,7 @@ from convoy.control.pool.store import PoolStore
 from convoy.control.protocol import messages as p
 from convoy.control.protocol import roles as rp
 from convoy.control.protocol import shards as sp
+from convoy.control.roles.groups import CrossGroups
 from convoy.control.roles.master import RoleMaster
 from convoy.control.roles.preemption import pool_tick
 from convoy.control.roles.roles_file import ROLES_PART, load_roles
@@ -41,6 +42,10 @@ class RoleCalls:
         self.role_master = RoleMaster(self.job, roles, config.max_restarts, self._scheduler(core),
                                       config.preempt_grace_s) if roles else None
         """A job of roles: its processes come from the heartbeats' assignments."""
+        self.groups = CrossGroups()
+        """Groups across roles (``convoy.join_group``): where each one's rank 0 serves its store."""
+        self.group_roles: dict[str, list[str]] = {}
+        """Each group's roles, as its first join named them."""
         self.pool_fault = ""
         """Why the pool could not be read at the last tick ("withdrawn": the job ended and left it)."""
         self.taken_back: list[Event] = []
@@ -148,6 +153,41 @@ class RoleCalls:
             if gone:
                 raise ConflictError(f"refused convoy.roles() of {req.caller_role} {req.caller_rank}: {gone}")
             return self._view(roles)
+
+    def group_join(self, req: rp.GroupJoin) -> rp.GroupView:
+        """``convoy.join_group``: the group's version, the caller's rank, and its rank 0's store once published."""
+        with self.core.changed:
+            return self._group(req, req.name, req.roles)
+
+    def group_publish(self, req: rp.GroupPublish) -> rp.GroupView:
+        """Rank 0 of a group's current version says where its store is (a 409 for anyone else, or an old version)."""
+        with self.core.changed:
+            view = self._group(req, req.name, None)
+            address = printable(req.address)
+            try:
+                self.groups.publish(view, req.version, address)
+            except ConfigError as exc:
+                raise ConflictError(str(exc)) from exc
+            view.address = address
+            return view
+
+    def _group(self, req: rp.Caller, name: str, names: list[str] | None) -> rp.GroupView:
+        roles = self.required()
+        gone = self.core.stale(roles, req.caller_role, req.caller_rank, req.caller_incarnation)
+        if gone:
+            raise ConflictError(f"refused a group call of {req.caller_role} {req.caller_rank}: {gone}")
+        names = names if names is not None else self.group_roles.get(name)
+        if names is None:
+            raise ConflictError(f"no group {name!r} has been joined in this job: join it first")
+        try:
+            view = self.groups.view(name, names, roles.roles.incarnations(), list(roles.specs),
+                                    (req.caller_role, req.caller_rank, req.caller_incarnation))
+        except ConfigError as exc:
+            raise ConflictError(str(exc)) from exc
+        if self.group_roles.setdefault(name, names) != names:
+            raise ConflictError(f"group {name!r} is the group of roles {self.group_roles[name]}, not {names}: give "
+                                "another name")
+        return view
 
     @staticmethod
     def _view(roles: RoleMaster) -> rp.RolesView:
