@@ -105,7 +105,7 @@ def preempt_once() -> None:
     from convoy.control.pool.store import PoolStore
 
     view = PoolStore().view()
-    cpus = min(view.capacity, view.free + 1.0)
+    cpus = min(view.capacity.cpus, view.free.cpus + 1.0)
     began = time.monotonic()
     subprocess.run([sys.executable, "-m", "convoy", "preempt", "--cpus", f"{cpus:g}", "--priority", "10",
                     "--seconds", "2"], check=True)

@@ -99,7 +99,7 @@ def preemptor(args: argparse.Namespace) -> None:
             time.sleep(0.02)
         time.sleep(0.5)
         pool = PoolStore().view()
-        cpus = min(pool.capacity, pool.free + 1)
+        cpus = min(pool.capacity.cpus, pool.free.cpus + 1)
         out = subprocess.run([sys.executable, "-m", "convoy", "preempt", "--cpus", f"{cpus:g}", "--priority", "10",
                               "--seconds", "1"], capture_output=True, text=True, check=True).stdout
         ended = time.monotonic()

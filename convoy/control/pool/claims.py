@@ -1,30 +1,76 @@
-"""The claims of the jobs that share one pool of CPUs (this machine's), and what follows from them (pure).
+"""The claims of the jobs that share one pool of CPUs and memory (this machine's), and what follows from them (pure).
 
-Each job (and each ``convoy preempt``) keeps one claim: its priority, the CPUs its processes hold, the part of them
-it cannot give back (its elastic roles at MIN, its fixed roles whole), and the CPUs it asks for beyond what it holds.
-When jobs of higher priority ask for more than is free, the jobs below them give back down to their floor, the
-lowest priority first (then the newest claim first); a job places a process only where the CPUs are free of what is
-held and of what higher priorities ask for.
+Each job (and each ``convoy preempt``) keeps one claim: its priority, the CPUs and memory its processes hold, the
+part of them it cannot give back (its elastic roles at MIN, its groups whole), and what it asks for beyond what it
+holds. When jobs of higher priority ask for more than is free, the jobs below them give back down to their floor,
+the lowest priority first (then the newest claim first); a job places a process only where its CPUs and memory are
+free of what is held and of what higher priorities ask for.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 EPSILON = 1e-9
+GIB = float(1 << 30)
+
+
+@dataclass(frozen=True)
+class Amount:
+    """CPUs and memory (bytes) together: what a process takes, a job holds, or the pool has."""
+
+    cpus: float = 0.0
+    memory: float = 0.0
+
+    def __add__(self, other: Amount) -> Amount:
+        return Amount(self.cpus + other.cpus, self.memory + other.memory)
+
+    def __sub__(self, other: Amount) -> Amount:
+        return Amount(self.cpus - other.cpus, self.memory - other.memory)
+
+    def clipped(self) -> Amount:
+        """No part below 0."""
+        return Amount(max(0.0, self.cpus), max(0.0, self.memory))
+
+    def least(self, other: Amount) -> Amount:
+        return Amount(min(self.cpus, other.cpus), min(self.memory, other.memory))
+
+    def any(self) -> bool:
+        """Whether some part is above 0 (memory counts from a byte)."""
+        return self.cpus > EPSILON or self.memory >= 1.0
+
+    def within(self, other: Amount) -> bool:
+        """Whether every part fits in ``other``."""
+        return self.cpus <= other.cpus + EPSILON and self.memory <= other.memory + 0.5
+
+    def helps(self, owed: Amount) -> bool:
+        """Whether giving this back covers some of ``owed``."""
+        return (self.cpus > EPSILON and owed.cpus > EPSILON) or (self.memory >= 1.0 and owed.memory >= 1.0)
+
+    def describe(self) -> str:
+        parts = [f"{self.cpus:g} CPU(s)"] if self.cpus > EPSILON else []
+        parts += [f"{self.memory / GIB:.2f} GiB"] if self.memory >= 1.0 else []
+        return " and ".join(parts) or "nothing"
+
+
+def total(amounts: Iterable[Amount]) -> Amount:
+    result = Amount()
+    for amount in amounts:
+        result = result + amount
+    return result
 
 
 @dataclass(frozen=True)
 class Claim:
     job_id: str
     priority: int
-    held: float = 0.0
-    """CPUs its running processes hold."""
-    floor: float = 0.0
-    """Of ``held``, what it cannot give back (elastic roles at their MIN, fixed roles whole)."""
-    wants: float = 0.0
-    """CPUs it asks for beyond ``held`` (processes waiting for room; what ``convoy preempt`` stands for)."""
+    held: Amount = field(default_factory=Amount)
+    """What its running processes hold."""
+    floor: Amount = field(default_factory=Amount)
+    """Of ``held``, what it cannot give back (elastic roles at their MIN, groups whole)."""
+    wants: Amount = field(default_factory=Amount)
+    """What it asks for beyond ``held`` (processes waiting for room; what ``convoy preempt`` stands for)."""
     since: float = 0.0
     """When the claim was made (wall clock): among equal priorities the newest gives back first."""
     pid: int = 0
@@ -36,54 +82,54 @@ class Claim:
 class PoolView:
     """The pool as one job sees it: its capacity and every live claim."""
 
-    capacity: float
+    capacity: Amount
     claims: tuple[Claim, ...]
 
     @property
-    def held(self) -> float:
-        return sum(claim.held for claim in self.claims)
+    def held(self) -> Amount:
+        return total(claim.held for claim in self.claims)
 
     @property
-    def free(self) -> float:
-        return max(0.0, self.capacity - self.held)
+    def free(self) -> Amount:
+        return (self.capacity - self.held).clipped()
 
     def claim(self, job_id: str) -> Claim | None:
         return next((claim for claim in self.claims if claim.job_id == job_id), None)
 
 
-def room_for(view: PoolView, job_id: str, priority: int) -> float:
-    """CPUs ``job_id`` may take now: what no one holds, less what jobs of higher priority ask for."""
-    above = sum(claim.wants for claim in view.claims if claim.priority > priority and claim.job_id != job_id)
-    return max(0.0, view.free - above)
+def room_for(view: PoolView, job_id: str, priority: int) -> Amount:
+    """What ``job_id`` may take now: what no one holds, less what jobs of higher priority ask for."""
+    above = total(claim.wants for claim in view.claims if claim.priority > priority and claim.job_id != job_id)
+    return (view.free - above).clipped()
 
 
-def give_back(view: PoolView, job_id: str) -> float:
-    """CPUs ``job_id`` must give back now: where jobs of higher priority than its own ask for more than is free, the
+def give_back(view: PoolView, job_id: str) -> Amount:
+    """What ``job_id`` must give back now: where jobs of higher priority than its own ask for more than is free, the
     jobs below the highest of them give back down to their floor, lowest priority first, then the newest claim
-    first, until the deficit is covered; this job's share of that (0 where it need give nothing)."""
+    first, until the deficit is covered; this job's share of that (nothing where it need give nothing)."""
     mine = view.claim(job_id)
     if mine is None:
-        return 0.0
-    askers = [claim for claim in view.claims if claim.wants > EPSILON and claim.priority > mine.priority]
-    deficit = sum(claim.wants for claim in askers) - view.free
-    if not askers or deficit <= EPSILON:
-        return 0.0
+        return Amount()
+    askers = [claim for claim in view.claims if claim.wants.any() and claim.priority > mine.priority]
+    deficit = (total(claim.wants for claim in askers) - view.free).clipped()
+    if not askers or not deficit.any():
+        return Amount()
     top = max(claim.priority for claim in askers)
     givers = sorted((claim for claim in view.claims if claim.priority < top),
                     key=lambda claim: (claim.priority, -claim.since, claim.job_id))
     for claim in givers:
-        share = min(max(0.0, claim.held - claim.floor), deficit)
+        share = (claim.held - claim.floor).clipped().least(deficit)
         if claim.job_id == job_id:
             return share
-        deficit -= share
-        if deficit <= EPSILON:
+        deficit = (deficit - share).clipped()
+        if not deficit.any():
             break
-    return 0.0
+    return Amount()
 
 
 def describe(claims: Sequence[Claim]) -> list[str]:
     """``convoy pool``'s rows, highest priority first."""
     rows = sorted(claims, key=lambda claim: (-claim.priority, claim.since))
-    return [f"  {claim.job_id:<24} priority {claim.priority:<4} holds {claim.held:g} CPU(s) (floor {claim.floor:g}), "
-            f"asks {claim.wants:g} more; pid {claim.pid}" + (f", {claim.run_dir}" if claim.run_dir else "")
-            for claim in rows]
+    return [f"  {claim.job_id:<24} priority {claim.priority:<4} holds {claim.held.describe()} (floor "
+            f"{claim.floor.describe()}), asks {claim.wants.describe()} more; pid {claim.pid}"
+            + (f", {claim.run_dir}" if claim.run_dir else "") for claim in rows]

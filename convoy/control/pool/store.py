@@ -1,8 +1,9 @@
-"""Where the jobs of one machine keep their claims: one SQLite file (``CONVOY_POOL``, else
+"""Where the jobs of one machine keep their claims of CPUs and memory: one SQLite file (``CONVOY_POOL``, else
 ``/tmp/convoy-pool-<uid>/pool.db`` in a directory only this user may enter), written by each job's master and by
 ``convoy preempt``, read by all of them and by ``convoy pool``. A claim whose process is gone is dropped as it is
-read, so a job that was SIGKILLed holds nothing. The pool's capacity is ``CONVOY_POOL_CPUS`` where set, else the
-CPUs this process may run on (its affinity, and its cgroup's quota where one is set)."""
+read, so a job that was SIGKILLed holds nothing. The pool's capacity is ``CONVOY_POOL_CPUS`` and
+``CONVOY_POOL_MEMORY`` where set, else the CPUs this process may run on (its affinity, and its cgroup's quota where
+one is set) and the machine's memory (its cgroup's limit where one is set)."""
 
 from __future__ import annotations
 
@@ -12,15 +13,21 @@ import sqlite3
 import time
 from pathlib import Path
 
-from convoy.control.pool.claims import Claim, PoolView, room_for
+from convoy.control.pool.claims import Amount, Claim, PoolView, room_for
 from convoy.errors import ConfigError
+from convoy.roles_config import parse_memory
 
 POOL_ENV = "CONVOY_POOL"
 POOL_CPUS_ENV = "CONVOY_POOL_CPUS"
+POOL_MEMORY_ENV = "CONVOY_POOL_MEMORY"
 BUSY_TIMEOUT_S = 0.5
 """A call waits this long for another's transaction (the master calls under its lock: never long)."""
-SCHEMA = ("CREATE TABLE IF NOT EXISTS claims (job_id TEXT PRIMARY KEY, priority INTEGER NOT NULL, held REAL NOT NULL, "
-          "floor REAL NOT NULL, wants REAL NOT NULL, since REAL NOT NULL, pid INTEGER NOT NULL, run_dir TEXT NOT NULL)")
+SCHEMA = ("CREATE TABLE IF NOT EXISTS claims_v2 (job_id TEXT PRIMARY KEY, priority INTEGER NOT NULL, "
+          "held_cpus REAL NOT NULL, held_memory REAL NOT NULL, floor_cpus REAL NOT NULL, floor_memory REAL NOT NULL, "
+          "wants_cpus REAL NOT NULL, wants_memory REAL NOT NULL, since REAL NOT NULL, pid INTEGER NOT NULL, "
+          "run_dir TEXT NOT NULL)")
+COLUMNS = ("job_id, priority, held_cpus, held_memory, floor_cpus, floor_memory, wants_cpus, wants_memory, since, pid, "
+           "run_dir")
 
 
 def pool_path() -> Path:
@@ -53,6 +60,28 @@ def machine_cpus() -> float:
     return cpus
 
 
+def machine_memory() -> float:
+    """The pool's memory in bytes: ``CONVOY_POOL_MEMORY`` where set (e.g. ``64GiB``), else this machine's, lowered to
+    its cgroup v2 limit where one is set."""
+    given = os.environ.get(POOL_MEMORY_ENV)
+    if given is not None:
+        try:
+            size, auto = parse_memory(given)
+        except ConfigError as exc:
+            raise ConfigError(f"{POOL_MEMORY_ENV}: {exc}") from None
+        if auto or size is None:
+            raise ConfigError(f"{POOL_MEMORY_ENV}={given!r}: give a size, e.g. 64GiB")
+        return float(size)
+    memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            memory = min(memory, float(limit))
+    except (OSError, ValueError):
+        pass
+    return memory
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -66,9 +95,9 @@ def _alive(pid: int) -> bool:
 class PoolStore:
     """One connection to the pool's file; each call is one short transaction."""
 
-    def __init__(self, path: Path | None = None, capacity: float | None = None) -> None:
+    def __init__(self, path: Path | None = None, capacity: Amount | None = None) -> None:
         self.path = path or pool_path()
-        self.capacity = machine_cpus() if capacity is None else capacity
+        self.capacity = Amount(machine_cpus(), machine_memory()) if capacity is None else capacity
         try:
             self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None,
@@ -81,26 +110,26 @@ class PoolStore:
 
     def put(self, claim: Claim) -> None:
         """Make or replace this claim."""
-        if not all(math.isfinite(x) and x >= 0 for x in (claim.held, claim.floor, claim.wants)):
-            raise ConfigError(f"claim of {claim.job_id}: CPUs must be finite and >= 0")
-        self._db.execute("INSERT OR REPLACE INTO claims VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                         (claim.job_id, claim.priority, claim.held, claim.floor, claim.wants,
+        amounts = (claim.held, claim.floor, claim.wants)
+        if not all(math.isfinite(x) and x >= 0 for amount in amounts for x in (amount.cpus, amount.memory)):
+            raise ConfigError(f"claim of {claim.job_id}: CPUs and memory must be finite and >= 0")
+        self._db.execute(f"INSERT OR REPLACE INTO claims_v2 ({COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                         (claim.job_id, claim.priority, *_pair(claim.held), *_pair(claim.floor), *_pair(claim.wants),
                           claim.since or time.time(), claim.pid or os.getpid(), claim.run_dir))
 
-    def take(self, claim: Claim, cpus: float) -> bool:
-        """Add ``cpus`` to this job's held CPUs (and take them off what it asks for) if the pool has room for them
-        (``room_for``), in one transaction that no other job's can interleave with; the claim is made where it has
-        none yet."""
+    def take(self, claim: Claim, amount: Amount) -> bool:
+        """Add ``amount`` to this job's held CPUs and memory (and take it off what it asks for) if the pool has room
+        for it (``room_for``), in one transaction that no other job's can interleave with; the claim is made where it
+        has none yet."""
         self._db.execute("BEGIN IMMEDIATE")
         try:
             view = self.view()
             mine = view.claim(claim.job_id) or claim
-            if room_for(view, claim.job_id, claim.priority) + 1e-9 < cpus:
+            if not amount.within(room_for(view, claim.job_id, claim.priority)):
                 self._db.execute("ROLLBACK")
                 return False
-            self._db.execute("INSERT OR REPLACE INTO claims VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                             (claim.job_id, claim.priority, mine.held + cpus, mine.floor, max(0.0, mine.wants - cpus),
-                              mine.since or time.time(), claim.pid or os.getpid(), claim.run_dir))
+            self.put(Claim(claim.job_id, claim.priority, mine.held + amount, mine.floor,
+                           (mine.wants - amount).clipped(), mine.since or time.time(), claim.pid, claim.run_dir))
             self._db.execute("COMMIT")
             return True
         except BaseException:
@@ -108,12 +137,12 @@ class PoolStore:
             raise
 
     def remove(self, job_id: str) -> None:
-        self._db.execute("DELETE FROM claims WHERE job_id = ?", (job_id,))
+        self._db.execute("DELETE FROM claims_v2 WHERE job_id = ?", (job_id,))
 
     def view(self) -> PoolView:
         """Every live claim; those of processes that are gone are deleted."""
-        rows = self._db.execute("SELECT job_id, priority, held, floor, wants, since, pid, run_dir FROM claims")
-        claims = [Claim(*row) for row in rows.fetchall()]
+        rows = self._db.execute(f"SELECT {COLUMNS} FROM claims_v2").fetchall()
+        claims = [_claim(row) for row in rows]
         for claim in claims:
             if not _alive(claim.pid):
                 self.remove(claim.job_id)
@@ -126,3 +155,14 @@ class PoolStore:
 
     def close(self) -> None:
         self._db.close()
+
+
+def _pair(amount: Amount) -> tuple[float, float]:
+    return amount.cpus, amount.memory
+
+
+def _claim(row: tuple) -> Claim:  # type: ignore[type-arg]
+    job_id, priority, held_cpus, held_memory, floor_cpus, floor_memory, wants_cpus, wants_memory, since, pid, run_dir \
+        = row
+    return Claim(job_id, priority, Amount(held_cpus, held_memory), Amount(floor_cpus, floor_memory),
+                 Amount(wants_cpus, wants_memory), since, pid, run_dir)

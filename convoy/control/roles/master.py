@@ -314,14 +314,14 @@ class RoleMaster:
                 waiting.append(start)
                 continue
             home, port = self.homes.get((start.role, start.rank), ("", 0))
-            choice, said = self.rooms.place(key, self._need(start.role, start.rank), nodes, taken, home,
+            choice, said = self.rooms.place(key, self.need(start.role, start.rank), nodes, taken, home,
                                             self._placed_count(start.role), self.roles.world_size(start.role),
                                             self.specs[start.role].count.minimum)
             events += said
             if choice is None:
                 waiting.append(start)
                 continue
-            if not self.scheduler.take(self._need(start.role, start.rank).cpus):
+            if not self.scheduler.take(self.need(start.role, start.rank).amount()):
                 self.pool_waiting.add(key)  # what this job asks of the pool: jobs of lower priority give it back
                 waiting.append(start)
                 continue
@@ -334,14 +334,15 @@ class RoleMaster:
         """What a node reported when it joined (its first join's figures stand): the room its processes take."""
         self.rooms.node_joined(node_id, memory_bytes, cpus, gpus)
 
-    def _need(self, role: str, rank: int) -> Need:
+    def need(self, role: str, rank: int) -> Need:
+        """What one process of the role takes: its memory limit, CPUs and GPUs."""
         spec = self.specs[role]
         return Need(self.sizing.limit_for(role, rank), spec.cpus or 0.0, spec.gpus)
 
     def _taken(self) -> dict[str, Taken]:
         taken: dict[str, Taken] = {}
         for (role, rank, _), placed in self.placed.items():
-            taken.setdefault(placed.node_id, Taken()).add(self._need(role, rank), placed.gpus)
+            taken.setdefault(placed.node_id, Taken()).add(self.need(role, rank), placed.gpus)
         return taken
 
     def _placed_count(self, role: str) -> int:
@@ -359,7 +360,7 @@ class RoleMaster:
             if waited is not None:
                 return self.job.abort(f"role {name} has had {placed} of its MIN {minimum} process(es) placed for "
                                       f"{waited:.0f} s: no node has room for one more (each needs "
-                                      f"{self._need(name, waiting[0].rank).describe()}); add a node, or lower the "
+                                      f"{self.need(name, waiting[0].rank).describe()}); add a node, or lower the "
                                       "role's count or resources")
         return []
 

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from convoy.control.job import Event
+from convoy.control.pool.claims import Amount
 
 GIB = 1 << 30
 
@@ -26,6 +27,10 @@ class Need:
     memory_bytes: int = 0
     cpus: float = 0.0
     gpus: int = 0
+
+    def amount(self) -> Amount:
+        """What it takes from the machine's pool: its CPUs and its memory."""
+        return Amount(self.cpus, float(self.memory_bytes))
 
     def describe(self) -> str:
         parts = [f"{self.memory_bytes / GIB:.2f} GiB"] if self.memory_bytes else []

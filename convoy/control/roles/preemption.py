@@ -12,27 +12,30 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from convoy.control.job import Event
-from convoy.control.pool.claims import EPSILON
+from convoy.control.pool.claims import Amount, total
 
 if TYPE_CHECKING:
     from convoy.control.roles.master import RoleMaster
 
 
-def claim(master: RoleMaster) -> tuple[float, float, float]:
-    """(held, floor, wants): the CPUs this job's processes hold (one stopping still holds them until it exits), the
-    part that stays (each role at its MIN; a group whole), and what its processes waiting for the pool (and its
-    preempted roles, one process each) ask for."""
-    held = floor = 0.0
+def claim(master: RoleMaster) -> tuple[Amount, Amount, Amount]:
+    """(held, floor, wants): what this job's processes hold (one stopping still holds it until it exits), the part
+    that stays (each role at its MIN; a group whole), and what its processes waiting for the pool (and its preempted
+    roles, one process each) ask for."""
+    held = floor = Amount()
     for name, spec in master.specs.items():
-        cpus = spec.cpus or 0.0
         keys = [key for key in master.placed if key[0] == name]
-        current = sum(1 for key in keys if key not in master.stopping and master.is_running(*key))
-        held += cpus * len(keys)
-        floor += cpus * (current if spec.group else min(current, spec.count.minimum))
+        for key in keys:
+            held = held + master.need(name, key[1]).amount()
+        current = [key for key in keys if key not in master.stopping and master.is_running(*key)]
+        kept = current if spec.group else sorted(current, key=lambda key: key[1])[:spec.count.minimum]
+        floor = total([floor, *(master.need(name, key[1]).amount() for key in kept)])
     master.pool_waiting = {key for key in master.pool_waiting
                            if any((start.role, start.rank, start.incarnation) == key for start in master.pending)}
-    wants = sum(master.specs[role].cpus or 0.0 for role, _, _ in master.pool_waiting)
-    wants += sum(state.spec.cpus or 0.0 for state in master.roles.roles.values() if state.grow_to > state.target)
+    wants = total(master.need(role, rank).amount() for role, rank, _ in master.pool_waiting)
+    for name, state in master.roles.roles.items():
+        if state.grow_to > state.target:
+            wants = wants + master.need(name, state.target).amount()
     return held, floor, wants
 
 
@@ -42,37 +45,37 @@ def pool_tick(master: RoleMaster) -> list[Event]:
     if not master.begun:
         return []
     master.scheduler.sync(*claim(master))
-    releasing = sum(master.specs[key[0]].cpus or 0.0 for key in master.releasing)  # freed as they exit
-    owed = master.scheduler.give_back() - releasing
-    if owed > EPSILON:
+    releasing = total(master.need(role, rank).amount() for role, rank, _ in master.releasing)  # freed as they exit
+    owed = (master.scheduler.give_back() - releasing).clipped()
+    if owed.any():
         return _preempt(master, owed) + master.advance()
     events: list[Event] = []
     room = master.scheduler.room()
     for name, state in master.roles.roles.items():
-        cpus = state.spec.cpus or 0.0
-        if state.grow_to > state.target and cpus <= room + EPSILON:
+        need = master.need(name, state.target).amount()
+        if state.grow_to > state.target and need.within(room):
             decisions, more = master.roles.grow_back(name)
             events += more + master.carry_out(decisions)
-            room -= cpus
+            room = (room - need).clipped()
     return events + master.advance()
 
 
-def _preempt(master: RoleMaster, owed: float) -> list[Event]:
-    """Give back processes of elastic roles (the one furthest above its MIN first; only roles that declare cpus
-    free any) until ``owed`` CPUs are covered; none below a role's MIN."""
+def _preempt(master: RoleMaster, owed: Amount) -> list[Event]:
+    """Give back processes of elastic roles (the one furthest above its MIN first; only roles whose processes hold
+    some of what is owed free any) until ``owed`` is covered; none below a role's MIN, none of a group."""
     events: list[Event] = []
     asked = owed
-    while owed > EPSILON:
+    while owed.any():
         candidates = [(state.target - state.spec.count.minimum, name) for name, state in master.roles.roles.items()
-                      if (state.spec.cpus or 0.0) > 0 and state.target > state.spec.count.minimum
-                      and not state.spec.group]
+                      if state.target > state.spec.count.minimum and not state.spec.group
+                      and master.need(name, max(state.members, default=0)).amount().helps(owed)]
         if not candidates:
             break
         _, name = max(candidates)
-        cpus = master.specs[name].cpus or 0.0
-        decisions, more = master.roles.preempt(name, f"a job of higher priority asks for {asked:g} CPU(s) more than "
+        freed = master.need(name, max(master.roles.roles[name].members)).amount()
+        decisions, more = master.roles.preempt(name, f"a job of higher priority asks for {asked.describe()} more than "
                                                      f"the pool has free; told to finish its unit of work, SIGTERM "
                                                      f"after {master.preempt_grace_s:g} s")
         events += more + master.carry_out(decisions)
-        owed -= cpus
+        owed = (owed - freed).clipped()
     return events
