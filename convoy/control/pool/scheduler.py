@@ -64,6 +64,8 @@ class PoolScheduler:
         self.taken = Amount()
         """Granted since the last sync (the pool's file holds it already; the view not yet)."""
         self.held = Amount()
+        self.written: tuple[Amount, Amount, Amount] | None = None
+        """The numbers last written to the pool."""
 
     def _claim(self, held: Amount, floor: Amount, wants: Amount) -> Claim:
         return Claim(self.job_id, self.priority, held, floor, wants, self.since, os.getpid(), self.run_dir)
@@ -85,7 +87,13 @@ class PoolScheduler:
         return give_back(self.view, self.job_id)
 
     def sync(self, held: Amount, floor: Amount, wants: Amount) -> None:
-        self.view = self.store.sync(self._claim(held, floor, wants))
+        """Written where it changed (a job that claims nothing writes nothing after its first tick); read always: what
+        jobs of higher priority ask for must reach this one within a tick."""
+        numbers = (held, floor, wants)
+        if numbers != self.written or self.taken.any():
+            self.store.put(self._claim(held, floor, wants))
+            self.written = numbers
+        self.view = self.store.view()
         self.held, self.taken = held, Amount()
 
     def close(self) -> None:
