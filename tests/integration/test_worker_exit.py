@@ -43,7 +43,7 @@ def test_the_workers_that_lose_their_peer_are_one_line_each(procs: ProcessScope,
 
 
 def test_a_collective_finishing_during_the_exit_aborts_the_interpreters_teardown_not_convoys(
-        procs: ProcessScope) -> None:
+        procs: ProcessScope, tmp_path: Path) -> None:
     """Rank 0's gloo thread finishes an allreduce begun in a backward while rank 0 is exiting, and needs the GIL to
     free it (tests/fixtures/gloo_exit_race.py). Through Python's teardown the process aborts after its work is
     done, as the 4-rank strategy test's rank 0 did in CI (the strategy search's dry-run ranks ended that way too);
@@ -52,9 +52,11 @@ def test_a_collective_finishing_during_the_exit_aborts_the_interpreters_teardown
 
     for ending, code in (("interpreter", -signal.SIGABRT), ("convoy", 0)):
         port = str(free_port())
+        race_dir = tmp_path / ending
+        race_dir.mkdir()
         ranks = [procs.start([ending], command=[sys.executable, str(FIXTURES / "gloo_exit_race.py")], env={
             "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-            "OMP_NUM_THREADS": "1"}) for rank in range(2)]
+            "OMP_NUM_THREADS": "1", "EXIT_RACE_DIR": str(race_dir)}) for rank in range(2)]
         first, second = (rank.wait(60) for rank in ranks)
         assert "rank 0: script done" in first.stdout, first.explain()
         assert second.returncode == 0 and "rank 1: allreduce done" in second.stdout, second.explain()
