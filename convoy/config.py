@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from convoy.errors import ConfigError
+from convoy.ray_config import RayConfig, check_scheduler
 from convoy.roles_config import RoleSpec, check_roles
 from convoy.sanitize import safe_host
 
@@ -301,6 +302,10 @@ class JobConfig:
     workers: WorkerConfig = field(default_factory=WorkerConfig)
     roles: tuple[RoleSpec, ...] = ()
     """The job's roles; empty: one role (DEFAULT_ROLE) of every worker process, as before roles existed."""
+    scheduler: str = "local"
+    """What places the job's nodes: ``local`` (agents as child processes here) or ``ray`` (one per Ray node)."""
+    ray: RayConfig = field(default_factory=RayConfig)
+    """With ``scheduler = "ray"``: the cluster and each node's share of it."""
 
     @property
     def num_agents(self) -> int:
@@ -316,6 +321,9 @@ class JobConfig:
                 except ConfigError as exc:
                     raise ConfigError(f"role {role.name!r}: {exc}") from None
         self.master.validate()
+        check_scheduler(self.scheduler)
+        if self.scheduler == "ray":
+            self.ray.validate()
 
 
 def check_run_dir(run_dir: Path) -> None:

@@ -110,7 +110,7 @@ class Agent:
         while True:
             join = p.JoinRequest(node_id=self.config.node_id, host=self.config.host, port=self._hold_port(),
                                  nproc=self.config.workers.nproc_per_node, instance=self._instance,
-                                 node_rank=self.config.node_rank, **join_memory())
+                                 node_rank=self.config.node_rank, **join_memory(self.config.cpus))
             joined = self.client.call("/join", join, p.JoinResponse)
             if not self._job_id:
                 self._first_joined(joined.job_id)
@@ -217,7 +217,7 @@ class Agent:
             if latest is not None and latest.round_id > round_id:
                 join = p.JoinRequest(node_id=self.config.node_id, host=self.config.host, port=self._hold_port(),
                                      nproc=self.config.workers.nproc_per_node, instance=self._instance,
-                                     **join_memory())
+                                     **join_memory(self.config.cpus))
                 self._release_port()  # no torch.distributed store runs on it
                 joined = self.client.call("/join", join, p.JoinResponse)
                 # the round it joined may be a later one (a lost node coming back grows the job): joining that one

@@ -29,6 +29,8 @@ class AgentConfig:
     """Speak TLS to the master and trust its certificate if this CA signed it (empty: plain HTTP)."""
     node_rank: int = -1
     """The node rank this agent asks for in a first round (torchrun's --node-rank); -1: the master's join order."""
+    cpus: int = 0
+    """The CPUs this node offers role processes (0: the agent's CPU affinity)."""
     roles: bool = False
     """The job runs roles (known at the start where the launcher's roles file is in the run dir): no standby per
     local rank, but a fork server from the first join on (a job found to have roles later starts it then)."""

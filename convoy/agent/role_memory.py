@@ -228,13 +228,15 @@ class RoleMemory:
                 one.limit.close()
 
 
-def join_memory() -> dict[str, int]:
-    """What a join tells the master of this node's memory, CPUs and GPUs (role processes are placed by them)."""
+def join_memory(cpus: int = 0) -> dict[str, int]:
+    """What a join tells the master of this node's memory, CPUs and GPUs (role processes are placed by them);
+    ``cpus``: the CPUs the node offers (0: this process's CPU affinity)."""
     available, limit = node_memory()
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except OSError:
-        cpus = os.cpu_count() or 1
+    if not cpus:
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except OSError:
+            cpus = os.cpu_count() or 1
     return {"memory_available_bytes": available, "memory_limit_bytes": limit, "cpus": cpus, "gpus": len(node_gpus())}
 
 

@@ -14,6 +14,7 @@ import tomllib
 
 from convoy.config import check_entrypoint, parse_nnodes
 from convoy.errors import ConfigError
+from convoy.ray_config import check_scheduler
 from convoy.roles_config import (ROLE_FLAGS, RoleCount, RoleSpec, apply_role_counts, parse_count, parse_role_flag,
                                  role_from_table)
 
@@ -67,6 +68,12 @@ def _nnodes(value: object) -> object:
     return str(value)
 
 
+def _amount(value: object) -> object:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{value!r} is not an amount >= 0")
+    return float(value)
+
+
 def _strings(value: object) -> list[str]:
     if isinstance(value, str) or not isinstance(value, list) or not all(isinstance(item, str) for item in value):
         raise ConfigError(f"{value!r} is not a list of strings, e.g. [\"--lr\", \"0.1\"]")
@@ -85,6 +92,10 @@ JOB_FILE_OPTIONS: dict[str, tuple[str, Callable[[object], object]]] = {
     "ps": ("ps", parse_count), "workers": ("workers", parse_count), "role": ("role", _strings),
     "auto_apply": ("auto_apply", lambda value: ",".join(_strings(value))),
     "priority": ("priority", _whole(-1000, 1000)), "preempt_grace": ("preempt_grace", _seconds(False)),
+    "scheduler": ("scheduler", lambda value: check_scheduler(str(_typed(str)(value)))),
+    "address": ("address", _typed(str)), "placement_timeout": ("placement_timeout", _seconds(True)),
+    "ray_cpus": ("ray_cpus", _amount), "ray_gpus": ("ray_gpus", _amount), "ray_memory": ("ray_memory", _typed(str)),
+    "ray_resource": ("ray_resource", _strings),
 }
 """Each top-level key: the argparse dest of the ``convoy run`` flag it stands for, and the check of its value."""
 _KEY_PART = r"""(?:[A-Za-z0-9_-]+|"(?:[^"\\]|\\.)*"|'[^']*')"""

@@ -93,6 +93,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     agent.add_argument("--job-id", default="", help="the job's id where it is known (a job of roles then starts "
                        "the fork server of its processes at once, before the first join)")
     agent.add_argument("--fork-server", default="", help=argparse.SUPPRESS)  # FD:PID, from the local launcher
+    agent.add_argument("--cpus", type=int, default=0, metavar="N",
+                       help="the CPUs this node offers the job's role processes (default: the agent's CPU affinity; "
+                            "on Ray, the CPUs its actor holds)")
     add_worker_options(agent)
     status = commands.add_parser("status", help="show a job's nodes, round, restarts and recent events")
     status.add_argument("--run-dir", type=Path, required=True, help="the job's run directory")
@@ -123,7 +126,14 @@ def _run(args: argparse.Namespace, run_argv: Sequence[str]) -> int:
                           "HOST:PORT (torchrun's --rdzv-endpoint) too")
     os.environ[SIGNALS_ENV] = args.signals_to_handle  # as torchrun: its workers see the signals their launcher handles
     previous = stop_on(stopping)  # SIGINT and SIGTERM: each launcher's own, whatever this process inherited
+    if config.scheduler == "ray" and (args.endpoint or args.relaunch or args.local_addr):
+        raise ConfigError("--endpoint, --relaunch and --local-addr are for local nodes; with --scheduler ray Ray "
+                          "places the nodes (a lost agent is placed again on its own)")
     try:
+        if config.scheduler == "ray":
+            from convoy.launch.ray_run import run_ray_job
+
+            return run_ray_job(config, console=_console)
         if args.endpoint:
             from convoy.launch.endpoint import run_endpoint_job
 
@@ -267,6 +277,7 @@ def _agent(args: argparse.Namespace) -> int:
     config = AgentConfig(
         master_host=host, master_port=port, token=token, node_id=args.node_id or default_node_id(run_dir),
         host=address, run_dir=run_dir, workers=workers, tls_ca=args.tls_ca, roles=roles, node_rank=args.node_rank,
+        cpus=args.cpus,
     )
     return Agent(config, group, forks).run()
 

@@ -12,9 +12,12 @@ from convoy.config import (MAX_NPROC_PER_NODE, JobConfig, MasterConfig, Rendezvo
                            parse_nnodes)
 from convoy.control.training.versions import parse_assignments
 from convoy.log import LEVELS
+from convoy.ray_config import SCHEDULERS, RayConfig, parse_resources, parse_size
 from convoy.roles_config import apply_role_counts, role_counts_from_flags
 
-_WORKERS, _MASTER, _RDZV = WorkerConfig(), MasterConfig(run_dir=Path(".")), RendezvousConfig()
+_WORKERS, _MASTER, _RDZV, _RAY = WorkerConfig(), MasterConfig(run_dir=Path(".")), RendezvousConfig(), RayConfig()
+LISTS = ("role", "set", "ray_resource")
+"""The repeatable flags: a job file's list and the command line's add up."""
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 """torchrun's default ``--signals-to-handle``."""
 
@@ -144,7 +147,34 @@ def add_run_options(parser: Options) -> None:
     parser.add_argument("--strategy-memory", default="2GB", metavar="SIZE",
                         help="with --strategy auto: the memory a rank may use for training, e.g. 1.5GB (default "
                              "%(default)s)")
+    add_ray_options(parser)
     add_worker_options(parser)
+
+
+def add_ray_options(parser: Options) -> None:
+    parser.add_argument("--scheduler", default="local", choices=SCHEDULERS,
+                        help="local: the nodes are agents on this machine (default); ray: one agent per node of a Ray "
+                             "cluster, placed as an actor there (pip install 'convoy[ray]')")
+    parser.add_argument("--address", default=_RAY.address, metavar="auto|HOST:PORT",
+                        help="with --scheduler ray: the cluster's head (default auto: the one this machine joined)")
+    parser.add_argument("--placement-timeout", type=float, default=_RAY.placement_timeout_s, metavar="S",
+                        help="with --scheduler ray: seconds MIN nodes may take to be placed before the job fails "
+                             "naming what is missing (default %(default)s)")
+    parser.add_argument("--ray-cpus", type=float, default=0.0, metavar="N",
+                        help="CPUs each node's agent holds on Ray (default: one per worker, or the roles' CPUs per "
+                             "node)")
+    parser.add_argument("--ray-gpus", type=float, default=0.0, metavar="N",
+                        help="GPUs each node's agent holds on Ray (default: the roles' GPUs per node, else none)")
+    parser.add_argument("--ray-memory", default="", metavar="SIZE", help="memory each node's agent holds on Ray")
+    parser.add_argument("--ray-resource", action="append", default=[], metavar="NAME=AMOUNT",
+                        help="a custom Ray resource each node's agent holds (places the job on nodes that have it); "
+                             "repeatable")
+
+
+def ray_config(args: argparse.Namespace) -> RayConfig:
+    return RayConfig(address=args.address, placement_timeout_s=args.placement_timeout, cpus=args.ray_cpus,
+                     gpus=args.ray_gpus, memory_bytes=parse_size(args.ray_memory, "--ray-memory"),
+                     resources=parse_resources(args.ray_resource))
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
@@ -179,15 +209,17 @@ def job_config(args: argparse.Namespace, run_argv: Sequence[str]) -> tuple[JobCo
         before.pop("script")
         if "script" not in after:
             after.pop("args")
-        reset = {"script": "", "args": [], "ps": None, "workers": None, "role": [], "set": []}  # file, then flags
+        reset = {"script": "", "args": [], "ps": None, "workers": None, "role": [], "set": [],  # file, then flags
+                 "ray_resource": []}
         args = argparse.Namespace(**{**vars(args), **reset, **job_file.options})
         for given in (before, after):
             for dest, value in given.items():
-                setattr(args, dest, [*getattr(args, dest), *value] if dest in ("role", "set") else value)
+                setattr(args, dest, [*getattr(args, dest), *value] if dest in LISTS else value)
         roles = job_file.roles
     counts = role_counts_from_flags({dest: getattr(args, dest) for dest in ("ps", "workers")}, args.role)
     roles = apply_role_counts(roles, counts, job_has_script=bool(args.script))
-    return JobConfig(master=master_config(args), workers=worker_config(args), roles=roles), args
+    return JobConfig(master=master_config(args), workers=worker_config(args), roles=roles, scheduler=args.scheduler,
+                     ray=ray_config(args)), args
 
 
 def _given(argv: Sequence[str]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import secrets
 import signal
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from convoy.agent.gpus import check_local_gpus
@@ -18,9 +19,9 @@ from convoy.config import STATE_FILE, JobConfig
 from convoy.control.store import read_status
 from convoy.control.token import TOKEN_FILE, write_token
 from convoy.errors import ConfigError, ConvoyError
-from convoy.launch.schedulers.local import LocalScheduler
+from convoy.launch.schedulers.local import LocalScheduler, NodeScheduler, describe_exit
 from convoy.ports import free_port
-from convoy.procs import Interrupted, ignore_interrupts, raise_interrupted, signal_name
+from convoy.procs import Interrupted, ignore_interrupts, raise_interrupted
 from convoy.shm import remove_segments
 
 if TYPE_CHECKING:
@@ -33,24 +34,29 @@ POLL_S = 0.05
 MASTER_END_WAIT_S = 1.0
 
 
-def describe_exit(returncode: int) -> str:
-    name = signal_name(returncode)
-    return f"killed by {name}" if name else f"exit code {returncode}"
-
-
 def run_local_job(config: JobConfig, relaunch: bool = False, console: Callable[[str], None] = print,
                   agent_host: str = "127.0.0.1") -> int:
     """Run the job to its end; return 0 on success, 1 on failure, 128+N on signal N. ``agent_host``: the address
     the workers reach their node at (MASTER_ADDR; torchrun's --local-addr)."""
     config.validate()
     check_local_gpus([(role.name, role.gpus) for role in config.roles])  # every node of this job is this host
-    run_dir = config.master.run_dir
+    port, token_file, token = prepare_job(config, "127.0.0.1")
+    return run_job(LocalScheduler(config, token_file, port, agent_host=agent_host), token, relaunch, console)
+
+
+def prepare_job(config: JobConfig, master_host: str) -> tuple[int, Path, str]:
+    """The job's id, its master's port on ``master_host`` and its token (written in the run dir)."""
     config.master.job_id = config.master.job_id or secrets.token_hex(4)
-    port = _usable_port(config.master.port)
-    token_file = run_dir / TOKEN_FILE
-    token = write_token(token_file)
+    port = _usable_port(config.master.port, master_host)
+    token_file = config.master.run_dir / TOKEN_FILE
     config.workers.role_groups = any(role.group for role in config.roles)  # their fork servers preload DDP's imports
-    scheduler = LocalScheduler(config, token_file, port, agent_host=agent_host)
+    return port, token_file, write_token(token_file)
+
+
+def run_job(scheduler: NodeScheduler, token: str, relaunch: bool, console: Callable[[str], None]) -> int:
+    """Start the job's master and nodes with ``scheduler`` and watch them to the job's end."""
+    config = scheduler.config
+    run_dir = config.master.run_dir
     client: MasterClient | None = None
     previous = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
     started = time.monotonic()
@@ -60,20 +66,16 @@ def run_local_job(config: JobConfig, relaunch: bool = False, console: Callable[[
 
             save_roles(run_dir, config.roles)
             roles = ", ".join(f"{role.name} x{role.count}" for role in config.roles)
-            console(f"convoy: job {config.master.job_id}: roles {roles} on {config.num_agents} node(s), max restarts "
+            console(f"convoy: job {config.master.job_id}: roles {roles} on {scheduler.where()}, max restarts "
                     f"{config.master.max_restarts} per role, run dir {run_dir}")
         else:
-            console(f"convoy: job {config.master.job_id}: {config.num_agents} nodes x "
+            console(f"convoy: job {config.master.job_id}: {scheduler.where()} x "
                     f"{config.workers.nproc_per_node} workers, max restarts {config.master.max_restarts}, "
                     f"run dir {run_dir}")
-        nodes = [f"local{index}" for index in range(config.num_agents)]
-        fork_servers = scheduler.start_fork_servers(nodes)  # roles: their import of torch first
-        scheduler.start_master(resume=False)
-        for node_id in nodes:
-            scheduler.start_node(node_id, fork_servers.get(node_id))
+        scheduler.start()
         from convoy.control.protocol.client import MasterClient  # pydantic: imported once the children are on their way
 
-        client = MasterClient("127.0.0.1", port, token, give_up_after_s=2.0)
+        client = MasterClient(scheduler.master_host, scheduler.port, token, give_up_after_s=2.0)
         master_code = supervise(scheduler, client, relaunch, config.master.rendezvous.min_nodes, console)
         if not scheduler.wait(config.workers.stop_grace_s + CHILD_EXIT_GRACE_S):
             scheduler.stop(CHILD_EXIT_GRACE_S)
@@ -89,18 +91,19 @@ def run_local_job(config: JobConfig, relaunch: bool = False, console: Callable[[
     finally:
         ignore_interrupts()
         scheduler.stop(CHILD_EXIT_GRACE_S)
-        for node_id in scheduler.agents:
+        for node_id in scheduler.node_ids():
             reap(config.master.job_id, node_id)
         remove_segments(config.master.job_id)  # in case an agent died before it could clean up
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def supervise(scheduler: LocalScheduler, client: MasterClient, relaunch: bool, min_nodes: int,
+def supervise(scheduler: NodeScheduler, client: MasterClient, relaunch: bool, min_nodes: int,
               console: Callable[[str], None]) -> int:
     """Watch the children until the master exits with the job's outcome (0 succeeded, 1 failed)."""
     master_restarts, aborted = 0, False
     while True:
+        scheduler.tick()
         code = scheduler.master_exit()
         if code in (0, 1):
             return code
@@ -116,12 +119,12 @@ def supervise(scheduler: LocalScheduler, client: MasterClient, relaunch: bool, m
             reap(scheduler.config.master.job_id, node_id)  # an agent killed outright leaves its workers' children
             if agent_code in (0, 1) and _master_ends(scheduler):
                 continue  # it heard the job's end (a master on its way out would only be retried in vain)
-            report_lost(client, node_id, describe_exit(agent_code))
+            report_lost(client, node_id, scheduler.describe(agent_code))
             if relaunch and agent_code == EXIT_USAGE:  # refused (e.g. excluded): starting it again cannot help
                 console(f"convoy: agent of node {node_id} exited with a usage error; not relaunching it")
             elif relaunch and agent_code != 0:
-                console(f"convoy: agent of node {node_id} {describe_exit(agent_code)}; relaunching it")
-                scheduler.start_node(node_id)
+                console(f"convoy: agent of node {node_id} {scheduler.describe(agent_code)}; "
+                        f"{scheduler.relaunch(node_id)}")
         running = len(scheduler.running())
         if running < min_nodes and not relaunch and not aborted:
             aborted = True  # nothing will bring a local node back: do not sit out the join timeout
@@ -131,7 +134,7 @@ def supervise(scheduler: LocalScheduler, client: MasterClient, relaunch: bool, m
         time.sleep(POLL_S)
 
 
-def _master_ends(scheduler: LocalScheduler) -> bool:
+def _master_ends(scheduler: NodeScheduler) -> bool:
     """Whether the master exits within a moment (an agent that exited 0 or 1 may have heard the job end)."""
     deadline = time.monotonic() + MASTER_END_WAIT_S
     while scheduler.master_exit() is None and time.monotonic() < deadline:
@@ -139,12 +142,12 @@ def _master_ends(scheduler: LocalScheduler) -> bool:
     return scheduler.master_exit() in (0, 1)
 
 
-def _usable_port(port: int) -> int:
-    """``port`` if it is free on 127.0.0.1 (any free port for 0); a clear error if it is taken."""
+def _usable_port(port: int, host: str) -> int:
+    """``port`` if it is free on ``host`` (any free port for 0); a clear error if it is taken."""
     try:
-        return free_port("127.0.0.1", port)
+        return free_port(host, port)
     except OSError as exc:
-        raise ConfigError(f"port {port} on 127.0.0.1 is already in use: pick another --port or 0 for any") from exc
+        raise ConfigError(f"port {port} on {host} is already in use: pick another --port or 0 for any") from exc
 
 
 def report_lost(client: MasterClient, node_id: str, why: str) -> None:

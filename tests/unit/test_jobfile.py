@@ -46,6 +46,13 @@ module = false
 auto_apply = ["nan", "divergence"]
 priority = 5
 preempt_grace = 3
+scheduler = "ray"
+address = "10.0.0.1:6379"
+placement_timeout = 20
+ray_cpus = 2
+ray_gpus = 1
+ray_memory = "2GiB"
+ray_resource = ["trainer_node=1"]
 
 [train]
 lr = 0.05
@@ -61,7 +68,9 @@ def test_every_option_reads_as_the_flag_would(tmp_path: Path) -> None:
         "max_restarts": 5, "run_dir": tmp_path / "runs" / "a", "host": "0.0.0.0", "port": 29500, "rdzv_wait": 1.5,
         "join_timeout": 60.0, "heartbeat_timeout": 20.0, "max_regroups": 4, "regroup_window": 120.0,
         "relaunch": True, "stop_grace": 2.0, "preload": "torch,numpy", "module": False, "auto_apply": "nan,divergence",
-        "priority": 5, "preempt_grace": 3.0, "set": ["lr=0.05", "warm=true", "name=a"],
+        "priority": 5, "preempt_grace": 3.0, "scheduler": "ray", "address": "10.0.0.1:6379",
+        "placement_timeout": 20.0, "ray_cpus": 2.0, "ray_gpus": 1.0, "ray_memory": "2GiB",
+        "ray_resource": ["trainer_node=1"], "set": ["lr=0.05", "warm=true", "name=a"],
     }
     assert loaded.roles == ()
     assert set(JOB_FILE_OPTIONS) - {"ps", "workers", "role"} == {line.split(" =")[0] for line in

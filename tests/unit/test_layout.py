@@ -144,7 +144,7 @@ def test_every_test_file_has_a_name_of_its_own() -> None:
 LAYERS = {
     "base": ("convoy.errors", "convoy.log", "convoy.ports", "convoy.procs", "convoy.shm", "convoy.local_http",
              "convoy.sanitize"),
-    "settings": ("convoy.config", "convoy.roles_config"),
+    "settings": ("convoy.config", "convoy.roles_config", "convoy.ray_config"),
     "protocol": ("convoy.control.protocol",),
     "control": ("convoy.control",),
     "worker": ("convoy.worker",),

@@ -12,15 +12,80 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Protocol
 
 from convoy import log
 from convoy.agent.env import spawn_env
 from convoy.agent.forked import launch_server, server_env
 from convoy.config import JobConfig
 from convoy.control.pool.store import pool_path
-from convoy.procs import die_with_parent
+from convoy.procs import die_with_parent, signal_name
 
 CONVOY = [sys.executable, "-m", "convoy"]
+
+
+def agent_args(config: JobConfig, master: str, node_id: str, host: str | None, node_rank: int = -1,
+               cpus: int = 0) -> list[str]:
+    """``convoy agent``'s arguments for a node of this job, the script and its arguments last (not its token
+    file: each scheduler gets the token to the node its own way). ``host``: the address its workers reach it at
+    (None: the agent finds its own); ``cpus``: the CPUs it offers role processes (0: its CPU affinity)."""
+    workers = config.workers
+    return [
+        "--master", master, "--run-dir", str(config.master.run_dir), "--node-id", node_id,
+        *(["--host", host] if host else []),
+        "--nproc-per-node", str(workers.nproc_per_node), "--stop-grace", str(workers.stop_grace_s),
+        "--preload", ",".join(workers.preload),
+        *(["--job-id", config.master.job_id] if config.master.job_id else []),
+        "--role-name", workers.role_name, "--log-dir", workers.log_dir, "--redirects", workers.redirects,
+        "--tee", workers.tee, "--local-ranks-filter", workers.local_ranks_filter,
+        "--master-port", str(workers.master_port), *(["--no-python"] if workers.no_python else []),
+        *(["--node-rank", str(node_rank)] if node_rank >= 0 else []), *(["--cpus", str(cpus)] if cpus else []),
+        *(["-m", workers.entrypoint] if workers.module else [workers.entrypoint]), *workers.args,
+    ]
+
+
+class NodeScheduler(Protocol):
+    """What ``convoy run`` asks of whatever places a job's master and nodes (``local``, ``ray``)."""
+
+    config: JobConfig
+    master_host: str
+    port: int
+
+    def where(self) -> str:
+        """Where the nodes run, for the job's first line."""
+
+    def start(self) -> None:
+        """Start the master and the first nodes."""
+
+    def tick(self) -> None:
+        """Called about every 50 ms while the job runs: place what has become placeable."""
+
+    def start_master(self, resume: bool) -> None: ...
+
+    def master_exit(self) -> int | None: ...
+
+    def newly_exited(self) -> list[tuple[str, int]]:
+        """Agents that exited since the last call, with their exit codes."""
+
+    def describe(self, code: int) -> str:
+        """An agent's exit code in words."""
+
+    def relaunch(self, node_id: str) -> str:
+        """Bring a node's agent back (or let it be placed again); what was done, in words."""
+
+    def running(self) -> list[str]: ...
+
+    def node_ids(self) -> list[str]:
+        """Every node this scheduler started an agent for."""
+
+    def wait(self, timeout: float) -> bool: ...
+
+    def stop(self, grace_s: float) -> None: ...
+
+
+def describe_exit(returncode: int) -> str:
+    name = signal_name(returncode)
+    return f"killed by {name}" if name else f"exit code {returncode}"
 
 
 class LocalScheduler:
@@ -39,6 +104,30 @@ class LocalScheduler:
         self._fork_pids: dict[str, int] = {}
         self._reported: dict[int, subprocess.Popen[bytes]] = {}
         """pid -> the exited agent reported for it; holding the object keeps its identity unique."""
+
+    def where(self) -> str:
+        return f"{self.config.num_agents} node(s)"
+
+    def start(self) -> None:
+        """The fork servers (their import of torch first), the master, then an agent per node."""
+        nodes = [f"local{index}" for index in range(self.config.num_agents)]
+        fork_servers = self.start_fork_servers(nodes)
+        self.start_master(resume=False)
+        for node_id in nodes:
+            self.start_node(node_id, fork_servers.get(node_id))
+
+    def tick(self) -> None:
+        return None
+
+    def describe(self, code: int) -> str:
+        return describe_exit(code)
+
+    def relaunch(self, node_id: str) -> str:
+        self.start_node(node_id)
+        return "relaunching it"
+
+    def node_ids(self) -> list[str]:
+        return list(self.agents)
 
     def start_fork_servers(self, node_ids: list[str]) -> dict[str, socket.socket]:
         """A fork server for each node, before anything else starts, so that its import of torch overlaps the start
@@ -90,26 +179,14 @@ class LocalScheduler:
     def start_node(self, node_id: str, fork_server: socket.socket | None = None, node_rank: int = -1) -> None:
         """Start the node's agent; ``fork_server``: its fork server's end (closed here once the agent holds it);
         ``node_rank``: the rank it asks for in a first round (-1: none)."""
-        workers = self.config.workers
-        command = [
-            "agent", "--master", f"{self.master_host}:{self.port}", "--token-file", str(self.token_file),
-            "--run-dir", str(self.config.master.run_dir), "--node-id", node_id,
-            *(["--host", self.agent_host] if self.agent_host else []),
-            "--nproc-per-node", str(workers.nproc_per_node), "--stop-grace", str(workers.stop_grace_s),
-            "--preload", ",".join(workers.preload),
-            *(["--job-id", self.config.master.job_id] if self.config.master.job_id else []),
-            "--role-name", workers.role_name, "--log-dir", workers.log_dir, "--redirects", workers.redirects,
-            "--tee", workers.tee, "--local-ranks-filter", workers.local_ranks_filter,
-            "--master-port", str(workers.master_port), *(["--no-python"] if workers.no_python else []),
-            *(["--node-rank", str(node_rank)] if node_rank >= 0 else []),
-        ]
+        command = ["agent", "--token-file", str(self.token_file),
+                   *agent_args(self.config, f"{self.master_host}:{self.port}", node_id, self.agent_host, node_rank)]
         passed: tuple[int, ...] = ()
         if fork_server is not None:
             passed = (fork_server.fileno(),)
-            command += ["--fork-server", f"{fork_server.fileno()}:{self._fork_pids[node_id]}"]
-        command += ["-m", workers.entrypoint] if workers.module else [workers.entrypoint]
+            command[1:1] = ["--fork-server", f"{fork_server.fileno()}:{self._fork_pids[node_id]}"]
         try:
-            self.agents[node_id] = self._spawn(command + workers.args, passed)
+            self.agents[node_id] = self._spawn(command, passed)
         finally:
             if fork_server is not None:
                 fork_server.close()  # the agent's now: the server ends once the agent closes it, or dies

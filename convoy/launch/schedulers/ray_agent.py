@@ -1,0 +1,74 @@
+"""The Ray actor that holds one node's share of a job and runs its ``convoy agent`` there.
+
+The actor is the share's holder (Ray counts its CPUs, GPUs and memory as taken while it lives); the agent is an
+ordinary ``convoy agent`` process, its child, that gets SIGTERM when the actor's process ends (the job's driver
+gone, the actor killed, its raylet lost), and stops its workers in turn. The token reaches the node in the call,
+not through a shared file, and is written there readable by this user only.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from convoy.procs import die_with_parent
+
+
+class NodeAgent:
+    """One per Ray node of the job (``ray.remote`` wraps it where the scheduler starts it)."""
+
+    def __init__(self, node_name: str) -> None:
+        self.node_name = node_name
+        self.process: subprocess.Popen[bytes] | None = None
+        self.folder = Path(tempfile.mkdtemp(prefix="convoy-ray-agent-"))
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        """How Ray prefixes the lines of this node's agent and workers on the driver's console."""
+        return f"convoy agent {self.node_name}"
+
+    def start(self, agent_args: list[str], token: str, cwd: str) -> int:
+        """Start ``convoy agent --token-file F AGENT_ARGS`` (F: the token, written here) in ``cwd`` (the driver's
+        directory, where the node has it; else the actor's); its pid."""
+        token_file = self.folder / "token"
+        descriptor = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(token)
+        with self._lock:
+            if self.process is not None:
+                raise RuntimeError("this node's agent was started already")
+            self.process = subprocess.Popen(  # a thread of the actor starts it: SIGTERM when the actor's process ends
+                [sys.executable, "-m", "convoy", "agent", "--token-file", str(token_file), *agent_args],
+                preexec_fn=lambda: die_with_parent(signal.SIGTERM), stdin=subprocess.DEVNULL,
+                cwd=cwd if os.path.isdir(cwd) else None)
+            return self.process.pid
+
+    def exit_code(self) -> int | None:
+        """The agent's exit code; None while it runs."""
+        return None if self.process is None else self.process.poll()
+
+    def stop(self, grace_s: float) -> int | None:
+        """SIGTERM the agent (it stops its workers), SIGKILL after ``grace_s``; its exit code."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        code = self.process.wait()
+        self._remove_token()
+        return code
+
+    def _remove_token(self) -> None:
+        for path in (self.folder / "token", self.folder):
+            try:
+                path.rmdir() if path.is_dir() else path.unlink()
+            except OSError:
+                pass

@@ -1,0 +1,100 @@
+"""``convoy run --scheduler ray`` on a real Ray cluster of this machine: a head and raylets started by ``ray
+start`` (one CPU each, a custom resource on the nodes the jobs may use), a node lost by SIGKILL of its raylet."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from convoy.testing.ray_cluster import LocalRayCluster
+from helpers import REPO, ProcessScope
+
+pytestmark = pytest.mark.slow
+EXAMPLE = str(REPO / "examples" / "train_ddp.py")
+PS_EXAMPLE = str(REPO / "examples" / "train_ps.py")
+ON = ["--scheduler", "ray", "--ray-resource", "convoy_node=1"]
+"""The jobs go on the nodes with ``convoy_node`` only: not on the head, where this test's drivers connect."""
+
+
+@pytest.fixture(scope="module")
+def cluster() -> LocalRayCluster:
+    with LocalRayCluster(head_cpus=1) as cluster:
+        for _ in range(2):
+            cluster.add_node(1, {"convoy_node": 1})
+        yield cluster
+
+
+def _agents(run_dir: Path) -> set[str]:
+    """The node ids the job's agents had (each names its Ray node), from their log folders' events."""
+    events = (run_dir / "events.jsonl").read_text() if (run_dir / "events.jsonl").exists() else ""
+    return set(re.findall(r"ray-[0-9a-f]{12}", events))
+
+
+def test_a_job_grows_onto_a_joining_node_and_goes_on_when_one_is_lost(
+        procs: ProcessScope, run_dir: Path, cluster: LocalRayCluster) -> None:
+    job = procs.start(["run", *ON, "--address", cluster.address, "--nnodes", "2:3", "--run-dir", run_dir,
+                       "--stop-grace", 2, EXAMPLE, "--steps", 500, "--step-time", 0.05, "--persist-every", 0],
+                      env=cluster.driver_env)
+    job.wait_output(r"round 1: 2 nodes", timeout=120)
+    job.wait_output(r"\[rank0\]: step 20 loss")
+    joined = cluster.add_node(1, {"convoy_node": 1})
+    job.wait_output(r"growing to 3 nodes|round \d+: 3 nodes", timeout=60)
+    job.wait_output(r"round \d+: 3 nodes", timeout=60)
+    status = procs.run(["status", "--run-dir", run_dir])
+    assert len(set(re.findall(r"ray-[0-9a-f]{12}", status.stdout))) == 3, status.stdout
+    joined.kill()
+    job.wait_output(r"node ray-[0-9a-f]{12} left .*going on with 2 nodes", timeout=60)
+    result = job.wait(240)
+    assert result.returncode == 0, result.explain()
+    out = result.stdout
+    assert "job succeeded" in out and "with 0 restart(s)" in out, out
+    finished = [int(step) for step in re.findall(r"\[rank0\]: step (\d+) loss", out)]
+    for match in re.finditer(r"starting at step (\d+) \(round [2-9]", out):
+        before = [int(step) for step in re.findall(r"\[rank0\]: step (\d+) loss", out[:match.start()])]
+        assert int(match.group(1)) > max(before), f"resumed at {match.group(1)}: steps were lost\n{out}"
+    assert finished[-1] == 499
+    assert len(_agents(run_dir)) == 3
+    procs.wait_no_leftovers()
+
+
+def test_a_job_of_roles_runs_on_ray_unchanged(procs: ProcessScope, run_dir: Path, cluster: LocalRayCluster) -> None:
+    result = procs.start(["run", *ON, "--address", cluster.address, "--nnodes", 2, "--ps", 1, "--workers", 2,
+                          "--run-dir", run_dir, PS_EXAMPLE, "--steps", 20, "--batch", 128, "--rows", 4000,
+                          "--held-out", 2048], env=cluster.driver_env).wait(240)
+    assert result.returncode == 0, result.explain()
+    assert "[ps0]: parameter server 0 serving on port" in result.stdout, result.stdout
+    assert "job succeeded" in result.stdout, result.stdout
+    assert len(_agents(run_dir)) == 2
+    procs.wait_no_leftovers()
+
+
+def test_a_request_the_cluster_can_never_place_fails_in_bounded_time_naming_it(
+        procs: ProcessScope, run_dir: Path, cluster: LocalRayCluster) -> None:
+    began = time.monotonic()
+    result = procs.run(["run", *ON, "--address", cluster.address, "--nnodes", 2, "--ray-gpus", 1,
+                        "--placement-timeout", 3, "--run-dir", run_dir, EXAMPLE], timeout=60, env=cluster.driver_env)
+    assert result.returncode == 2, result.explain()
+    assert "GPU 1 per node: no node has any" in result.stderr, result.stderr
+    assert "waited 3 s" in result.stderr and time.monotonic() - began < 30
+    many = procs.run(["run", *ON, "--address", cluster.address, "--nnodes", 4, "--placement-timeout", 2,
+                      "--run-dir", run_dir / "many", EXAMPLE], timeout=60, env=cluster.driver_env)
+    assert many.returncode == 2 and "2 of the 4 node(s) MIN asks for" in many.stderr, many.explain()
+    procs.wait_no_leftovers()
+
+
+def test_no_cluster_and_no_ray_are_one_line_each(procs: ProcessScope, run_dir: Path, tmp_path: Path) -> None:
+    from convoy.ports import free_port
+
+    nobody = f"127.0.0.1:{free_port()}"
+    result = procs.run(["run", "--scheduler", "ray", "--address", nobody, "--run-dir", run_dir, EXAMPLE], timeout=30)
+    assert result.returncode == 2 and f"no Ray cluster at {nobody}" in result.stderr, result.explain()
+    shadow = tmp_path / "no_ray"
+    (shadow / "ray").mkdir(parents=True)
+    (shadow / "ray" / "__init__.py").write_text("raise ImportError('No module named ray')\n")
+    result = procs.run(["run", "--scheduler", "ray", "--run-dir", run_dir, EXAMPLE], timeout=30,
+                       env={"PYTHONPATH": str(shadow)})
+    assert result.returncode == 2, result.explain()
+    assert "pip install 'convoy[ray]'" in result.stderr and result.stderr.count("\n") == 1, result.stderr
