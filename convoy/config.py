@@ -311,7 +311,8 @@ class JobConfig:
     def num_agents(self) -> int:
         return self.master.rendezvous.max_nodes
 
-    def validate(self) -> None:
+    def validate(self, resume: bool = False) -> None:
+        """``resume``: the run dir holds this job's state already (a driver started again)."""
         self.workers.validate(need_entrypoint=not self.roles or not all(role.entrypoint for role in self.roles))
         check_roles(self.roles, job_has_script=bool(self.workers.entrypoint))
         for role in self.roles:
@@ -320,7 +321,7 @@ class JobConfig:
                     check_entrypoint(role.entrypoint, role.module)
                 except ConfigError as exc:
                     raise ConfigError(f"role {role.name!r}: {exc}") from None
-        self.master.validate()
+        self.master.validate(resume)
         check_scheduler(self.scheduler)
         if self.scheduler == "ray":
             self.ray.validate()

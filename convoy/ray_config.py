@@ -19,8 +19,9 @@ BUILT_IN = ("CPU", "GPU", "memory", "object_store_memory")
 class RayConfig:
     address: str = "auto"
     """``auto`` (the cluster this machine's ``ray start`` joined, or $RAY_ADDRESS) or the head's HOST:PORT."""
-    placement_timeout_s: float = 10.0
-    """How long MIN nodes may take to be placed before the job fails, naming what is missing."""
+    placement_timeout_s: float = 5.0
+    """How long the cluster may lack MIN nodes with room for the job's share before the job fails, naming what is
+    missing (a node that joins in that time counts)."""
     cpus: float = 0.0
     """CPUs each node's agent holds (0: the job's own: one per worker process, or its roles' CPUs per node)."""
     gpus: float = 0.0

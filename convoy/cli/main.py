@@ -115,7 +115,25 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def _run(args: argparse.Namespace, run_argv: Sequence[str]) -> int:
     from convoy.launch.run import run_local_job
 
+    resume = None
+    if args.resume is not None:  # the command line of the driver that was killed, in its directory
+        from convoy.launch.ray_run import read_launch
+
+        if len(run_argv) != 2:
+            raise ConfigError("--resume RUN_DIR takes nothing else: the job's command line is in the run dir")
+        resume = read_launch(args.resume)
+        try:
+            os.chdir(resume["cwd"])
+        except OSError as exc:
+            raise ConfigError(f"--resume: the job's directory {resume['cwd']!r} is gone ({exc.strerror})") from None
+        run_argv = resume["argv"]
+        args = build_parser("run").parse_args(["run", *run_argv])
     config, args = job_config(args, run_argv)
+    if resume is not None and config.scheduler != "ray":
+        raise ConfigError("--resume is for a job that Ray placed (--scheduler ray)")
+    if config.scheduler == "ray" and (args.endpoint or args.relaunch or args.local_addr):
+        raise ConfigError("--endpoint, --relaunch and --local-addr are for local nodes; with --scheduler ray Ray "
+                          "places the nodes (a lost agent is placed again on its own)")
     stopping = [sig for sig in stop_signals(args.signals_to_handle) if sig not in (signal.SIGINT, signal.SIGTERM)]
     if args.local_addr:
         check_local_address(args.local_addr)
@@ -126,14 +144,11 @@ def _run(args: argparse.Namespace, run_argv: Sequence[str]) -> int:
                           "HOST:PORT (torchrun's --rdzv-endpoint) too")
     os.environ[SIGNALS_ENV] = args.signals_to_handle  # as torchrun: its workers see the signals their launcher handles
     previous = stop_on(stopping)  # SIGINT and SIGTERM: each launcher's own, whatever this process inherited
-    if config.scheduler == "ray" and (args.endpoint or args.relaunch or args.local_addr):
-        raise ConfigError("--endpoint, --relaunch and --local-addr are for local nodes; with --scheduler ray Ray "
-                          "places the nodes (a lost agent is placed again on its own)")
     try:
         if config.scheduler == "ray":
             from convoy.launch.ray_run import run_ray_job
 
-            return run_ray_job(config, console=_console)
+            return run_ray_job(config, console=_console, argv=run_argv, resume=resume)
         if args.endpoint:
             from convoy.launch.endpoint import run_endpoint_job
 

@@ -169,6 +169,9 @@ def add_ray_options(parser: Options) -> None:
     parser.add_argument("--ray-resource", action="append", default=[], metavar="NAME=AMOUNT",
                         help="a custom Ray resource each node's agent holds (places the job on nodes that have it); "
                              "repeatable")
+    parser.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
+                        help="take back a job on Ray whose driver was killed (on the same machine, within the agents' "
+                             "30 s without a master): its command line is in RUN_DIR")
 
 
 def ray_config(args: argparse.Namespace) -> RayConfig:

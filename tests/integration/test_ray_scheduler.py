@@ -3,7 +3,9 @@ start`` (one CPU each, a custom resource on the nodes the jobs may use), a node 
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -98,3 +100,25 @@ def test_no_cluster_and_no_ray_are_one_line_each(procs: ProcessScope, run_dir: P
                        env={"PYTHONPATH": str(shadow)})
     assert result.returncode == 2, result.explain()
     assert "pip install 'convoy[ray]'" in result.stderr and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_a_killed_driver_started_again_with_resume_takes_the_job_back(
+        procs: ProcessScope, run_dir: Path, cluster: LocalRayCluster) -> None:
+    job = procs.start(["run", *ON, "--address", cluster.address, "--nnodes", 2, "--run-dir", run_dir,
+                       "--stop-grace", 2, EXAMPLE, "--steps", 300, "--step-time", 0.05, "--persist-every", 0],
+                      env=cluster.driver_env)
+    job.wait_output(r"\[rank0\]: step 20 loss", timeout=120)
+    os.kill(job.pid, signal.SIGKILL)  # the driver alone: its master ends with it, its agents' actors are detached
+    assert job.wait(30).returncode == -signal.SIGKILL
+    again = procs.start(["run", "--resume", run_dir], env=cluster.driver_env)
+    result = again.wait(240)
+    assert result.returncode == 0, result.explain()
+    assert "master resumed in round 1" in result.stdout and "job succeeded" in result.stdout, result.explain()
+    assert "with 0 restart(s)" in result.stdout, result.stdout
+    assert len(re.findall(r"took back the agent of node ray-[0-9a-f]{12}", result.stdout + result.stderr)) == 2
+    rank0 = (run_dir / "logs" / "round1" / "rank0.log").read_text()
+    assert "step 295 loss" in rank0 and "starting at step" in rank0, rank0[-2000:]
+    assert not (run_dir / "logs" / "round2").exists(), "the workers trained through the driver's death"
+    refused = procs.run(["run", "--resume", run_dir / "nothing"])
+    assert refused.returncode == 2 and "no ray_launch.json there" in refused.stderr, refused.explain()
+    procs.wait_no_leftovers()

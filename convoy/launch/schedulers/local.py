@@ -92,10 +92,14 @@ class LocalScheduler:
     """Starts the master and the agents; all of them get SIGTERM if the launcher dies."""
 
     def __init__(self, config: JobConfig, token_file: Path, port: int, master_host: str = "127.0.0.1",
-                 listener: socket.socket | None = None, agent_host: str | None = "127.0.0.1") -> None:
+                 listener: socket.socket | None = None, agent_host: str | None = "127.0.0.1",
+                 master_dies_by: int = signal.SIGTERM) -> None:
         """``master_host:port``: where the master listens (``listener``: already bound there, handed to it);
-        ``agent_host``: the address agents give their workers (None: each finds its own towards the master)."""
+        ``agent_host``: the address agents give their workers (None: each finds its own towards the master);
+        ``master_dies_by``: the signal the master gets if this launcher dies (SIGTERM ends the job; SIGKILL leaves
+        its state for a master started again, where the agents outlive the launcher)."""
         self.config, self.token_file, self.port = config, token_file, port
+        self.master_dies_by = master_dies_by
         self.master_host, self.listener, self.agent_host = master_host, listener, agent_host
         self.master: subprocess.Popen[bytes] | None = None
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
@@ -174,7 +178,8 @@ class LocalScheduler:
         if self.listener is not None:
             fds = (self.listener.fileno(),)
             args += ["--listen-fd", str(fds[0])]
-        self.master = self._spawn(["master", *args, "--token-file", str(self.token_file), "--under-run"], fds)
+        self.master = self._spawn(["master", *args, "--token-file", str(self.token_file), "--under-run"], fds,
+                                  self.master_dies_by)
 
     def start_node(self, node_id: str, fork_server: socket.socket | None = None, node_rank: int = -1) -> None:
         """Start the node's agent; ``fork_server``: its fork server's end (closed here once the agent holds it);
@@ -192,8 +197,9 @@ class LocalScheduler:
                 fork_server.close()  # the agent's now: the server ends once the agent closes it, or dies
         self.fork_servers = [proc for proc in self.fork_servers if proc.poll() is None]
 
-    def _spawn(self, args: list[str], fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen(CONVOY + args, pass_fds=fds, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+    def _spawn(self, args: list[str], fds: tuple[int, ...] = (), dies_by: int = signal.SIGTERM
+               ) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(CONVOY + args, pass_fds=fds, preexec_fn=lambda: die_with_parent(dies_by))
         log.debug(f"convoy: started convoy {args[0]} (pid {proc.pid})")
         return proc
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import socket
 import time
 from dataclasses import dataclass
@@ -32,6 +33,9 @@ SKIP_FAILED_S = 5.0
 LOST = -1000
 """The exit code given to an agent whose actor died with its node."""
 CONNECT_TIMEOUT_S = 3.0
+ACTOR_START_S = 30.0
+"""How long an agent's actor may take to start on a node with room on paper (a Ray worker process to start; more
+where the placement timeout is longer); past it, the node's room is taken by other work."""
 
 
 def import_ray() -> Any:
@@ -90,9 +94,14 @@ class Holder:
 class RayScheduler:
     """The master as a child of this driver; agents as actors on the cluster's nodes."""
 
-    def __init__(self, ray: Any, config: JobConfig, token: str, token_file: Any, port: int, master_host: str) -> None:
+    def __init__(self, ray: Any, config: JobConfig, token: str, token_file: Any, port: int, master_host: str,
+                 resume: bool = False) -> None:
+        """``resume``: a driver started again (``convoy run --resume``): the master resumes from the run dir and the
+        job's agents, whose actors outlived the driver that was killed, are taken back."""
         self.ray, self.config, self.token, self.port, self.master_host = ray, config, token, port, master_host
-        self.master = LocalScheduler(config, token_file, port, master_host=master_host, agent_host=None)
+        self.resume = resume
+        self.master = LocalScheduler(config, token_file, port, master_host=master_host, agent_host=None,
+                                     master_dies_by=signal.SIGKILL)  # a killed driver leaves a job to --resume
         self.share = node_share(config)
         self.holders: dict[str, Holder] = {}
         self.exited: list[tuple[str, int]] = []
@@ -118,6 +127,11 @@ class RayScheduler:
         agent on every node that can, up to MAX."""
         rendezvous, timeout = self.config.master.rendezvous, self.config.ray.placement_timeout_s
         self.started_at = time.monotonic()
+        if self.resume:
+            self.master.start_master(resume=True)
+            self._adopt()
+            self.tick()
+            return
         while True:
             nodes = self.nodes()
             if len(to_place(nodes, self.share, (), rendezvous.max_nodes)) >= rendezvous.min_nodes:
@@ -130,6 +144,25 @@ class RayScheduler:
         self.started_at = time.monotonic()
         self.master.start_master(resume=False)
         self.tick()
+
+    def _prefix(self) -> str:
+        return f"convoy-{self.config.master.job_id}-"
+
+    def _adopt(self) -> None:
+        """The actors of this job's agents still alive after its driver was killed: polled as if placed here."""
+        nodes = {node.name: node for node in self.nodes()}
+        for actor_name in sorted(self.ray.util.list_named_actors()):
+            name = actor_name[len(self._prefix()):].rpartition("-")[0]
+            if not actor_name.startswith(self._prefix()) or name not in nodes:
+                continue
+            try:
+                actor = self.ray.get_actor(actor_name)
+            except ValueError:
+                continue  # it ended since it was listed
+            self.holders[name] = Holder(actor, nodes[name], None, time.monotonic(), started=True)
+            self.ever.append(name)
+            log.info(f"convoy: took back the agent of node {name} (Ray node {nodes[name].node_id})")
+        self.reached_min = True  # the master's rendezvous decides from here
 
     def tick(self) -> None:
         now = time.monotonic()
@@ -149,6 +182,7 @@ class RayScheduler:
         actor = self.ray.remote(NodeAgent).options(
             num_cpus=share.cpus, num_gpus=share.gpus, memory=share.memory_bytes or None,
             resources=dict(share.resources) or None, max_restarts=0, max_task_retries=0,
+            name=f"{self._prefix()}{node.name}-{time.time_ns()}", lifetime="detached",  # it outlives a killed driver
             scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False)).remote(node.name)
         args = agent_args(self.config, f"{self.master_host}:{self.port}", node.name, node.address,
                           cpus=math.ceil(share.cpus))
@@ -165,9 +199,8 @@ class RayScheduler:
         for name, holder in list(self.holders.items()):
             if holder.pending is not None and holder.pending in ready:
                 self._answered(name, holder, now)
-            elif not holder.started and now - holder.since > self.config.ray.placement_timeout_s:
-                self._drop(name, f"not placed in {self.config.ray.placement_timeout_s:g} s (its resources are "
-                                 "taken)")
+            elif not holder.started and now - holder.since > self._start_bound():
+                self._drop(name, f"not placed in {self._start_bound():g} s (its resources are taken)")
             elif holder.started and holder.pending is None and now >= holder.next_poll:
                 holder.pending = holder.actor.exit_code.remote()
 
@@ -205,12 +238,15 @@ class RayScheduler:
             return
         if sum(holder.started for holder in self.holders.values()) >= min_nodes:
             self.reached_min = True
-        elif now - self.started_at > self.config.ray.placement_timeout_s + LIST_EVERY_S:
+        elif now - self.started_at > self._start_bound() + LIST_EVERY_S:
             raise ConfigError(f"only {sum(h.started for h in self.holders.values())} of the {min_nodes} node(s) MIN "
-                              f"asks for were placed on the Ray cluster in {self.config.ray.placement_timeout_s:g} s "
+                              f"asks for were placed on the Ray cluster in {self._start_bound():g} s "
                               f"(each holding {', '.join(f'{k} {v:g}' for k, v in self.share.request().items())}); "
                               "the rest are held by other work: free them, lower --nnodes MIN, or wait longer with "
                               "--placement-timeout")
+
+    def _start_bound(self) -> float:
+        return max(ACTOR_START_S, self.config.ray.placement_timeout_s)
 
     def start_master(self, resume: bool) -> None:
         self.master.start_master(resume)

@@ -1,8 +1,10 @@
 """The Ray actor that holds one node's share of a job and runs its ``convoy agent`` there.
 
 The actor is the share's holder (Ray counts its CPUs, GPUs and memory as taken while it lives); the agent is an
-ordinary ``convoy agent`` process, its child, that gets SIGTERM when the actor's process ends (the job's driver
-gone, the actor killed, its raylet lost), and stops its workers in turn. The token reaches the node in the call,
+ordinary ``convoy agent`` process, its child, that ends when the actor's process ends (the actor killed, its raylet
+lost) and stops its workers in turn. The actor is detached: a driver that was killed leaves the job training (its
+agents wait ``master_timeout_s`` for a master), and ``convoy run --resume`` takes it back; the actor ends itself
+shortly after its agent does. The token reaches the node in the call,
 not through a shared file, and is written there readable by this user only.
 """
 
@@ -14,9 +16,14 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from convoy.procs import die_with_parent
+
+LINGER_S = 10.0
+"""How long the actor outlives its agent: the driver reads the exit code and ends the actor well within it; where the
+driver was killed, the actor then ends itself (detached, nothing else would), giving its share back."""
 
 
 class NodeAgent:
@@ -46,7 +53,14 @@ class NodeAgent:
                 [sys.executable, "-m", "convoy", "agent", "--token-file", str(token_file), *agent_args],
                 preexec_fn=lambda: die_with_parent(signal.SIGTERM), stdin=subprocess.DEVNULL,
                 cwd=cwd if os.path.isdir(cwd) else None)
+            threading.Thread(target=self._end_after_agent, args=(self.process,), daemon=True).start()
             return self.process.pid
+
+    def _end_after_agent(self, process: subprocess.Popen[bytes]) -> None:
+        process.wait()
+        time.sleep(LINGER_S)
+        self._remove_token()
+        os._exit(0)
 
     def exit_code(self) -> int | None:
         """The agent's exit code; None while it runs."""
