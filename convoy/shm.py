@@ -19,10 +19,14 @@ def segment_path(job_id: str, worker: int | str) -> Path:
     return SHM_DIR / f"{segment_prefix(job_id)}{name}"
 
 
-def remove_segments(job_id: str) -> list[Path]:
-    """Unlink every snapshot segment of a job (its agents and launcher call this at the end)."""
+def remove_segments(job_id: str, node_id: str = "") -> list[Path]:
+    """Unlink every snapshot segment of a job (its agents and launcher call this at the end); with ``node_id``,
+    only that node's (an agent leaving a job that goes on: another node of the job may share this host)."""
     removed = []
-    for path in SHM_DIR.glob(f"{segment_prefix(job_id)}*"):
+    node = re.sub(r"[^A-Za-z0-9_.-]", "_", node_id)
+    patterns = [f"{segment_prefix(job_id)}{node}-*", f"{segment_prefix(job_id)}lease-{node}"] if node_id else \
+        [f"{segment_prefix(job_id)}*"]
+    for path in (path for pattern in patterns for path in SHM_DIR.glob(pattern)):
         try:
             path.unlink()
             removed.append(path)

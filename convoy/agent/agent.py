@@ -85,8 +85,8 @@ class Agent:
             if self.heartbeat.lease is not None:
                 self.heartbeat.lease.close()
             reap(self._job_id, self.config.node_id)  # what the workers forked, and the node's cgroup
-            if self._job_id:
-                remove_segments(self._job_id)  # the job's in-memory snapshots end with it
+            if self._job_id:  # the job's in-memory snapshots end with it; a node leaving a job that goes on
+                remove_segments(self._job_id, "" if self._final_status else self.config.node_id)  # takes its own
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 

@@ -122,3 +122,26 @@ def test_a_killed_driver_started_again_with_resume_takes_the_job_back(
     refused = procs.run(["run", "--resume", run_dir / "nothing"])
     assert refused.returncode == 2 and "no ray_launch.json there" in refused.stderr, refused.explain()
     procs.wait_no_leftovers()
+
+
+def test_a_job_of_higher_priority_gets_a_node_from_an_elastic_one_which_grows_back(
+        procs: ProcessScope, tmp_path: Path, cluster: LocalRayCluster) -> None:
+    low = procs.start(["run", *ON, "--address", cluster.address, "--nnodes", "1:2", "--run-dir", tmp_path / "low",
+                       "--stop-grace", 2, EXAMPLE, "--steps", 400, "--step-time", 0.05, "--persist-every", 0],
+                      env=cluster.driver_env)
+    low.wait_output(r"round 1: 2 nodes", timeout=120)
+    low.wait_output(r"\[rank0\]: step 20 loss")
+    high = procs.start(["run", *ON, "--address", cluster.address, "--nnodes", 1, "--priority", 10, "--run-dir",
+                        tmp_path / "high", EXAMPLE, "--steps", 40, "--step-time", 0.05], env=cluster.driver_env)
+    low.wait_output(r"giving node ray-[0-9a-f]{12} back to a job of higher priority", timeout=60)
+    low.wait_output(r"going on with 1 nodes", timeout=60)
+    finished = high.wait(120)
+    assert finished.returncode == 0 and "job succeeded" in finished.stdout, finished.explain()
+    low.wait_output(r"growing to 2 nodes", timeout=60)
+    result = low.wait(240)
+    assert result.returncode == 0, result.explain()
+    assert "with 0 restart(s)" in result.stdout and "its node given to a job of higher priority" in result.stdout
+    for match in re.finditer(r"starting at step (\d+) \(round [2-9]", result.stdout):
+        before = [int(step) for step in re.findall(r"\[rank0\]: step (\d+) loss", result.stdout[:match.start()])]
+        assert int(match.group(1)) > max(before), f"resumed at {match.group(1)}: steps were lost\n{result.stdout}"
+    procs.wait_no_leftovers()

@@ -23,6 +23,7 @@ from convoy.errors import ConfigError
 from convoy.launch.schedulers.local import LocalScheduler, agent_args, describe_exit
 from convoy.launch.schedulers.ray_agent import NodeAgent
 from convoy.launch.schedulers.ray_nodes import NodeShare, RayNode, from_listing, missing, to_place
+from convoy.launch.schedulers.ray_priorities import Priorities
 
 NAMESPACE = "convoy"
 LIST_EVERY_S = 0.5
@@ -32,6 +33,8 @@ SKIP_FAILED_S = 5.0
 """How long a node whose placement failed is left alone before it is tried again."""
 LOST = -1000
 """The exit code given to an agent whose actor died with its node."""
+GIVEN = -1001
+"""The exit code given to an agent stopped to give its node to a job of higher priority."""
 CONNECT_TIMEOUT_S = 3.0
 ACTOR_START_S = 30.0
 """How long an agent's actor may take to start on a node with room on paper (a Ray worker process to start; more
@@ -112,6 +115,9 @@ class RayScheduler:
         self.next_list = 0.0
         self.reached_min = False
         self.ever: list[str] = []
+        self.priorities: Priorities | None = None
+        self.given: set[str] = set()
+        """Nodes whose agents are stopping to give the node to a job of higher priority."""
 
     def where(self) -> str:
         rendezvous = self.config.master.rendezvous
@@ -127,6 +133,8 @@ class RayScheduler:
         agent on every node that can, up to MAX."""
         rendezvous, timeout = self.config.master.rendezvous, self.config.ray.placement_timeout_s
         self.started_at = time.monotonic()
+        self.priorities = Priorities(self.ray, NAMESPACE, self.config.master.job_id, self.config.master.priority,
+                                     rendezvous.min_nodes, self.share)
         if self.resume:
             self.master.start_master(resume=True)
             self._adopt()
@@ -169,11 +177,30 @@ class RayScheduler:
         if now >= self.next_list:
             self.next_list = now + LIST_EVERY_S
             self.skip = {name: until for name, until in self.skip.items() if until > now}
-            for node in to_place(self.nodes(), self.share, self.holders, self.config.master.rendezvous.max_nodes,
-                                 [*self.skip, *self.lost]):
-                self._place(node)
+            self._place_and_claim(now)
         self._collect(now)
         self._check_min(now)
+
+    def _place_and_claim(self, now: float) -> None:
+        """An agent on each node with room (besides other jobs' agents), up to MAX; this job's claim renewed; its
+        nodes given back where a job of higher priority wants them."""
+        priorities, max_nodes = self.priorities, self.config.master.rendezvous.max_nodes
+        assert priorities is not None, "start() first"
+        nodes = self.nodes()
+        priorities.read()
+        for node in to_place([node for node in nodes if priorities.free(node)], self.share, self.holders, max_nodes,
+                             [*self.skip, *self.lost]):
+            self._place(node)
+        held = [holder.node.node_id for name, holder in self.holders.items() if name not in self.given]
+        priorities.publish(held, max(0, max_nodes - len(self.holders)), nodes)
+        giving = priorities.to_give(held, now)
+        newest = sorted((holder.since, name) for name, holder in self.holders.items()
+                        if holder.started and name not in self.given)
+        for _, name in reversed(newest[-giving:] if giving else []):
+            log.info(f"convoy: giving node {name} back to a job of higher priority on the Ray cluster")
+            self.given.add(name)
+            self.skip[name] = now + SKIP_FAILED_S
+            self.holders[name].actor.stop.remote(self.config.workers.stop_grace_s)
 
     def _place(self, node: RayNode) -> None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -221,7 +248,8 @@ class RayScheduler:
             log.debug(f"convoy: agent of node {name} started on Ray node {holder.node.node_id} (pid {answer})")
         elif answer is not None:
             del self.holders[name]
-            self.exited.append((name, int(answer)))
+            self.exited.append((name, GIVEN if name in self.given else int(answer)))
+            self.given.discard(name)
             self.ray.kill(holder.actor, no_restart=True)  # its share goes back to the cluster
 
     def _drop(self, name: str, why: str) -> None:
@@ -259,6 +287,8 @@ class RayScheduler:
         return exited
 
     def describe(self, code: int) -> str:
+        if code == GIVEN:
+            return "stopped: its node given to a job of higher priority"
         return "lost with its Ray node (its actor died)" if code == LOST else describe_exit(code)
 
     def relaunch(self, node_id: str) -> str:
@@ -288,4 +318,7 @@ class RayScheduler:
         for holder in self.holders.values():
             self.ray.kill(holder.actor, no_restart=True)
         self.holders.clear()
+        if self.priorities is not None:
+            self.priorities.close()
+            self.priorities = None
         self.master.stop(grace_s)

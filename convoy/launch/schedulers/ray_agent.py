@@ -86,3 +86,24 @@ class NodeAgent:
                 path.rmdir() if path.is_dir() else path.unlink()
             except OSError:
                 pass
+
+
+class ClaimsBoard:
+    """The claims of every convoy job on the cluster (``ray_claims``), one named detached actor they all share."""
+
+    def __init__(self) -> None:
+        self.claims: dict[str, dict] = {}
+
+    def put(self, claim: dict) -> None:
+        self.claims[str(claim["job_id"])] = {**claim, "renewed": time.time()}
+
+    def remove(self, job_id: str) -> None:
+        self.claims.pop(job_id, None)
+
+    def all(self) -> list[dict]:
+        """The claims renewed lately (a job whose driver is gone stops renewing its own)."""
+        from convoy.launch.schedulers.ray_claims import STALE_S
+
+        now = time.time()
+        self.claims = {job: claim for job, claim in self.claims.items() if now - claim["renewed"] <= STALE_S}
+        return list(self.claims.values())
