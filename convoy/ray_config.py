@@ -76,12 +76,12 @@ def parse_resources(items: list[str]) -> dict[str, float]:
 
 
 def parse_size(value: str, flag: str) -> int:
-    """A memory size with its unit (``--ray-memory 2GiB``) in bytes; empty: 0."""
+    """A memory size with its unit given to ``flag`` (``--ray-memory 2GiB``), in bytes; empty: 0 ('auto' refused)."""
     if not value:
         return 0
     size, auto = parse_memory(value)
     if auto or size is None:
-        raise ConfigError(f"{flag} {value!r}: give a size, e.g. 2GiB")
+        raise ConfigError(f"{flag} {value!r}: give a size, e.g. 4GiB")
     return size
 
 

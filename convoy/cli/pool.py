@@ -19,7 +19,7 @@ from convoy import log
 from convoy.control.pool.claims import Amount, Claim, describe
 from convoy.control.pool.store import PoolStore
 from convoy.errors import ConfigError
-from convoy.roles_config import parse_memory
+from convoy.ray_config import parse_size
 
 POLL_S = 0.02
 
@@ -49,7 +49,7 @@ def show_pool(args: argparse.Namespace) -> int:
 
 def preempt(args: argparse.Namespace) -> int:
     store = PoolStore()
-    need = Amount(args.cpus, float(_memory(args.memory)))
+    need = Amount(args.cpus, float(parse_size(args.memory, "--memory")))
     if not (args.cpus >= 0 and args.cpus < float("inf")) or not need.any():
         raise ConfigError(f"--cpus {args.cpus:g}: give a positive number of CPUs (or --memory), e.g. --cpus 2")
     if not need.within(store.capacity):
@@ -82,12 +82,3 @@ def preempt(args: argparse.Namespace) -> int:
         store.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def _memory(text: str) -> int:
-    if not text:
-        return 0
-    size, auto = parse_memory(text)
-    if auto or size is None:
-        raise ConfigError(f"--memory {text!r}: give a size, e.g. 4GiB")
-    return size
