@@ -251,6 +251,9 @@ class MasterConfig:
     pool: str = ""
     """The pool's file this job's claims go to (its nodes all on this machine: ``convoy run`` gives it); empty: the
     job is in no pool (nodes on several hosts)."""
+    peer_loss_wait_s: float = 2.0
+    """How long a worker failure that reads as a lost peer waits for news of a lost node (a regroup, no restart)
+    before it counts as a restart: longer where that news takes longer to come (a Ray node's loss)."""
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "run_dir": str(self.run_dir)})
@@ -281,6 +284,7 @@ class MasterConfig:
             raise ConfigError(f"--auto-apply {','.join(unknown)}: not a status rule "
                               f"(the rules: {', '.join(STATUS_RULES)})")
         check_seconds("--preempt-grace", self.preempt_grace_s)
+        check_seconds("--peer-loss-wait", self.peer_loss_wait_s)
         if not -1000 <= self.priority <= 1000:
             raise ConfigError(f"--priority {self.priority}: give a whole number from -1000 to 1000")
         if bool(self.tls_cert) != bool(self.tls_key):

@@ -77,6 +77,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     master.add_argument("--under-run", action="store_true", help=argparse.SUPPRESS)
     master.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)  # the claimed endpoint
     master.add_argument("--pool", default="", help=argparse.SUPPRESS)  # convoy run's: the machine's CPU pool
+    master.add_argument("--peer-loss-wait", type=float, default=MasterConfig().peer_loss_wait_s,
+                        help=argparse.SUPPRESS)  # convoy run's: longer on Ray, where a lost node is heard of later
     agent = commands.add_parser("agent", help="join a master as one node and run its workers")
     agent.add_argument("--master", required=True, help="the master's HOST:PORT")
     agent.add_argument("--token-file", type=Path, required=True, help="the job's token file (from the master)")

@@ -199,6 +199,7 @@ def master_config(args: argparse.Namespace) -> MasterConfig:
         job_id=getattr(args, "job_id", "") if getattr(args, "command", "") == "run" else "",
         auto_apply=tuple(filter(None, (rule.strip() for rule in args.auto_apply.split(",")))),
         priority=args.priority, preempt_grace_s=args.preempt_grace, pool=getattr(args, "pool", "") or "",
+        peer_loss_wait_s=getattr(args, "peer_loss_wait", _MASTER.peer_loss_wait_s),
     )
 
 

@@ -56,6 +56,8 @@ class Job:
     """Rounds reopened because their MASTER_PORT was taken (not restarts)."""
     reconfigure_count: int = 0
     """Rounds opened to apply a restart field of the training config (not restarts)."""
+    peer_loss_wait_s: float = PEER_LOSS_WAIT_S
+    """How long a failure that reads as a lost peer is held for news of a lost node."""
     held_failure: tuple[WorkerExit, float] | None = None
     """A failure that reads as a lost peer, and when it came: it becomes a restart after PEER_LOSS_WAIT_S unless a
     node's loss (a regroup), or a failure of the workers' own, comes first."""
@@ -134,7 +136,7 @@ class Job:
     def _held_failure_due(self, now: float) -> list[Event]:
         """A failure held for news of a lost node, once no such news came in time: a restart, as any failure."""
         held = self.held_failure
-        if held is None or now - held[1] < PEER_LOSS_WAIT_S:
+        if held is None or now - held[1] < self.peer_loss_wait_s:
             return []
         self.held_failure = None
         report = held[0]

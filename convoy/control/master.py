@@ -71,6 +71,7 @@ class JobMaster:
             self.nodes = NodeRegistry(config.heartbeat_timeout_s)
             self.token = read_token(token_path) if token_file and token_path.exists() else new_token()
         self.job.max_regroups, self.job.regroup_window_s = config.max_regroups, config.regroup_window_s
+        self.job.peer_loss_wait_s = config.peer_loss_wait_s
         held = read_part(config.run_dir, HELD_FAILURE_PART) if resume else None
         if held:  # a failure the previous master held for news of a lost node: held again from now
             self.job.held_failure = (p.WorkerExit.model_validate_json(held), now)

@@ -232,3 +232,14 @@ def test_a_held_lost_peer_failure_restarts_the_job_when_no_node_was_lost() -> No
     events = job.worker_exited(failure("n0", 2, rank=0, exitcode=7), now=9.1)
     assert "restart" in kinds(events) and job.restart_count == 2, "a failure of the workers' own does not wait"
     assert job.held_failure is None
+
+
+def test_a_job_whose_lost_nodes_are_heard_of_later_holds_a_lost_peer_failure_longer() -> None:
+    """On Ray a lost node is news when Ray reports its agent's actor dead: the master waits longer for it."""
+    job = make_job(max_restarts=3)
+    job.peer_loss_wait_s = 6.0
+    join_all(job, now=0.0)
+    job.worker_exited(failure("n0", 1, rank=0, peer_lost=True), now=5.0)
+    assert job.tick(5.0 + PEER_LOSS_WAIT_S + 1.0) == [] and job.restart_count == 0
+    assert "regroup" in kinds(job.node_lost("n1", "agent lost with its Ray node", 9.0)) and job.restart_count == 0
+    assert job.tick(20.0) == [] and job.restart_count == 0

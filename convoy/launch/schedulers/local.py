@@ -110,7 +110,7 @@ class LocalScheduler:
         """pid -> the exited agent reported for it; holding the object keeps its identity unique."""
 
     def where(self) -> str:
-        return f"{self.config.num_agents} node(s)"
+        return f"{self.config.num_agents} nodes"
 
     def start(self) -> None:
         """The fork servers (their import of torch first), the master, then an agent per node."""
@@ -171,7 +171,9 @@ class LocalScheduler:
                     "--heartbeat-timeout", str(master.heartbeat_timeout_s), "--job-id", master.job_id,
                     "--max-regroups", str(master.max_regroups), "--regroup-window", str(master.regroup_window_s),
                     "--auto-apply", ",".join(master.auto_apply), "--priority", str(master.priority),
-                    "--preempt-grace", str(master.preempt_grace_s), "--pool", str(pool_path())]
+                    "--preempt-grace", str(master.preempt_grace_s), "--peer-loss-wait", str(master.peer_loss_wait_s),
+                    # this machine's CPU pool holds a job whose nodes are all here, not one that Ray places
+                    *(["--pool", str(pool_path())] if self.config.scheduler == "local" else [])]
             for key, value in master.train_overrides.items():
                 args += ["--set", f"{key}={value}"]
         fds: tuple[int, ...] = ()

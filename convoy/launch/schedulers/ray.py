@@ -36,6 +36,10 @@ LOST = -1000
 GIVEN = -1001
 """The exit code given to an agent stopped to give its node to a job of higher priority."""
 CONNECT_TIMEOUT_S = 3.0
+PEER_LOSS_WAIT_S = 6.0
+"""The master's wait, on Ray, for news of a lost node before a peer's failure counts as a restart: a node's loss is
+heard of when Ray reports its agent's actor dead (about 1.5 s here; more on a loaded or larger cluster), not at
+once as a local agent's exit is."""
 ACTOR_START_S = 30.0
 """How long an agent's actor may take to start on a node with room on paper (a Ray worker process to start; more
 where the placement timeout is longer); past it, the node's room is taken by other work."""
@@ -106,6 +110,7 @@ class RayScheduler:
         self.master = LocalScheduler(config, token_file, port, master_host=master_host, agent_host=None,
                                      master_dies_by=signal.SIGKILL)  # a killed driver leaves a job to --resume
         self.share = node_share(config)
+        config.master.peer_loss_wait_s = max(config.master.peer_loss_wait_s, PEER_LOSS_WAIT_S)
         self.holders: dict[str, Holder] = {}
         self.exited: list[tuple[str, int]] = []
         self.skip: dict[str, float] = {}
