@@ -21,8 +21,9 @@ class Priorities:
     def __init__(self, ray: Any, namespace: str, job_id: str, priority: int, min_nodes: int, share: NodeShare) -> None:
         self.ray, self.job_id, self.priority, self.min_nodes, self.share = ray, job_id, priority, min_nodes, share
         self.since = time.time()
+        # restarted by Ray elsewhere if its node is lost: it is empty then, and every job's next renewal refills it
         self.board = ray.remote(ClaimsBoard).options(name=BOARD, namespace=namespace, lifetime="detached",
-                                                     get_if_exists=True, num_cpus=0).remote()
+                                                     get_if_exists=True, num_cpus=0, max_restarts=-1).remote()
         self.others: list[NodeClaim] = []
         self.reading: Any = self.board.all.remote()
         self.settle_until = 0.0
