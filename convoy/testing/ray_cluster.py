@@ -20,6 +20,7 @@ import psutil
 from convoy.ports import free_port
 
 START_TIMEOUT_S = 90.0
+STOP_TIMEOUT_S = 10.0
 
 
 class RayNodeProcess:
@@ -47,13 +48,16 @@ class RayNodeProcess:
         self.raylet().send_signal(signal.SIGKILL)
 
     def stop(self) -> None:
+        """SIGTERM (``ray start --block`` then stops the node's daemons); see ``reap``."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+
+    def reap(self, timeout: float) -> None:
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
 
 class LocalRayCluster:
@@ -108,8 +112,12 @@ class LocalRayCluster:
             time.sleep(0.2)
 
     def close(self) -> None:
+        """Every node stopped at once (each ``ray start`` given 10 s), then whatever outlived them killed."""
         for node in [*self.nodes, self.head]:
             node.stop()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for node in [*self.nodes, self.head]:
+            node.reap(max(0.0, deadline - time.monotonic()))
         for process in psutil.process_iter(["cmdline"]):  # daemons that outlived their ray start
             try:
                 if any(self.temp_dir in part for part in process.info["cmdline"] or ()):
