@@ -71,8 +71,13 @@ class Job:
         return self.rendezvous.membership
 
     def join(self, node_id: str, host: str, nproc: int, port: int, now: float,
-             node_rank: int = -1) -> tuple[int, list[Event]]:
-        """A node asks for a place (at ``node_rank``, if it asks for one); returns the round it waits for."""
+             node_rank: int = -1, same_agent: bool = False) -> tuple[int, list[Event]]:
+        """A node asks for a place (at ``node_rank``, if it asks for one); returns the round it waits for.
+
+        ``same_agent``: the agent process that joined before asks again. A member of the running round then
+        only repeats a join whose reply it never got (the master that closed the round was killed before it
+        answered): it keeps its place. Another agent process of a member node is one that restarted: its
+        workers are gone, and the job restarts."""
         events: list[Event] = []
         if self.status != RUNNING:
             return self.round_id, events
@@ -84,7 +89,12 @@ class Job:
         if grows and room and self._over_budget(node_id, now, 1):
             return self.round_id, self._exclude(node_id, now, 1)
         if self.membership is not None and self.membership.member(node_id) is not None:
-            events += self._restart(f"node {node_id} rejoined while its round was running", now)
+            if same_agent:
+                return self.round_id, [Event("join_repeated", f"node {node_id} asked again to join round "
+                                             f"{self.round_id}, of which it is a member: it keeps its place",
+                                             node_id, self.round_id)]
+            cause = f"node {node_id} rejoined while its round was running (a new agent process: its workers are gone)"
+            events += [Event("agent_restarted", cause, node_id, self.round_id, True), *self._restart(cause, now)]
             if self.status != RUNNING:
                 return self.round_id, events
         round_id = self.rendezvous.join(node_id, host, nproc, port, now, node_rank)

@@ -157,12 +157,16 @@ class JobMaster:
         with self._changed:
             now = time.monotonic()
             busy_window = 2 * self.config.heartbeat_s
+            known = self.nodes.nodes.get(req.node_id)
+            same_agent = known is not None and known.state == "alive" and bool(req.instance) \
+                and known.instance == req.instance
             if self.nodes.register(req.node_id, req.host, req.nproc, now, req.instance, busy_window) is None:
                 self._apply([Event("duplicate_node", f"refused a second agent with node id {req.node_id} ({req.host})",
                                    req.node_id)])
                 raise ConflictError(f"node id {req.node_id!r} is in use by another running agent; "
                                     "give each agent its own --node-id")
-            round_id, events = self.job.join(req.node_id, req.host, req.nproc, req.port, now, req.node_rank)
+            round_id, events = self.job.join(req.node_id, req.host, req.nproc, req.port, now, req.node_rank,
+                                              same_agent)
             if self.role_master is not None:
                 self.role_master.sizing.node_memory(req.node_id, req.memory_available_bytes, req.memory_limit_bytes,
                                                     req.cpus)

@@ -26,7 +26,7 @@ CREATE TABLE IF NOT EXISTS job (
     excluded_nodes TEXT, port_retries INTEGER);
 CREATE TABLE IF NOT EXISTS nodes (
     node_id TEXT PRIMARY KEY, host TEXT, nproc INTEGER, state TEXT,
-    node_rank INTEGER, first_seen REAL, last_seen REAL);
+    node_rank INTEGER, first_seen REAL, last_seen REAL, instance TEXT);
 CREATE TABLE IF NOT EXISTS rounds (
     round_id INTEGER PRIMARY KEY, closed_at REAL, world_size INTEGER,
     master_addr TEXT, master_port INTEGER, members TEXT);
@@ -38,8 +38,8 @@ CREATE TABLE IF NOT EXISTS parts (name TEXT PRIMARY KEY, state TEXT);
 
 
 EVENTS_FILE = "events.jsonl"
-NEW_JOB_COLUMNS = (("excluded_nodes", "TEXT"), ("port_retries", "INTEGER"))
-"""Job columns newer than the first state files, added to those when they are opened."""
+NEW_COLUMNS = {"job": (("excluded_nodes", "TEXT"), ("port_retries", "INTEGER")), "nodes": (("instance", "TEXT"),)}
+"""Columns newer than the first state files, by table, added to those when they are opened."""
 MAX_PENDING_EVENTS = 10_000
 """Events kept in memory while the state cannot be written; beyond that the oldest are dropped (counted)."""
 
@@ -80,11 +80,12 @@ class Store:
                               "run dir or give another --run-dir") from exc
 
     def _add_new_columns(self) -> None:
-        """A state file written by an earlier version lacks the newer job columns: add them."""
-        have = {row[1] for row in self._db.execute("PRAGMA table_info(job)")}
-        for column, kind in NEW_JOB_COLUMNS:
-            if column not in have:
-                self._db.execute(f"ALTER TABLE job ADD COLUMN {column} {kind}")
+        """A state file written by an earlier version lacks the newer columns: add them."""
+        for table, columns in NEW_COLUMNS.items():
+            have = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
+            for column, kind in columns:
+                if column not in have:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
 
     @property
     def pending(self) -> int:
@@ -159,9 +160,9 @@ class Store:
         )
         for node in nodes:
             self._db.execute(
-                "INSERT OR REPLACE INTO nodes VALUES (?,?,?,?,?,?,?)",
+                "INSERT OR REPLACE INTO nodes VALUES (?,?,?,?,?,?,?,?)",
                 (node.node_id, node.host, node.nproc, node.state, ranks.get(node.node_id),
-                 node.first_seen + to_wall, node.last_seen + to_wall),
+                 node.first_seen + to_wall, node.last_seen + to_wall, node.instance),
             )
         for closed, closed_at in self._pending_rounds.values():
             self._save_round(closed, closed_at)
@@ -205,7 +206,8 @@ def restore(run_dir: Path, now: float) -> tuple[MasterConfig, Job, list[NodeReco
     """Rebuild a crashed master's config, job, and node registry from its state file.
 
     A closed round comes back with its membership; an open one comes back empty, and the
-    agents waiting in it are told to join again. Nodes get a fresh heartbeat window.
+    agents waiting in it are told to join again. Nodes get a fresh heartbeat window and keep the agent process
+    that last joined (a join it repeats, its reply lost with the old master, is not taken for a restarted agent).
     """
     state = read_status(run_dir, recent=0)
     row = state["job"]
@@ -231,7 +233,8 @@ def restore(run_dir: Path, now: float) -> tuple[MasterConfig, Job, list[NodeReco
         if last["round_id"] == row["round_id"]:
             rendezvous.membership, job.announced_round = membership, row["round_id"]
         rendezvous.set_previous(membership)
-    nodes = [NodeRecord(n["node_id"], n["host"], n["nproc"], now, now, n["state"]) for n in state["nodes"]]
+    nodes = [NodeRecord(n["node_id"], n["host"], n["nproc"], now, now, n["state"], n.get("instance") or "")
+             for n in state["nodes"]]
     return config, job, nodes
 
 

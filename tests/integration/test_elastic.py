@@ -35,7 +35,7 @@ def test_killed_master_is_restarted_and_workers_train_through(procs: ProcessScop
     job.wait_output(r"master resumed in round 1")
     result = job.wait()
     assert result.returncode == 0, result.explain()
-    assert "with 0 restart(s)" in result.stdout
+    assert "with 0 restart(s)" in result.stdout, result.explain()
     assert not (run_dir / "logs" / "round2").exists(), "the workers must not have been restarted"
 
 

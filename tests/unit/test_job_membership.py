@@ -105,8 +105,16 @@ def test_a_member_rejoining_while_its_round_runs_means_its_agent_restarted() -> 
     job = make_job()
     join_all(job, now=0.0)
     round_id, events = job.join("n1", "10.0.0.2", 2, 29500, now=5.0)
-    assert kinds(events)[:2] == ["restart", "node_joined"]
+    assert kinds(events)[:3] == ["agent_restarted", "restart", "node_joined"]
     assert round_id == 2 and job.restart_count == 1
+
+
+def test_a_member_whose_same_agent_repeats_its_join_keeps_its_place() -> None:
+    job = make_job()
+    join_all(job, now=0.0)
+    round_id, events = job.join("n1", "10.0.0.2", 2, 29500, now=5.0, same_agent=True)
+    assert kinds(events) == ["join_repeated"]
+    assert round_id == 1 and job.restart_count == 0 and job.membership is not None
 
 
 def flap(job: Job, node_id: str, now: float) -> list[Event]:
