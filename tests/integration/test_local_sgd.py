@@ -57,14 +57,16 @@ def test_bad_layout_fails_with_a_clear_error(procs: ProcessScope, run_dir: Path)
 
 def test_a_group_that_dies_is_left_out_and_one_that_joins_copies_its_shards(procs: ProcessScope,
                                                                              run_dir: Path) -> None:
+    # the agents are started by hand (no launcher to report a dead one): the master finds a lost node by its
+    # silence, here in 5 s
     master = procs.start(["master", "--host", "127.0.0.1", "--port", "0", "--nnodes", "1:2", "--rdzv-wait", 1,
-                          "--run-dir", run_dir])
+                          "--heartbeat-timeout", 5, "--run-dir", run_dir])
     port = int(master.wait_output(r"at 127\.0\.0\.1:(\d+);", timeout=60).group(1))
 
     def agent(node: str):
         return procs.start(["agent", "--master", f"127.0.0.1:{port}", "--token-file", run_dir / "token",
                             "--node-id", node, "--nproc-per-node", 2, "--preload", "", "--stop-grace", 1, EXAMPLE,
-                            *SMALL, "--steps", 400, "--every", 4, "--log-every", 4, "--step-time", 0.05])
+                            *SMALL, "--steps", 200, "--every", 4, "--log-every", 4, "--step-time", 0.05])
 
     first, second = agent("a"), agent("b")
     master.wait_output(r"round 1: 2 nodes, world size 4")
@@ -88,6 +90,6 @@ def test_a_group_that_dies_is_left_out_and_one_that_joins_copies_its_shards(proc
     assert "sent by a peer holding it to ranks without it" in out, out
     before = [int(s) for s in re.findall(r"\[rank1\]: step (\d+) loss", out[:grown.start()])]
     assert int(grown.group(1)) > max(before), "a finished step was redone when the group joined"
-    assert re.search(r"\[rank0\]: step 399: shard 0 synced over 2 group\(s\)", out), out
+    assert re.search(r"\[rank0\]: step 199: shard 0 synced over 2 group\(s\)", out), out
     assert "replicas identical after the last step: yes" in out, out
     assert procs.wait_no_leftovers() == []

@@ -1,0 +1,156 @@
+"""A role process's link to the replay service: inserts that land exactly once across a restart of the buffer,
+samples, priorities, weights by version, the slices' deal and the stats.
+
+An actor's inserts carry its count of transitions before each batch. It keeps every batch the buffer has not yet
+reported kept in a snapshot; when the buffer comes back from a snapshot (restarted, or moved to another node:
+the client finds it at the role's published address) it answers ``resend`` from its count, and the client sends
+the kept batches again from there, so nothing the actor still holds is lost and nothing lands twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from convoy.errors import ConfigError
+from convoy.parallel.transport import Connection, ConnectionLost, Credentials, Message, TransportError
+
+FIND_S = 60.0
+"""How long a call looks for the replay service (restarting, or not yet published) before it gives up."""
+
+
+class ReplayClient:
+    """``address`` is asked again (``find``) whenever the service cannot be reached: a restarted replay may serve
+    at a new address, published to the job's processes."""
+
+    def __init__(self, find: Callable[[], str], credentials: Credentials | None = None, find_s: float = FIND_S) -> None:
+        self.find, self.credentials, self.find_s = find, credentials, find_s
+        self.conn: Connection | None = None
+        self.sent = 0
+        """This process's transitions accepted by the buffer (the next batch's ``first``)."""
+        self.unkept: deque[tuple[int, dict[str, torch.Tensor], dict[str, Any]]] = deque()
+        """Batches (with their ``first`` and what they finished) not yet in a snapshot of the buffer: sent again
+        after its restart (what they finished died with the buffer's counts too)."""
+        self.resent = 0
+        """Batches sent again to a buffer that came back from a snapshot."""
+        self.lost = 0
+        """Transitions a restarted buffer lost that this process no longer held to send again."""
+        self.reconnects = 0
+
+    def call(self, message: Message) -> Message:
+        """One request, reconnecting (to the address ``find`` gives now) until ``find_s`` has passed."""
+        deadline = time.monotonic() + self.find_s
+        while True:
+            try:
+                if self.conn is None:
+                    address = self.find()
+                    if not address:
+                        raise ConnectionLost("the replay service has published no address yet")
+                    self.conn = Connection(address, credentials=self.credentials, service="replay service")
+                    self.reconnects += 1
+                return self.conn.request(message)
+            except (ConnectionLost, OSError) as exc:
+                self.close()
+                if time.monotonic() > deadline:
+                    raise ConfigError(f"the replay service could not be reached for {self.find_s:.0f} s: "
+                                      f"{exc}") from exc
+                time.sleep(0.2)
+
+    def insert(self, batch: dict[str, torch.Tensor], returns: list[float] | None = None, env_steps: int = 0,
+               visits: dict[int, int] | None = None) -> dict[str, Any]:
+        """Send one batch with what it finished (episode returns, environment steps, episodes per slice); batches
+        lost with a restarted buffer are sent again first. Returns the buffer's answer (``have``: this process's
+        transitions it holds, ``env_steps``: the whole job's)."""
+        first = self.sent
+        news = {"returns": returns or [], "env_steps": env_steps,
+                "visits": {str(k): v for k, v in (visits or {}).items()}}
+        self.unkept.append((first, batch, news))
+        reply = self._insert(first, batch, news)
+        while reply.op == "resend":
+            reply = self._resend_from(int(reply.meta["from"]))
+        self.sent = int(reply.meta["have"])
+        return dict(reply.meta)
+
+    def _insert(self, first: int, batch: dict[str, torch.Tensor], news: dict[str, Any]) -> Message:
+        while True:
+            reply = self.call(Message("insert", {"first": first, **news}, batch))
+            if reply.op != "wait":  # a throttled insert waits at the service, then asks again
+                break
+        if reply.op == "inserted":
+            self._forget_kept(int(reply.meta["kept"]))
+        return reply
+
+    def _resend_from(self, have: int) -> Message:
+        """Send the batches not yet kept again, from the buffer's count ``have``; the last reply. Transitions the
+        buffer lost that this process no longer holds (a buffer restarted from an older snapshot, or from none)
+        are counted in ``lost`` and the rest are numbered on from ``have``."""
+        batches = [entry for entry in self.unkept if entry[0] + _rows(entry[1]) > have]
+        if not batches or batches[0][0] > have:
+            self.lost += (batches[0][0] if batches else self.sent) - have
+            at, renumbered = have, []
+            for _, batch, news in batches:
+                renumbered.append((at, batch, news))
+                at += _rows(batch)
+            self.unkept = deque(renumbered)
+            batches = renumbered
+        reply = Message("inserted", {"have": have})
+        for first, batch, news in batches:
+            reply = self._insert(first, batch, news)
+            self.resent += 1
+        return reply
+
+    def _forget_kept(self, kept: int) -> None:
+        while self.unkept and self.unkept[0][0] + _rows(self.unkept[0][1]) <= kept:
+            self.unkept.popleft()
+
+    def sample(self, count: int) -> Message | None:
+        """A batch (tensors, with ``_slots``, ``_written`` and ``_weights``); None while the buffer is empty or the
+        throttle holds this side back."""
+        reply = self.call(Message("sample", {"count": count}))
+        return reply if reply.op == "sampled" else None
+
+    def priorities(self, slots: torch.Tensor, written: torch.Tensor, priorities: torch.Tensor) -> int:
+        reply = self.call(Message("priorities", {}, {"slots": slots, "written": written,
+                                                     "priorities": priorities.float()}))
+        return int(reply.meta["applied"])
+
+    def put_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        self.call(Message("weights_put", {"version": version}, tensors))
+
+    def get_weights(self, have: int) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """The newest weights if newer than version ``have``."""
+        reply = self.call(Message("weights_get", {"have": have}))
+        return (int(reply.meta["version"]), reply.tensors) if reply.op == "weights" else None
+
+    def put_deal(self, dealt: dict[int, tuple[int, ...]]) -> None:
+        self.call(Message("deal_put", {"dealt": {str(rank): list(owned) for rank, owned in dealt.items()}}))
+
+    def get_slices(self) -> tuple[int, list[int]]:
+        reply = self.call(Message("deal_get", {}))
+        return int(reply.meta["version"]), [int(s) for s in reply.meta["slices"]]
+
+    def stats(self) -> dict[str, object]:
+        return dict(self.call(Message("stats", {})).meta)
+
+    def snapshot(self) -> int:
+        return int(self.call(Message("snapshot", {})).meta["inserted"])
+
+    def shutdown(self) -> None:
+        try:
+            self.call(Message("shutdown", {}))
+        except (ConfigError, TransportError):
+            pass  # already gone
+        self.close()
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+
+def _rows(batch: dict[str, torch.Tensor]) -> int:
+    return int(next(iter(batch.values())).shape[0])

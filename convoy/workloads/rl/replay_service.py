@@ -1,0 +1,272 @@
+"""The replay role's service: the buffer, the newest policy weights and the slices' deal behind one authenticated
+listener (the role services' transport), a table of handlers, and a ticker that measures rates and snapshots.
+
+Ops (``Message.op``): ``insert`` (an actor's transitions, exactly once: each batch says how many of its own came
+before it), ``sample``, ``priorities``, ``stats``, ``weights_put`` / ``weights_get`` (by version), ``deal_put`` /
+``deal_get`` (an actor's slices), ``snapshot`` and ``shutdown``. A malformed insert is refused whole and counted;
+in throttle mode an insert or a sample waits (Reverb's rate limiter, ``rates.Throttle``) and the time waited is
+counted per side.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from convoy.errors import ConfigError
+from convoy.parallel.transport import Credentials, Identity, Limits, Listener, Message
+from convoy.parallel.transport.handshake import Admit
+from convoy.workloads.rl.buffer import BadTransitions, ReplayBuffer
+from convoy.workloads.rl.rates import RateMeter, Throttle
+from convoy.workloads.rl.replay_snapshots import BufferSnapshots
+
+TICK_S = 0.25
+THROTTLE_WAIT_S = 30.0
+"""Longest a throttled call waits before it is answered ``wait`` (the caller asks again)."""
+RETURNS_KEPT = 100
+
+
+@dataclass
+class Waited:
+    """Seconds the throttle held each side."""
+
+    insert_s: float = 0.0
+    sample_s: float = 0.0
+
+
+@dataclass
+class Episodes:
+    """The actors' finished episodes: the last returns, and environment steps in all."""
+
+    returns: deque[float] = field(default_factory=lambda: deque(maxlen=RETURNS_KEPT))
+    finished: int = 0
+    env_steps: int = 0
+
+    def saved(self) -> dict[str, Any]:
+        return {"returns": list(self.returns), "finished": self.finished, "env_steps": self.env_steps}
+
+    @staticmethod
+    def from_saved(saved: dict[str, Any]) -> Episodes:
+        return Episodes(deque((float(r) for r in saved.get("returns", [])), maxlen=RETURNS_KEPT),
+                        int(saved.get("finished", 0)), int(saved.get("env_steps", 0)))
+
+    def add(self, reported: list[Any], steps: int) -> None:
+        for entry in reported:
+            self.returns.append(float(entry))
+            self.finished += 1
+        self.env_steps += steps
+
+    @property
+    def mean_return(self) -> float | None:
+        return sum(self.returns) / len(self.returns) if self.returns else None
+
+
+class ReplayService:
+    """Serves ``buffer`` on ``host:port``; ``snapshots`` (optional) every ``snapshot_every_s``; ``throttle`` makes
+    the faster side wait (None: nobody waits, the controller scales instead)."""
+
+    def __init__(self, buffer: ReplayBuffer, host: str = "127.0.0.1", port: int = 0, *,
+                 snapshots: BufferSnapshots | None = None, snapshot_every_s: float = 5.0,
+                 throttle: Throttle | None = None, credentials: Credentials | None = None,
+                 admit: Admit | None = None, limits: Limits | None = None, window_s: float = 2.0,
+                 kept: Mapping[str, Any] | None = None) -> None:
+        """``kept``: what a snapshot held beside the buffer (``BufferSnapshots.restore``'s second part)."""
+        self.buffer, self.snapshots, self.throttle = buffer, snapshots, throttle
+        self.snapshot_every_s = snapshot_every_s
+        self.changed = threading.Condition()
+        self.meter = RateMeter(window_s)
+        self.waited = Waited()
+        self.episodes = Episodes()
+        self.weights: tuple[int, dict[str, torch.Tensor]] = (0, {})
+        self.deal: tuple[int, dict[int, list[int]]] = (0, {})
+        self.duplicates = 0
+        """Transitions an actor sent again that the buffer already held (skipped)."""
+        self.visits: dict[int, int] = {}
+        """Episodes started in each slice, as the actors report them."""
+        if kept:
+            self.episodes = Episodes.from_saved(dict(kept.get("episodes", {})))
+            self.duplicates = int(kept.get("duplicates", 0))
+            self.visits = {int(k): int(v) for k, v in dict(kept.get("visits", {})).items()}
+        self.stopped = threading.Event()
+        self.ops: dict[str, Callable[[Message, Identity | None], Message]] = {
+            "insert": self._insert, "sample": self._sample, "priorities": self._priorities, "stats": self._stats,
+            "weights_put": self._weights_put, "weights_get": self._weights_get, "deal_put": self._deal_put,
+            "deal_get": self._deal_get, "snapshot": self._snapshot, "shutdown": self._shutdown}
+        self.listener = Listener(self.handle, host, port, replied=self._replied, credentials=credentials,
+                                 admit=admit, limits=limits)
+        self.address = self.listener.address
+        self._ticker = threading.Thread(target=self._tick, name="replay-ticker", daemon=True)
+        self._ticker.start()
+
+    def handle(self, message: Message, caller: Identity | None = None) -> Message:
+        op = self.ops.get(message.op)
+        if op is None:
+            raise ConfigError(f"unknown replay op {message.op!r}; one of {sorted(self.ops)}")
+        try:
+            return op(message, caller)
+        except BadTransitions as exc:  # the caller gets it as the ConfigError it is
+            raise ConfigError(f"malformed transitions refused: {exc}") from exc
+
+    def wait(self, timeout: float | None = None) -> bool:
+        done = self.stopped.wait(timeout)
+        if done:
+            self.listener.close()
+        return done
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.listener.close()
+        if self.snapshots is not None:
+            self.snapshots.close()
+
+    def _replied(self, reply: Message) -> None:
+        if reply.op == "bye":
+            self.stopped.set()
+
+    @staticmethod
+    def _source(message: Message, caller: Identity | None) -> str:
+        if caller is not None:
+            return f"{caller.role}{caller.rank}.{caller.incarnation}"
+        return str(message.meta.get("source", ""))
+
+    def _held_until(self, allowed: Callable[[], bool]) -> tuple[bool, float]:
+        """Wait (holding ``changed``) until ``allowed``; (whether it is, seconds waited)."""
+        if allowed():
+            return True, 0.0
+        began = time.monotonic()
+        ok = self.changed.wait_for(lambda: allowed() or self.stopped.is_set(), THROTTLE_WAIT_S)
+        return ok and not self.stopped.is_set(), time.monotonic() - began
+
+    def _insert(self, message: Message, caller: Identity | None) -> Message:
+        source = self._source(message, caller)
+        first = int(message.meta.get("first", -1))  # this source's transitions before the batch (-1: uncounted)
+        with self.changed:
+            counters = self.buffer.counters
+            try:
+                rows = self.buffer.layout.rows_of(message.tensors)
+            except BadTransitions:
+                counters.refused += 1
+                raise
+            have = counters.by_source.get(source, 0)
+            if first > have:  # a gap: the buffer came back from a snapshot older than what the actor saw kept
+                return Message("resend", {"from": have})
+            skip = min(rows, have - first) if first >= 0 else 0
+            if self.throttle is not None:
+                throttle = self.throttle
+                ok, waited = self._held_until(lambda: throttle.may_insert(counters.inserted, counters.sampled,
+                                                                          rows - skip))
+                self.waited.insert_s += waited
+                if not ok:
+                    return Message("wait", {"waited_s": waited})
+            taken = self.buffer.insert({name: t[skip:] for name, t in message.tensors.items()}, source,
+                                       rows=rows - skip)
+            self.duplicates += skip
+            if skip == 0:  # a batch sent again had its episodes counted when it first came
+                self.episodes.add(list(message.meta.get("returns", [])), int(message.meta.get("env_steps", 0)))
+                for index, count in dict(message.meta.get("visits", {})).items():
+                    self.visits[int(index)] = self.visits.get(int(index), 0) + int(count)
+            self.changed.notify_all()
+            kept = self.snapshots.kept.get(source, 0) if self.snapshots is not None else have + taken
+            return Message("inserted", {"have": have + taken, "kept": kept, "size": self.buffer.size,
+                                        "env_steps": self.episodes.env_steps})
+
+    def _sample(self, message: Message, caller: Identity | None) -> Message:
+        count = int(message.meta.get("count", 0))
+        with self.changed:
+            if self.throttle is not None:
+                throttle, counters = self.throttle, self.buffer.counters
+                ok, waited = self._held_until(lambda: throttle.may_sample(counters.inserted, counters.sampled, count))
+                self.waited.sample_s += waited
+                if not ok:
+                    return Message("wait", {"waited_s": waited})
+            if self.buffer.size == 0:
+                return Message("wait", {"waited_s": 0.0})
+            drawn = self.buffer.sample(count)
+            self.changed.notify_all()
+        tensors = {**drawn.batch, "_slots": drawn.slots, "_written": drawn.written, "_weights": drawn.weights}
+        return Message("sampled", {"size": self.buffer.size, "env_steps": self.episodes.env_steps,
+                                   "mean_return": self.episodes.mean_return}, tensors)
+
+    def _priorities(self, message: Message, caller: Identity | None) -> Message:
+        tensors = message.tensors
+        try:
+            slots, written, priorities = tensors["slots"], tensors["written"], tensors["priorities"]
+        except KeyError as exc:
+            raise BadTransitions(f"priorities need the tensors slots, written and priorities; missing {exc}") from exc
+        with self.changed:
+            applied = self.buffer.update_priorities(slots, written, priorities)
+        return Message("updated", {"applied": applied})
+
+    def stats(self) -> dict[str, Any]:
+        with self.changed:
+            inserts, samples = self.meter.rates()
+            counters = self.buffer.counters
+            return {"inserts_per_s": inserts, "samples_per_s": samples, "inserted": counters.inserted,
+                    "sampled": counters.sampled, "refused": counters.refused, "size": self.buffer.size,
+                    "capacity": self.buffer.capacity, "stale_priorities": counters.stale_priorities,
+                    "duplicates": self.duplicates, "waited_insert_s": self.waited.insert_s,
+                    "waited_sample_s": self.waited.sample_s, "episodes": self.episodes.finished,
+                    "env_steps": self.episodes.env_steps, "mean_return": self.episodes.mean_return,
+                    "returns_kept": len(self.episodes.returns), "weights_version": self.weights[0],
+                    "snapshots": self.snapshots.taken if self.snapshots is not None else 0,
+                    "by_source": dict(counters.by_source), "visits": {str(k): v for k, v in self.visits.items()}}
+
+    def _stats(self, message: Message, caller: Identity | None) -> Message:
+        return Message("stats", self.stats())
+
+    def _weights_put(self, message: Message, caller: Identity | None) -> Message:
+        version = int(message.meta.get("version", 0))
+        with self.changed:
+            if version > self.weights[0]:
+                self.weights = (version, {name: t.clone() for name, t in message.tensors.items()})
+            return Message("stored", {"version": self.weights[0]})
+
+    def _weights_get(self, message: Message, caller: Identity | None) -> Message:
+        have = int(message.meta.get("have", 0))
+        with self.changed:
+            version, tensors = self.weights
+        if version <= have:
+            return Message("same", {"version": version})
+        return Message("weights", {"version": version}, tensors)
+
+    def _deal_put(self, message: Message, caller: Identity | None) -> Message:
+        dealt = {int(rank): [int(s) for s in owned] for rank, owned in dict(message.meta.get("dealt", {})).items()}
+        with self.changed:
+            if dealt != self.deal[1]:
+                self.deal = (self.deal[0] + 1, dealt)
+            return Message("dealt", {"version": self.deal[0]})
+
+    def _deal_get(self, message: Message, caller: Identity | None) -> Message:
+        rank = caller.rank if caller is not None else int(message.meta.get("rank", 0))
+        with self.changed:
+            version, dealt = self.deal
+        return Message("slices", {"version": version, "slices": dealt.get(rank, [])})
+
+    def take_snapshot(self) -> int:
+        if self.snapshots is None:
+            raise ConfigError("this replay service keeps no snapshots")
+        with self.changed:
+            return self.snapshots.take(self.buffer, {"episodes": self.episodes.saved(), "duplicates": self.duplicates,
+                                                            "visits": dict(self.visits)})
+
+    def _snapshot(self, message: Message, caller: Identity | None) -> Message:
+        return Message("snapshotted", {"inserted": self.take_snapshot()})
+
+    def _shutdown(self, message: Message, caller: Identity | None) -> Message:
+        return Message("bye", {})
+
+    def _tick(self) -> None:
+        last_snapshot = time.monotonic()
+        while not self.stopped.wait(TICK_S):
+            now = time.monotonic()
+            with self.changed:
+                self.meter.note(now, self.buffer.counters.inserted, self.buffer.counters.sampled)
+            if self.snapshots is not None and now - last_snapshot >= self.snapshot_every_s and self.buffer.size:
+                self.take_snapshot()
+                last_snapshot = now
