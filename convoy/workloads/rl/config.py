@@ -24,7 +24,7 @@ class RLConfig:
     slices: int = restart(16, min=1, doc="slices the seeds are cut into, dealt to the actors")
     n_step: int = restart(3, min=1, max=20, doc="steps of each transition's return")
     gamma: float = restart(0.99, min=0.0, max=1.0, doc="discount")
-    target_ratio: float = hot(4.0, min=0.0, doc="samples per insert the controller (or throttle) holds")
+    target_ratio: float = hot(4.0, min=1e-6, doc="samples per insert the controller (or throttle) holds (> 0)")
     tolerance: float = hot(0.1, min=0.01, max=0.9, doc="how far samples per insert may stray before scaling")
     mode: str = restart("scale", choices=MODES, doc="scale: the controller scales; throttle: the faster side "
                                                            "waits (Reverb's rate limiter); none: neither")

@@ -45,7 +45,8 @@ class Controller:
         if self.rates is None or self.rates.policy.target != policy.target:
             self.rates = RateController(policy)  # a hot change of the target starts afresh
         stats = self.replay.stats()
-        rates = Rates(float(stats["inserts_per_s"]), float(stats["samples_per_s"]),  # type: ignore[arg-type]
+        # the learners' demand (their nominal batches): what they sample is paced to the target already
+        rates = Rates(float(stats["inserts_per_s"]), float(stats["demanded_per_s"]),  # type: ignore[arg-type]
                       roles["actor"].running, roles["learner"].running)
         pending = frozenset(name for name in ("actor", "learner") if roles[name].pending)
         decision = self.rates.decide(rates, pending)

@@ -77,6 +77,8 @@ def run_replay(cfg: RLConfig) -> int:
 
 def run_learner(cfg: RLConfig, replay: ReplayClient) -> int:
     learner = Learner(cfg, replay, env_spec(cfg), say)
+    say(f"learner {learner.ctx.rank}: training {cfg.env} (pid {os.getpid()}), world size {learner.ctx.world_size}, "
+        f"from step {learner.start}")
     began = time.monotonic()
     steps = learner.run()
     if learner.ctx.rank == 0:

@@ -103,7 +103,7 @@ class Learner:
         self._push(self.start, force=True)
         step = self.start
         while True:
-            reply = self.replay.sample(self.share)
+            reply = self.replay.sample(self.share, self.cfg.target_ratio if self.cfg.mode == "scale" else None)
             if reply is None:
                 time.sleep(WAIT_S)  # throttled (or empty after a restart of the buffer): ask again
                 continue
@@ -124,7 +124,7 @@ class Learner:
                 self.target.load_state_dict(self.online.state_dict())
             self.progress.env_steps = env_steps
             self.ckpt.step(step)
-            report(step, samples=self.share, td_loss=loss.item())  # not as `loss`: a TD loss that rises
+            report(step, samples=len(batch["action"]), td_loss=loss.item())  # not as `loss`: a TD loss that rises
                                                                        # as returns grow is no divergence
             step += 1
             self._push(step)

@@ -16,26 +16,50 @@ from convoy.errors import ConfigError
 
 
 class RateMeter:
-    """Running counts noted over time; ``rates`` gives the per-second change over the last ``window_s``."""
+    """Running counts noted over time; ``rates`` gives each one's per-second change over the last ``window_s``."""
 
     def __init__(self, window_s: float = 2.0) -> None:
         if window_s <= 0:
             raise ConfigError(f"a rate window must be > 0 s, got {window_s}")
         self.window_s = window_s
-        self._points: collections.deque[tuple[float, int, int]] = collections.deque()
+        self._points: collections.deque[tuple[float, tuple[int, ...]]] = collections.deque()
 
-    def note(self, now: float, inserted: int, sampled: int) -> None:
-        self._points.append((now, inserted, sampled))
+    def note(self, now: float, *counts: int) -> None:
+        self._points.append((now, counts))
         while len(self._points) > 2 and now - self._points[1][0] >= self.window_s:
             self._points.popleft()
 
-    def rates(self) -> tuple[float, float]:
-        """(inserts per second, samples per second) over the window; zeros until two points span time."""
+    def rates(self, how_many: int) -> tuple[float, ...]:
+        """Each count's change per second over the window; zeros until two points span time."""
         if len(self._points) < 2:
-            return 0.0, 0.0
-        (t0, i0, s0), (t1, i1, s1) = self._points[0], self._points[-1]
+            return (0.0,) * how_many
+        (t0, first), (t1, last) = self._points[0], self._points[-1]
         span = t1 - t0
-        return ((i1 - i0) / span, (s1 - s0) / span) if span > 0 else (0.0, 0.0)
+        if span <= 0:
+            return (0.0,) * how_many
+        return tuple((b - a) / span for a, b in zip(first, last, strict=True))
+
+
+class Pacer:
+    """Holds samples per insert without making anyone wait: each learner request of ``nominal`` transitions gets
+    what the learners owe (``target`` per insert since pacing began, less what they sampled), kept within
+    ``[nominal / 4, 4 nominal]``. A learner ahead trains on smaller batches, one behind (after a stall) on larger
+    ones until it has caught up; the controller's scaling keeps the owed amount near ``nominal``."""
+
+    LOW, HIGH = 0.25, 4.0
+
+    def __init__(self) -> None:
+        self.base: tuple[int, int] | None = None
+        """(inserted, sampled) when pacing began (the first paced request: learning starts)."""
+
+    def count(self, target: float, nominal: int, inserted: int, sampled: int) -> int:
+        if not target > 0 or nominal < 1:
+            raise ConfigError(f"pacing needs a target > 0 and a count >= 1, got {target} and {nominal}")
+        if self.base is None:
+            self.base = (inserted, sampled)
+        owed = target * (inserted - self.base[0]) - (sampled - self.base[1])
+        low, high = max(1, int(nominal * self.LOW)), int(nominal * self.HIGH)
+        return max(low, min(high, round(owed)))
 
 
 @dataclass(frozen=True)

@@ -107,10 +107,11 @@ class ReplayClient:
         while self.unkept and self.unkept[0][0] + _rows(self.unkept[0][1]) <= kept:
             self.unkept.popleft()
 
-    def sample(self, count: int) -> Message | None:
+    def sample(self, count: int, target: float | None = None) -> Message | None:
         """A batch (tensors, with ``_slots``, ``_written`` and ``_weights``); None while the buffer is empty or the
-        throttle holds this side back."""
-        reply = self.call(Message("sample", {"count": count}))
+        throttle holds this side back. ``target``: paced to that many samples per insert (the batch's size varies
+        around ``count``)."""
+        reply = self.call(Message("sample", {"count": count, **({"target": target} if target else {})}))
         return reply if reply.op == "sampled" else None
 
     def priorities(self, slots: torch.Tensor, written: torch.Tensor, priorities: torch.Tensor) -> int:

@@ -23,7 +23,7 @@ from convoy.errors import ConfigError
 from convoy.parallel.transport import Credentials, Identity, Limits, Listener, Message
 from convoy.parallel.transport.handshake import Admit
 from convoy.workloads.rl.buffer import BadTransitions, ReplayBuffer
-from convoy.workloads.rl.rates import RateMeter, Throttle
+from convoy.workloads.rl.rates import Pacer, RateMeter, Throttle
 from convoy.workloads.rl.replay_snapshots import BufferSnapshots
 
 TICK_S = 0.25
@@ -89,6 +89,9 @@ class ReplayService:
         """Transitions an actor sent again that the buffer already held (skipped)."""
         self.visits: dict[int, int] = {}
         """Episodes started in each slice, as the actors report them."""
+        self.demanded = 0
+        """Transitions the learners asked for (their nominal batches): the demand the controller scales by."""
+        self.pacer = Pacer()
         if kept:
             self.episodes = Episodes.from_saved(dict(kept.get("episodes", {})))
             self.duplicates = int(kept.get("duplicates", 0))
@@ -177,8 +180,12 @@ class ReplayService:
                                         "env_steps": self.episodes.env_steps})
 
     def _sample(self, message: Message, caller: Identity | None) -> Message:
+        """``count`` transitions; with ``target`` (paced), as many as the learners owe at that many samples per
+        insert, within the pacer's bounds around ``count`` (nobody waits)."""
         count = int(message.meta.get("count", 0))
+        target = message.meta.get("target")
         with self.changed:
+            self.demanded += count
             if self.throttle is not None:
                 throttle, counters = self.throttle, self.buffer.counters
                 ok, waited = self._held_until(lambda: throttle.may_sample(counters.inserted, counters.sampled, count))
@@ -187,6 +194,9 @@ class ReplayService:
                     return Message("wait", {"waited_s": waited})
             if self.buffer.size == 0:
                 return Message("wait", {"waited_s": 0.0})
+            if target is not None and self.throttle is None:
+                count = self.pacer.count(float(target), count, self.buffer.counters.inserted,
+                                         self.buffer.counters.sampled)
             drawn = self.buffer.sample(count)
             self.changed.notify_all()
         tensors = {**drawn.batch, "_slots": drawn.slots, "_written": drawn.written, "_weights": drawn.weights}
@@ -205,9 +215,10 @@ class ReplayService:
 
     def stats(self) -> dict[str, Any]:
         with self.changed:
-            inserts, samples = self.meter.rates()
+            inserts, samples, demanded = self.meter.rates(3)
             counters = self.buffer.counters
-            return {"inserts_per_s": inserts, "samples_per_s": samples, "inserted": counters.inserted,
+            return {"inserts_per_s": inserts, "samples_per_s": samples, "demanded_per_s": demanded,
+                    "inserted": counters.inserted,
                     "sampled": counters.sampled, "refused": counters.refused, "size": self.buffer.size,
                     "capacity": self.buffer.capacity, "stale_priorities": counters.stale_priorities,
                     "duplicates": self.duplicates, "waited_insert_s": self.waited.insert_s,
@@ -266,7 +277,7 @@ class ReplayService:
         while not self.stopped.wait(TICK_S):
             now = time.monotonic()
             with self.changed:
-                self.meter.note(now, self.buffer.counters.inserted, self.buffer.counters.sampled)
+                self.meter.note(now, self.buffer.counters.inserted, self.buffer.counters.sampled, self.demanded)
             if self.snapshots is not None and now - last_snapshot >= self.snapshot_every_s and self.buffer.size:
                 self.take_snapshot()
                 last_snapshot = now

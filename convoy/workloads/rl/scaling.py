@@ -58,6 +58,7 @@ class Rates:
 
     inserts_per_s: float
     samples_per_s: float
+    """What the learners sample a second, or ask for at their nominal batch where the buffer paces them."""
     actors: int
     """Actor processes running (inserting) in the window."""
     learners: int

@@ -1,0 +1,324 @@
+"""The RL workload's targets (issue 51), each against its peer in the same run where there is one.
+
+    python benchmarks/rl.py [--only buffer,replace,ratio] [--quick]
+
+1. buffer: inserts + samples per second of the replay buffer, prioritized (alpha 0.6), capacity 50,000 CartPole
+   transitions, chunks of 32 inserted, batches of 64 sampled 4 times a chunk (8 samples per insert), priorities
+   updated after each sample, timed once the buffer is full. convoy's buffer as the actors and learners use it
+   (``ReplayService`` over the role transport, one connection each, in another thread) and in the same process
+   (``ReplayBuffer``); peer: RLlib's ``PrioritizedEpisodeReplayBuffer``, what its DQN uses by default, in the
+   learner's process as RLlib runs it (the same chunks as ``SingleAgentEpisode``s, 1-step). Target: >= 1x.
+2. replace: ``examples/rl_dqn.toml`` running; an actor SIGKILLed 5 times (3 in ``--quick``): from the kill to the
+   buffer holding a transition of its replacement (the buffer's per-process counts, read over the transport).
+   RLlib's default for a failed env runner is 60 s (``delay_between_env_runner_restarts_s``) plus its probe,
+   quoted, not measured. Target: <= 2 s.
+3. ratio: the same job in ``scale`` mode and in ``throttle`` mode (Reverb's rate limiter), one after the other;
+   after 15 s ``step_cost`` triples (``convoy config set``), at 25 s an actor is SIGKILLed, at 35 s the learner is
+   SIGSTOPped for 5 s; samples per insert in each 10 s window after the first, the time the throttle held each
+   side, and transitions inserted per second over the run. Targets: scale mode within +-10% of the target in every
+   window; no process blocked > 5% of its time; throughput >= 1.5x the throttle mode's.
+
+Not here yet: the DQN learning target against RLlib's tuned CartPole config (150k steps, 5 seeds) and preemption.
+Exits 0 whether the targets are met or missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from convoy.control.token import read_token  # noqa: E402
+from convoy.parallel.transport import Credentials, Identity  # noqa: E402
+from convoy.worker.role_env import service_secret  # noqa: E402
+from convoy.workloads.rl.buffer import Layout, ReplayBuffer  # noqa: E402
+from convoy.workloads.rl.replay_client import ReplayClient  # noqa: E402
+from convoy.workloads.rl.replay_service import ReplayService  # noqa: E402
+
+JOB = REPO / "examples" / "rl_dqn.toml"
+CAPACITY, CHUNK, BATCH, SAMPLES_PER_CHUNK = 50_000, 32, 64, 4
+
+
+def chunk(first: int) -> dict[str, torch.Tensor]:
+    obs = torch.randn(CHUNK + 1, 4)
+    return {"obs": obs[:-1].contiguous(), "action": torch.randint(2, (CHUNK,)), "reward": torch.ones(CHUNK),
+            "next_obs": obs[1:].contiguous(), "discount": torch.full((CHUNK,), 0.99)}
+
+
+def time_convoy_in_process(rounds: int) -> float:
+    buffer = ReplayBuffer(Layout.for_dqn((4,)), CAPACITY, alpha=0.6)
+    for i in range(CAPACITY // CHUNK + 1):
+        buffer.insert(chunk(i * CHUNK))
+    began, done = time.perf_counter(), 0
+    for i in range(rounds):
+        buffer.insert(chunk(i))
+        done += CHUNK
+        for _ in range(SAMPLES_PER_CHUNK):
+            drawn = buffer.sample(BATCH)
+            buffer.update_priorities(drawn.slots, drawn.written, torch.rand(BATCH))
+            done += BATCH
+    return done / (time.perf_counter() - began)
+
+
+def time_convoy_service(rounds: int) -> float:
+    secret = Credentials.fresh()
+    service = ReplayService(ReplayBuffer(Layout.for_dqn((4,)), CAPACITY, alpha=0.6), credentials=secret)
+    actor = ReplayClient(lambda: service.address, secret.as_process(Identity("actor", 0, 1)))
+    learner = ReplayClient(lambda: service.address, secret.as_process(Identity("learner", 0, 1)))
+    for i in range(CAPACITY // CHUNK + 1):
+        actor.insert(chunk(i))
+    began, done = time.perf_counter(), [0]
+
+    def act() -> None:
+        for i in range(rounds):
+            actor.insert(chunk(i))
+            done[0] += CHUNK
+
+    thread = threading.Thread(target=act)
+    thread.start()
+    for _ in range(rounds * SAMPLES_PER_CHUNK):
+        reply = learner.sample(BATCH)
+        assert reply is not None
+        learner.priorities(reply.tensors["_slots"], reply.tensors["_written"], torch.rand(BATCH))
+        done[0] += BATCH
+    thread.join()
+    rate = done[0] / (time.perf_counter() - began)
+    actor.close()
+    learner.close()
+    service.close()
+    return rate
+
+
+def time_rllib(rounds: int) -> float | str:
+    try:
+        import numpy
+        from ray.rllib.env.single_agent_episode import SingleAgentEpisode
+        from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import PrioritizedEpisodeReplayBuffer
+    except Exception as exc:  # noqa: BLE001 (any import failure: the peer is not measured, said so)
+        return f"not measured: ray.rllib does not import here ({type(exc).__name__}: {exc})"
+
+    def episode() -> SingleAgentEpisode:
+        obs = numpy.random.randn(CHUNK + 1, 4).astype(numpy.float32)
+        made = SingleAgentEpisode(observations=list(obs), actions=list(numpy.random.randint(0, 2, CHUNK)),
+                                  rewards=[1.0] * CHUNK, len_lookback_buffer=0)
+        return made.to_numpy()
+
+    buffer = PrioritizedEpisodeReplayBuffer(capacity=CAPACITY, alpha=0.6)
+    for _ in range(CAPACITY // CHUNK + 1):
+        buffer.add([episode()])
+    chunks = [episode() for _ in range(min(rounds, 200))]
+    began, done = time.perf_counter(), 0
+    for i in range(rounds):
+        buffer.add([chunks[i % len(chunks)]])
+        done += CHUNK
+        for _ in range(SAMPLES_PER_CHUNK):
+            buffer.sample(num_items=BATCH, n_step=1, beta=0.4)
+            buffer.update_priorities(numpy.random.rand(BATCH))
+            done += BATCH
+    return done / (time.perf_counter() - began)
+
+
+def bench_buffer(quick: bool) -> list[str]:
+    rounds, runs = (200, 3) if quick else (1000, 5)
+    results: dict[str, list[float]] = {"convoy service": [], "convoy in-process": [], "RLlib": []}
+    skipped = ""
+    for _ in range(runs):
+        results["convoy service"].append(time_convoy_service(rounds))
+        results["convoy in-process"].append(time_convoy_in_process(rounds))
+        peer = time_rllib(rounds)
+        if isinstance(peer, str):
+            skipped = peer
+        else:
+            results["RLlib"].append(peer)
+    print(f"\n## buffer: transitions inserted + sampled per second ({runs} runs, median; capacity {CAPACITY}, "
+          f"chunks of {CHUNK}, batches of {BATCH}, {SAMPLES_PER_CHUNK} samples per chunk)")
+    medians = {name: statistics.median(rates) for name, rates in results.items() if rates}
+    for name, median in medians.items():
+        print(f"  {name:<18} {median:>12,.0f} /s   runs {', '.join(f'{r:,.0f}' for r in results[name])}")
+    if "RLlib" not in medians:
+        print(f"  RLlib: {skipped}")
+        return [f"target buffer throughput vs RLlib: {skipped} (goal >= 1x) missed"]
+    ratio = medians["convoy service"] / medians["RLlib"]
+    return [f"target buffer throughput, service over the transport / RLlib in-process: {ratio:.2f}x (goal >= 1x) "
+            f"{'met' if ratio >= 1 else 'missed'}"]
+
+
+def start_job(work: Path, *extra: str) -> subprocess.Popen:
+    log = (work / "out.txt").open("w")
+    return subprocess.Popen([sys.executable, "-m", "convoy", "run", str(JOB), "--run-dir", str(work / "run"),
+                             "--set", "stop_return=0", "--set", "env_steps=100000000", *extra],
+                            stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+
+
+def output(work: Path) -> str:
+    return (work / "out.txt").read_text(errors="replace")
+
+
+def wait_for(what: str, check, limit: float = 120.0):
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        time.sleep(0.02)
+    raise RuntimeError(f"timed out after {limit:.0f} s waiting for {what}")
+
+
+def replay_of(work: Path) -> ReplayClient:
+    """The job's replay service, reached as the job's owner (the run dir's token)."""
+    credentials = Credentials(bytes.fromhex(service_secret(read_token(work / "run" / "token"))),
+                              Identity("benchmark", 0, 0))
+
+    def address() -> str:
+        found = re.findall(r"replay: serving \d+ transitions at (\S+) ", output(work))
+        return found[-1] if found else ""
+
+    return ReplayClient(address, credentials)
+
+
+def stop_job(job: subprocess.Popen) -> None:
+    if job.poll() is None:
+        os.killpg(job.pid, signal.SIGINT)
+        try:
+            job.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+
+
+def actor_pid(work: Path, rank: int, not_pid: int = 0) -> int:
+    pids = [int(p) for p in re.findall(rf"actor {rank}: stepping \S+ \(pid (\d+),", output(work))]
+    return pids[-1] if pids and pids[-1] != not_pid else 0
+
+
+def inserting(replay: ReplayClient) -> set[str]:
+    """The processes of actor rank 0 (``actor0.<incarnation>``) whose transitions the buffer holds."""
+    return {source for source, count in dict(replay.stats()["by_source"]).items()  # type: ignore[call-overload]
+            if source.startswith("actor0.") and count}
+
+
+def bench_replace(quick: bool) -> list[str]:
+    kills = 3 if quick else 5
+    times: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="convoy-rl-bench-") as tmp:
+        work = Path(tmp)
+        job = start_job(work, "--set", "step_cost=0.002")
+        try:
+            replay = wait_for("the replay service", lambda: (work / "run" / "token").exists() and replay_of(work))
+            wait_for("inserts", lambda: int(replay.stats()["inserted"]) > 500)
+            pid = 0
+            for _ in range(kills):
+                pid = wait_for("actor 0", lambda old=pid: actor_pid(work, 0, old))
+                before = inserting(replay)
+                os.kill(pid, signal.SIGKILL)
+                killed = time.monotonic()
+                wait_for("a replacement inserting", lambda seen=before: inserting(replay) - seen, 60)
+                times.append(time.monotonic() - killed)
+                time.sleep(1.0)
+        finally:
+            stop_job(job)
+    median = statistics.median(times)
+    print(f"\n## replace: a SIGKILLed actor replaced and inserting again ({kills} kills)")
+    print(f"  convoy: median {median:.2f} s, runs {', '.join(f'{t:.2f}' for t in times)}")
+    print("  RLlib (quoted): delay_between_env_runner_restarts_s = 60 s by default, plus its health probe")
+    return [f"target killed actor inserting again: {median:.2f} s (goal <= 2 s) {'met' if median <= 2 else 'missed'}"]
+
+
+def run_ratio(mode: str, quick: bool) -> dict[str, object]:
+    length = 50.0 if quick else 70.0
+    with tempfile.TemporaryDirectory(prefix=f"convoy-rl-{mode}-") as tmp:
+        work = Path(tmp)
+        job = start_job(work, "--set", f"mode={mode}", "--set", "step_cost=0.002", "--set", "target_ratio=4")
+        points: list[tuple[float, int, int]] = []
+        try:
+            replay = wait_for("the replay service", lambda: (work / "run" / "token").exists() and replay_of(work))
+            wait_for("learning to start", lambda: int(replay.stats()["sampled"]) > 0)
+            began = time.monotonic()
+            events = {15.0: "triple", 25.0: "kill", 35.0: "stop", 40.0: "continue"}
+            learner = 0
+            while time.monotonic() - began < length:
+                now = time.monotonic() - began
+                for at in [at for at in events if at <= now]:
+                    what = events.pop(at)
+                    if what == "triple":
+                        subprocess.run([sys.executable, "-m", "convoy", "config", "set", "--run-dir",
+                                        str(work / "run"), "step_cost=0.006"], check=True, capture_output=True)
+                    elif what == "kill":
+                        os.kill(actor_pid(work, 0), signal.SIGKILL)
+                    elif what in ("stop", "continue"):
+                        learner = learner or learner_pid(work)
+                        os.kill(learner, signal.SIGSTOP if what == "stop" else signal.SIGCONT)
+                stats = replay.stats()
+                points.append((now, int(stats["inserted"]), int(stats["sampled"])))
+                time.sleep(1.0)
+            final = replay.stats()
+        finally:
+            stop_job(job)
+    windows = []
+    for start in range(10, int(length) - 9, 10):
+        inside = [p for p in points if start <= p[0] <= start + 10]
+        if len(inside) >= 2 and inside[-1][1] > inside[0][1]:
+            windows.append((inside[-1][2] - inside[0][2]) / (inside[-1][1] - inside[0][1]))
+    span = points[-1][0] - points[0][0]
+    return {"windows": windows, "inserts_per_s": (points[-1][1] - points[0][1]) / span,
+            "waited_insert_s": float(final["waited_insert_s"]), "waited_sample_s": float(final["waited_sample_s"]),
+            "span": span}
+
+
+def learner_pid(work: Path) -> int:
+    found = re.findall(r"learner 0: training \S+ \(pid (\d+)\)", output(work))
+    if not found:
+        raise RuntimeError("the learner has not said its pid")
+    return int(found[-1])
+
+
+def bench_ratio(quick: bool) -> list[str]:
+    scale, throttle = run_ratio("scale", quick), run_ratio("throttle", quick)
+    print("\n## ratio: samples per insert in each 10 s window after the first (target 4), step_cost x3 at 15 s, an "
+          "actor SIGKILLed at 25 s, the learner SIGSTOPped 35-40 s")
+    for name, run in (("scale", scale), ("throttle", throttle)):
+        windows = ", ".join(f"{w:.2f}" for w in run["windows"])  # type: ignore[attr-defined]
+        print(f"  {name:<9} windows [{windows}]; {run['inserts_per_s']:.0f} inserts/s; the throttle held inserts "
+              f"{run['waited_insert_s']:.1f} s and samples {run['waited_sample_s']:.1f} s of {run['span']:.0f} s")
+    windows: list[float] = scale["windows"]  # type: ignore[assignment]
+    worst = max(abs(w / 4 - 1) for w in windows) if windows else float("inf")
+    held = max(float(scale["waited_insert_s"]), float(scale["waited_sample_s"]))  # type: ignore[arg-type]
+    blocked = held / float(scale["span"])  # type: ignore[arg-type]
+    gain = float(scale["inserts_per_s"]) / max(float(throttle["inserts_per_s"]), 1e-9)  # type: ignore[arg-type]
+    return [f"target samples per insert within 10% in every window (scale mode): worst {worst * 100:.0f}% off "
+            f"(goal <= 10%) {'met' if worst <= 0.1 else 'missed'}",
+            f"target blocked time (scale mode): {blocked * 100:.1f}% (goal <= 5%) "
+            f"{'met' if blocked <= 0.05 else 'missed'}",
+            f"target throughput scale / throttle: {gain:.2f}x (goal >= 1.5x) {'met' if gain >= 1.5 else 'missed'}"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", default="buffer,replace,ratio")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    targets: list[str] = []
+    parts = {"buffer": bench_buffer, "replace": bench_replace, "ratio": bench_ratio}
+    for name in args.only.split(","):
+        targets += parts[name](args.quick)
+    print()
+    for line in targets:
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
