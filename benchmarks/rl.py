@@ -119,7 +119,7 @@ def time_rllib(rounds: int) -> float | str:
     buffer = PrioritizedEpisodeReplayBuffer(capacity=CAPACITY, alpha=0.6)
     for _ in range(CAPACITY // CHUNK + 1):
         buffer.add([episode()])
-    chunks = [episode() for _ in range(min(rounds, 200))]
+    chunks = [episode() for _ in range(rounds)]  # each its own episode: one added again would continue it
     began, done = time.perf_counter(), 0
     for i in range(rounds):
         buffer.add([chunks[i % len(chunks)]])
