@@ -25,6 +25,10 @@ def test_the_throttle_lets_each_side_go_only_within_its_band() -> None:
     assert throttle.may_insert(0, 0, 10) and not throttle.may_sample(9, 0, 1)
     assert throttle.may_sample(10, 0, 4) and throttle.may_sample(10, 4, 4) and not throttle.may_sample(10, 8, 4)
     assert throttle.may_insert(10, 0, 4) and not throttle.may_insert(10, 0, 5)  # 30 - 0 > 20 + 8
+    throttle.check(8, inserting=True, inserted=10)
+    throttle.check(50, inserting=True, inserted=0)  # before min_size every insert goes
+    with pytest.raises(ConfigError, match="can never let an insert of 9 through: raise throttle_error to at least 9"):
+        throttle.check(9, inserting=True, inserted=10)
     with pytest.raises(ConfigError, match="target samples per insert must be > 0"):
         Throttle(target=0)
 

@@ -41,8 +41,8 @@ def serve(credentials: Credentials, segment: Path | None = None, **kwargs: objec
                          kept=restored[1] if restored is not None else None, **kwargs)
 
 
-def client_of(service: ReplayService, credentials: Credentials, rank: int = 0) -> ReplayClient:
-    me = credentials.as_process(Identity("actor", rank, 1))
+def client_of(service: ReplayService, credentials: Credentials, rank: int = 0, role: str = "actor") -> ReplayClient:
+    me = credentials.as_process(Identity(role, rank, 1))
     return ReplayClient(lambda: service.address, me, find_s=5.0)
 
 
@@ -110,7 +110,7 @@ def test_a_stranger_gets_nothing(secret: Credentials) -> None:
 def test_the_throttle_makes_the_faster_side_wait_and_counts_it(secret: Credentials) -> None:
     service = serve(secret, throttle=Throttle(target=2.0, min_size=10, error=8.0))
     actor = client_of(service, secret)
-    learner = client_of(service, secret, rank=1)
+    learner = client_of(service, secret, rank=1, role="learner")
     actor.insert(transitions(0, 10))
     assert learner.sample(4) is not None  # balance 20 - 4 >= 20 - 8
     assert learner.sample(4) is not None  # 20 - 8 >= 12
@@ -122,20 +122,29 @@ def test_the_throttle_makes_the_faster_side_wait_and_counts_it(secret: Credentia
 
     thread = threading.Thread(target=sample_more)
     thread.start()
+    deadline = time.monotonic() + 10
+    while service.stats()["waiting"] != 1:  # the sample is held at the service
+        assert time.monotonic() < deadline, "the sample never reached the throttle"
+        time.sleep(0.01)
     time.sleep(0.3)
     assert not done.is_set(), "the sample should wait for inserts"
     actor.insert(transitions(10, 2))
     thread.join(5)
     assert done.is_set()
     stats = service.stats()
-    assert stats["waited_sample_s"] >= 0.25 and stats["sampled"] == 12
+    assert stats["waited_sample_s"] >= 0.3 and stats["sampled"] == 12 and stats["waiting"] == 0
+    with pytest.raises(ConfigError, match=r"the throttle's band \(16 samples wide\) can never let a sample of 17 "
+                                          r"through: raise throttle_error to at least 8.5"):
+        learner.sample(17)
     service.close()
 
 
 def test_weights_go_by_version_and_slices_by_rank(secret: Credentials) -> None:
     service = serve(secret)
-    learner, actor = client_of(service, secret, rank=0), client_of(service, secret, rank=3)
+    learner, actor = client_of(service, secret, rank=0, role="learner"), client_of(service, secret, rank=3)
     assert actor.get_weights(0) is None
+    with pytest.raises(ConfigError, match="actor 3 .*may not put weights: only the learners train them"):
+        actor.put_weights(5, {"w": torch.zeros(3)})
     learner.put_weights(2, {"w": torch.ones(3)})
     learner.put_weights(1, {"w": torch.zeros(3)})  # older: ignored
     version, tensors = actor.get_weights(0)  # type: ignore[misc]

@@ -33,13 +33,15 @@ def to_batch(transitions: list[Transition]) -> dict[str, torch.Tensor]:
 
 
 class Actor:
-    def __init__(self, cfg: RLConfig, replay: ReplayClient, rank: int, say: Callable[[str], None] = print) -> None:
+    def __init__(self, cfg: RLConfig, replay: ReplayClient, rank: int, say: Callable[[str], None] = print,
+                 incarnation: int = 0) -> None:
         self.cfg, self.replay, self.rank, self.say = cfg, replay, rank, say
         self.env = SlicedEnv(cfg.env, slices_for(cfg.seeds, cfg.slices), cfg.step_cost)
         self.net = q_network(self.env.spec.obs_size, self.env.spec.actions, cfg.hidden)
         self.version = 0
         self.deal_version = -1
-        self.rng = torch.Generator().manual_seed(cfg.seed * 1_000_003 + rank * 7919 + int(time.time_ns() % 65536))
+        # its own stream: a replacement (a new incarnation of the rank) does not replay its predecessor's episodes
+        self.rng = torch.Generator().manual_seed(cfg.seed * 1_000_003 + rank * 7919 + incarnation * 104_729)
         self.pending: list[Transition] = []
         self.returns: list[float] = []
         """Returns of the episodes finished since the last insert (sent with it)."""

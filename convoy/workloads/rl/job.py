@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         if me.name == "controller":
             Controller(cfg, replay, say).run()
             return 0
-        actor = Actor(cfg, replay, me.rank, say)
+        actor = Actor(cfg, replay, me.rank, say, me.incarnation)
         say(f"actor {me.rank}: stepping {cfg.env} (pid {os.getpid()}, incarnation {me.incarnation})")
         why = actor.run()
         say(f"actor {me.rank}: {why}")

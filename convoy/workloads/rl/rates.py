@@ -86,6 +86,18 @@ class Throttle:
             return True
         return self._balance(inserted + count, sampled) <= self.min_size * self.target + self.error
 
+    def check(self, count: int, inserting: bool, inserted: int) -> None:
+        """A ConfigError for a request no balance in the band lets through (it would wait for ever): ``count``
+        inserts move the balance by ``count * target``, ``count`` samples by ``count``, the band is ``2 * error``
+        (inserts before ``min_size`` go whatever their size)."""
+        if inserting and inserted < self.min_size:
+            return
+        moves = count * self.target if inserting else count
+        if moves > 2 * self.error:
+            side = f"an insert of {count}" if inserting else f"a sample of {count}"
+            raise ConfigError(f"the throttle's band ({2 * self.error:g} samples wide) can never let {side} through: "
+                              f"raise throttle_error to at least {moves / 2:g} or send smaller batches")
+
     def may_sample(self, inserted: int, sampled: int, count: int) -> bool:
         if inserted < self.min_size:
             return False

@@ -91,6 +91,8 @@ class ReplayService:
         """Episodes started in each slice, as the actors report them."""
         self.demanded = 0
         """Transitions the learners asked for (their nominal batches): the demand the controller scales by."""
+        self.waiting = 0
+        """Calls the throttle holds now."""
         self.pacer = Pacer()
         if kept:
             self.episodes = Episodes.from_saved(dict(kept.get("episodes", {})))
@@ -143,7 +145,11 @@ class ReplayService:
         if allowed():
             return True, 0.0
         began = time.monotonic()
-        ok = self.changed.wait_for(lambda: allowed() or self.stopped.is_set(), THROTTLE_WAIT_S)
+        self.waiting += 1
+        try:
+            ok = self.changed.wait_for(lambda: allowed() or self.stopped.is_set(), THROTTLE_WAIT_S)
+        finally:
+            self.waiting -= 1
         return ok and not self.stopped.is_set(), time.monotonic() - began
 
     def _insert(self, message: Message, caller: Identity | None) -> Message:
@@ -162,6 +168,7 @@ class ReplayService:
             skip = min(rows, have - first) if first >= 0 else 0
             if self.throttle is not None:
                 throttle = self.throttle
+                throttle.check(rows - skip, inserting=True, inserted=counters.inserted)
                 ok, waited = self._held_until(lambda: throttle.may_insert(counters.inserted, counters.sampled,
                                                                           rows - skip))
                 self.waited.insert_s += waited
@@ -188,6 +195,7 @@ class ReplayService:
             self.demanded += count
             if self.throttle is not None:
                 throttle, counters = self.throttle, self.buffer.counters
+                throttle.check(count, inserting=False, inserted=counters.inserted)
                 ok, waited = self._held_until(lambda: throttle.may_sample(counters.inserted, counters.sampled, count))
                 self.waited.sample_s += waited
                 if not ok:
@@ -221,7 +229,7 @@ class ReplayService:
                     "inserted": counters.inserted,
                     "sampled": counters.sampled, "refused": counters.refused, "size": self.buffer.size,
                     "capacity": self.buffer.capacity, "stale_priorities": counters.stale_priorities,
-                    "duplicates": self.duplicates, "waited_insert_s": self.waited.insert_s,
+                    "duplicates": self.duplicates, "waited_insert_s": self.waited.insert_s, "waiting": self.waiting,
                     "waited_sample_s": self.waited.sample_s, "episodes": self.episodes.finished,
                     "env_steps": self.episodes.env_steps, "mean_return": self.episodes.mean_return,
                     "returns_kept": len(self.episodes.returns), "weights_version": self.weights[0],
@@ -232,6 +240,8 @@ class ReplayService:
         return Message("stats", self.stats())
 
     def _weights_put(self, message: Message, caller: Identity | None) -> Message:
+        if caller is not None and caller.role != "learner":
+            raise ConfigError(f"{caller.describe()} may not put weights: only the learners train them")
         version = int(message.meta.get("version", 0))
         with self.changed:
             if version > self.weights[0]:
