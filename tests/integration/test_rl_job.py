@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import REPO, ProcessScope
+from helpers import REPO, ProcessScope, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -40,4 +40,45 @@ def test_a_short_dqn_job_scales_its_actors_replaces_a_killed_one_and_ends_with_i
     assert re.search(r"learner: \d+ steps in [\d.]+ s; buffer inserted \d+, sampled \d+, refused 0, 0 sent twice",
                      out), out
     assert (run_dir / "learning-curve.png").stat().st_size > 1000
+    assert procs.wait_no_leftovers() == []
+
+
+def test_a_job_of_higher_priority_takes_actors_then_a_learner_and_the_rl_job_grows_back(
+        procs: ProcessScope, run_dir: Path) -> None:
+    """The pool has 2 CPUs (the test's own); actors take 0.25 each and learners 0.5 (the example's). A priority job
+    asks for 1.25 CPUs while 4 actors and 2 learners hold them all: 3 actors cut their episodes, flush and leave
+    (their transitions in the buffer's snapshot), then learner 1: both learners leave at the same step and learner 0
+    forms the group again from its snapshot; when the priority job ends, the roles grow back and the group of 2 goes
+    on from where it left."""
+    job = procs.start(["run", JOB, "--run-dir", run_dir, *SHORT, "--set", "env_steps=1000000", "--set",
+                       "mode=none", "--set", "step_cost=0.002", "--set", "snapshot_every_s=2"])
+    job.wait_output(r"controller: 16 slices dealt to 1 actor\(s\)", timeout=90)
+    assert procs.run(["scale", "--run-dir", run_dir, "actor=4", "learner=2"]).returncode == 0
+    job.wait_output(r"controller: 16 slices dealt to 4 actor\(s\)", timeout=60)
+    job.wait_output(r"learner 1: training CartPole-v1 \(pid \d+\), world size 2", timeout=60)
+    preempt = procs.run(["preempt", "--cpus", "1.25", "--priority", "5", "--seconds", "2"], timeout=60)
+    assert preempt.returncode == 0, preempt.explain()
+    assert re.search(r"convoy preempt: 1\.25 CPU\(s\) free after \d+\.\d+ s \(priority 5\)", preempt.stdout)
+    for rank in (1, 2, 3):
+        job.wait_output(rf"actor {rank}: preempted: episode cut at step \d+; \d+ transitions inserted, 0 not yet in "
+                        r"the buffer's snapshot", timeout=30)
+    left = {int(job.wait_output(rf"learner {rank}: left at (\d+) steps trained, as told \(a member preempted\); the "
+                                "group forms again from its snapshot", timeout=30).group(1)) for rank in (0, 1)}
+    assert len(left) == 1, f"the group leaves at one step, not {left}"
+    job.wait_output(r"role learner: 1 -> 2 process\(es\) \(grows back: the pool has room again\)", timeout=60)
+    job.wait_output(r"role actor: 3 -> 4 process\(es\) \(grows back: the pool has room again\)", timeout=60)
+    job.wait_output(r"controller: 16 slices dealt to 4 actor\(s\), each owned once", timeout=60)
+    pair = r"learner 0: training CartPole-v1 \(pid \d+\), world size 2, from step (\d+)"
+    wait_for(lambda: len(re.findall(pair, job.stdout())) == 2, 60, "the group of 2 formed again")
+    resumed = int(re.findall(pair, job.stdout())[-1])
+    assert resumed >= left.pop(), "no finished step lost: the group of 2 goes on from its snapshots"
+    assert procs.run(["config", "set", "--run-dir", run_dir, "env_steps=1"]).returncode == 0
+    result = job.wait(timeout=120)
+    assert result.returncode == 0, result.explain()
+    out = result.stdout
+    assert len(re.findall(r"convoy: (actor [123]|learner 1) preempted: a job of higher priority asks for 1\.25 "
+                          r"CPU\(s\) more", out)) == 4, out
+    assert "with 0 restart(s)" in out, "preempted processes are released, not failed"
+    assert "Traceback" not in out, out
+    assert re.search(r"buffer inserted \d+, sampled \d+, refused 0, 0 sent twice", out), out
     assert procs.wait_no_leftovers() == []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from convoy.control.roles.members import FailJob, RestartJob, Roles, Start, Stop
+from convoy.control.roles.members import FailJob, RestartJob, RestartRole, Roles, Start, Stop
 from convoy.errors import ConfigError
 from convoy.roles_config import RoleSpec, parse_count
 
@@ -114,3 +114,20 @@ def test_the_ps_are_stopped_once_every_other_role_has_finished() -> None:
 def test_roles_named_twice_are_refused() -> None:
     with pytest.raises(ConfigError, match="roles named twice"):
         Roles([RoleSpec("worker"), RoleSpec("worker")], 1)
+
+
+def test_a_preempted_group_member_is_told_and_the_rest_form_their_group_again_smaller_then_grow_back() -> None:
+    roles = Roles([RoleSpec("learner", count=parse_count("1:3"), group=True)], 2)
+    started(roles, roles.start()[0])
+    roles.scale("learner", 3)
+    assert sorted(roles.roles["learner"].members) == [0, 1, 2]
+    assert roles.preempt("learner", "a job of higher priority asks") != ([], [])
+    decisions, events = roles.preempt("learner", "a job of higher priority asks for 1 CPU(s)")
+    stop, again = decisions
+    assert isinstance(stop, Stop) and (stop.rank, stop.notice) == (1, True), "the highest rank left, told first"
+    assert isinstance(again, RestartRole) and "forms again with 1 process(es)" in again.reason
+    assert events[0].kind == "role_preempted"
+    assert roles.preempt("learner", "more") == ([], []), "never below its MIN"
+    assert roles.roles["learner"].preempted == 2 and roles.roles["learner"].grow_to == 3
+    grown, _ = roles.grow_back("learner")
+    assert any(isinstance(d, RestartRole) for d in grown) and roles.roles["learner"].target == 2

@@ -266,26 +266,29 @@ class RoleMaster:
             elif isinstance(decision, RestartJob):
                 events += self._restart(list(self.roles.roles), decision.reason)
             elif isinstance(decision, RestartRole):
-                events += self._restart([decision.role], decision.reason)
+                events += self._restart([decision.role], decision.reason,
+                                        self.preempt_grace_s if decision.notice else 0.0)
             elif isinstance(decision, FailJob):
                 events += self.job.abort(decision.reason + tail)
         return events
 
-    def _stop(self, role: str, rank: int, reason: str, notice_s: float = 0.0) -> None:
+    def _stop(self, role: str, rank: int, reason: str, notice_s: float = 0.0, release: bool = True) -> None:
+        """Stop the rank's processes: SIGTERM now, or told first with ``notice_s`` to finish their unit of work (what
+        they hold counts as given back to the pool once they exit, unless ``release`` is False: they start again)."""
         self.pending = [start for start in self.pending if (start.role, start.rank) != (role, rank)]
         for key, placed in self.placed.items():
             if key[:2] == (role, rank) and key not in self.stopping:
                 self.stopping.add(key)
-                if notice_s:
+                if notice_s and release:
                     self.releasing.add(key)
                 self.orders.stop(placed.node_id, p.RoleStop(role=role, rank=rank, incarnation=key[2], reason=reason,
                                                             notice_s=notice_s))
 
-    def _restart(self, names: Sequence[str], reason: str) -> list[Event]:
+    def _restart(self, names: Sequence[str], reason: str, notice_s: float = 0.0) -> list[Event]:
         starts = self.roles.restart(names, reason)  # a ConfigError before anything changed, for an unknown role
         for role, rank, _ in list(self.placed):
             if role in names:
-                self._stop(role, rank, reason)
+                self._stop(role, rank, reason, notice_s, release=False)
         self.pending = [start for start in self.pending if start.role not in names] + starts
         which = "every role process" if set(names) >= set(self.roles.roles) else \
             f"every process of role(s) {', '.join(names)}"

@@ -59,6 +59,9 @@ class RestartRole:
 
     role: str
     reason: str
+    notice: bool = False
+    """Told first, as a preempted process is (a group that forms again without a preempted member): its members
+    leave together at the end of a step, not at SIGTERM in the middle of one."""
 
 
 @dataclass(frozen=True)
@@ -266,7 +269,9 @@ class Roles:
 
     def preempt(self, role: str, why: str) -> tuple[list[Decision], list[Event]]:
         """Give back the role's highest rank to a job of higher priority: the role runs one fewer (not below its MIN),
-        and grows back to its count before the preemption once there is room again."""
+        and grows back to its count before the preemption once there is room again. The rank is told first and has
+        the preempt grace to finish its unit of work; a group's other members form their group again at the smaller
+        size (from their snapshots), as when it is scaled down."""
         state = self.roles[self._known(role)]
         if state.target <= state.spec.count.minimum or not state.members:
             return [], []
@@ -276,7 +281,11 @@ class Roles:
         state.preempted += 1
         del state.members[rank]
         reason = f"{role} {rank} preempted: {why}"
-        return [Stop(role, rank, reason, notice=True)], [Event("role_preempted", reason, console=True)]
+        decisions: list[Decision] = [Stop(role, rank, reason, notice=True)]
+        if state.spec.group and state.members:
+            decisions.append(RestartRole(role, f"{reason}; its group forms again with {state.target} process(es)",
+                                         notice=True))
+        return decisions, [Event("role_preempted", reason, console=True)]
 
     def grow_back(self, role: str) -> tuple[list[Decision], list[Event]]:
         """One more process of a preempted role, toward its count before the preemption."""

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 def claim(master: RoleMaster) -> tuple[Amount, Amount, Amount]:
     """(held, floor, wants): what this job's processes hold (one stopping still holds it until it exits), the part
-    that stays (each role at its MIN; a group whole), and what its processes waiting for the pool (and its preempted
+    that stays (each role at its MIN), and what its processes waiting for the pool (and its preempted
     roles, one process each) ask for."""
     held = floor = Amount()
     for name, spec in master.specs.items():
@@ -28,7 +28,7 @@ def claim(master: RoleMaster) -> tuple[Amount, Amount, Amount]:
         for key in keys:
             held = held + master.need(name, key[1]).amount()
         current = [key for key in keys if key not in master.stopping and master.is_running(*key)]
-        kept = current if spec.group else sorted(current, key=lambda key: key[1])[:spec.count.minimum]
+        kept = sorted(current, key=lambda key: key[1])[:spec.count.minimum]
         floor = total([floor, *(master.need(name, key[1]).amount() for key in kept)])
     master.pool_waiting = {key for key in master.pool_waiting
                            if any((start.role, start.rank, start.incarnation) == key for start in master.pending)}
@@ -61,17 +61,19 @@ def pool_tick(master: RoleMaster) -> list[Event]:
 
 
 def _preempt(master: RoleMaster, owed: Amount) -> list[Event]:
-    """Give back processes of elastic roles (the one furthest above its MIN first; only roles whose processes hold
-    some of what is owed free any) until ``owed`` is covered; none below a role's MIN, none of a group."""
+    """Give back processes of elastic roles until ``owed`` is covered: roles whose processes stand alone before role
+    groups (a group's other members must form again), and among those the one furthest above its MIN first; only
+    roles whose processes hold some of what is owed free any, and none goes below its MIN."""
     events: list[Event] = []
     asked = owed
     while owed.any():
-        candidates = [(state.target - state.spec.count.minimum, name) for name, state in master.roles.roles.items()
-                      if state.target > state.spec.count.minimum and not state.spec.group
+        candidates = [(not state.spec.group, state.target - state.spec.count.minimum, name)
+                      for name, state in master.roles.roles.items()
+                      if state.target > state.spec.count.minimum
                       and master.need(name, max(state.members, default=0)).amount().helps(owed)]
         if not candidates:
             break
-        _, name = max(candidates)
+        *_, name = max(candidates)
         freed = master.need(name, max(master.roles.roles[name].members)).amount()
         decisions, more = master.roles.preempt(name, f"a job of higher priority asks for {asked.describe()} more than "
                                                      f"the pool has free; told to finish its unit of work, SIGTERM "

@@ -2,7 +2,8 @@
 transitions into the replay buffer, fetching newer weights by version every ``weights_every_s``.
 
 It is elastic: the controller adds and removes actors, a killed one is replaced (``replace`` policy), and one
-asked to give its CPU back (``convoy.role().preempted``) finishes its episode, flushes what it holds, and exits 0.
+asked to give its CPU back (``convoy.role().preempted``, looked at every ``insert_batch`` steps) cuts its episode
+there as a time limit would (its n-step transitions bootstrap from the last observation), flushes them, and exits 0.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from collections.abc import Callable
 import torch
 
 from convoy.worker.report import report
-from convoy.worker.role_env import role
 from convoy.workloads.rl.config import RLConfig
 from convoy.workloads.rl.dqn import epsilon_at, greedy_or_random, q_network
 from convoy.workloads.rl.envs import SlicedEnv, slices_for
@@ -34,8 +34,9 @@ def to_batch(transitions: list[Transition]) -> dict[str, torch.Tensor]:
 
 class Actor:
     def __init__(self, cfg: RLConfig, replay: ReplayClient, rank: int, say: Callable[[str], None] = print,
-                 incarnation: int = 0) -> None:
+                 incarnation: int = 0, preempted: Callable[[], bool] = lambda: False) -> None:
         self.cfg, self.replay, self.rank, self.say = cfg, replay, rank, say
+        self.preempted = preempted
         self.env = SlicedEnv(cfg.env, slices_for(cfg.seeds, cfg.slices), cfg.step_cost)
         self.net = q_network(self.env.spec.obs_size, self.env.spec.actions, cfg.hidden)
         self.version = 0
@@ -48,6 +49,8 @@ class Actor:
         self.last_return: float | None = None
         self.steps_unsent = 0
         self.episodes = 0
+        self.sent = 0
+        """Transitions this process inserted (the buffer's count of its source, once it acknowledged them all)."""
         self.steps = 0
         """This actor's environment steps."""
         self.job_steps = 0
@@ -69,13 +72,13 @@ class Actor:
             self.deal_version = version
             self.env.own(slices)
 
-    def episode(self) -> float:
-        """Play one episode, inserting as transitions complete; returns its return."""
+    def episode(self) -> bool:
+        """Play one episode, inserting as transitions complete; whether it was cut short by a preemption."""
         self.refresh(force=self.episodes == 0)
         self.env.step_cost = self.cfg.step_cost
         nstep = NStep(self.cfg.n_step, self.cfg.gamma)
         obs, _ = self.env.reset()
-        total, done = 0.0, False
+        total, done, cut = 0.0, False, False
         while not done:
             epsilon = epsilon_at(self.job_steps, self.cfg.epsilon_start, self.cfg.epsilon_end, self.cfg.epsilon_steps)
             with torch.no_grad():
@@ -88,29 +91,32 @@ class Actor:
             if self.steps % REPORT_EVERY == 0:  # a unit of steady size: the rules compare step times
                 returned = {"episode_return": self.last_return} if self.last_return is not None else {}
                 report(self.steps // REPORT_EVERY - 1, **returned)
-            self.pending += nstep.step(obs.tolist(), action, reward, next_obs.tolist(), terminated, truncated)
-            obs, done = next_obs, terminated or truncated
-            if done:
+            cut = not (terminated or truncated) and self.steps % self.cfg.insert_batch == 0 and self.preempted()
+            self.pending += nstep.step(obs.tolist(), action, reward, next_obs.tolist(), terminated, truncated or cut)
+            obs, done = next_obs, terminated or truncated or cut
+            if done and not cut:  # a cut episode did not finish: its return is no episode's
                 self.returns.append(total)
                 self.last_return = total
             if len(self.pending) >= self.cfg.insert_batch or done:
                 self.flush()
             self.refresh()
         self.episodes += 1
-        return total
+        return cut
 
     def flush(self) -> None:
         if not self.pending:
             return
         answer = self.replay.insert(to_batch(self.pending), self.returns, self.steps_unsent, self.env.take_visits())
+        self.sent += len(self.pending)
         self.job_steps = int(answer.get("env_steps", self.job_steps + self.steps_unsent))
         self.pending, self.returns, self.steps_unsent = [], [], 0
 
     def run(self) -> str:
         """Episodes until the job stops this process or asks for its CPU back; why it stopped."""
-        me = role()
-        while True:
-            self.episode()
-            if me.refresh().preempted:
-                self.flush()
-                return "preempted: episode finished and flushed"
+        while not self.episode():
+            if self.preempted():
+                break
+        self.flush()
+        unkept = self.replay.settle()
+        return f"preempted: episode cut at step {self.steps}; {self.sent} transitions inserted, {unkept} not yet " \
+               "in the buffer's snapshot"

@@ -30,6 +30,7 @@ class RLConfig:
                                                            "waits (Reverb's rate limiter); none: neither")
     batch: int = restart(64, min=1, max=65536, doc="transitions per learner step (over all learners)")
     lr: float = hot(5e-4, min=0.0, max=1.0, doc="Adam's learning rate")
+    grad_clip: float = hot(10.0, min=0.0, doc="the gradients' largest norm per learner step (0: not clipped)")
     hidden: int = restart(128, min=4, max=8192, doc="width of the Q-network's hidden layers")
     target_every: int = hot(250, min=1, doc="learner steps between target-network updates")
     capacity: int = restart(50_000, min=1, doc="replay capacity in transitions")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from convoy.errors import ConfigError
 from convoy.parallel.transport import Credentials, IncarnationFence
+from convoy.parallel.transport.errors import StaleIncarnation
 from convoy.worker.role_env import SERVICE_HOST_ENV
 from convoy.worker.live_config import train_config
 from convoy.worker.role_env import role
@@ -76,12 +77,16 @@ def run_replay(cfg: RLConfig) -> int:
 
 
 def run_learner(cfg: RLConfig, replay: ReplayClient) -> int:
-    learner = Learner(cfg, replay, env_spec(cfg), say)
+    me = role()
+    learner = Learner(cfg, replay, env_spec(cfg), say, lambda: me.preempted)
     say(f"learner {learner.ctx.rank}: training {cfg.env} (pid {os.getpid()}), world size {learner.ctx.world_size}, "
         f"from step {learner.start}")
     began = time.monotonic()
     steps = learner.run()
-    if learner.ctx.rank == 0:
+    if learner.left:
+        say(f"learner {learner.ctx.rank}: left at {steps} steps trained, as told (a member preempted); the group "
+            "forms again from its snapshot")
+    elif learner.ctx.rank == 0:
         stats = replay.stats()
         mean = stats.get("mean_return")
         said = f"{mean:.1f}" if isinstance(mean, float) else "none (no episode finished)"
@@ -115,10 +120,13 @@ def main(argv: list[str] | None = None) -> int:
         if me.name == "controller":
             Controller(cfg, replay, say).run()
             return 0
-        actor = Actor(cfg, replay, me.rank, say, me.incarnation)
+        actor = Actor(cfg, replay, me.rank, say, me.incarnation, lambda: me.preempted)
         say(f"actor {me.rank}: stepping {cfg.env} (pid {os.getpid()}, incarnation {me.incarnation})")
         why = actor.run()
         say(f"actor {me.rank}: {why}")
+        return 0
+    except StaleIncarnation as exc:  # this process was stopped and a newer one runs its rank: it writes nothing
+        say(f"{me.name} {me.rank}: stops: {exc}")
         return 0
     finally:
         replay.close()

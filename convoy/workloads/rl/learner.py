@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from convoy.parallel.transport.errors import StaleIncarnation
 from convoy.runtime.checkpoint import Checkpointer
 from convoy.runtime.init import init
 from convoy.worker.report import report
@@ -26,6 +27,8 @@ from convoy.workloads.rl.replay_client import ReplayClient
 PUSH_EVERY_S = 0.25
 """How often rank 0 puts the newest weights to the buffer."""
 WAIT_S = 0.05
+NOTICE_WAIT_S = 2.0
+"""How long a learner whose group broke waits for its notice before it takes the break for a failure."""
 
 
 @dataclass
@@ -55,8 +58,12 @@ class Progress:
 
 
 class Learner:
-    def __init__(self, cfg: RLConfig, replay: ReplayClient, spec: EnvSpec, say: Callable[[str], None] = print) -> None:
-        self.cfg, self.replay, self.say = cfg, replay, say
+    def __init__(self, cfg: RLConfig, replay: ReplayClient, spec: EnvSpec, say: Callable[[str], None] = print,
+                 preempted: Callable[[], bool] = lambda: False) -> None:
+        self.cfg, self.replay, self.say, self.preempted = cfg, replay, say, preempted
+        self.left = False
+        """Whether the group stopped because one of its members was preempted (it forms again smaller, from the
+        snapshots of the last step)."""
         self.ctx = init()
         torch.manual_seed(cfg.seed)
         self.online = q_network(spec.obs_size, spec.actions, cfg.hidden)
@@ -89,48 +96,78 @@ class Learner:
         self.replay.put_weights(steps_done + 1, {k: v.detach().clone() for k, v in self.online.state_dict().items()})
 
     def _stop_now(self, env_steps: int, mean_return: float | None) -> bool:
-        """Rank 0's word, the same on every rank (one small all-reduce a step)."""
+        """Whether to stop after this step, the same on every rank (one small all-reduce a step): rank 0's word that
+        the job has trained enough, or any rank told to stop (preempted: the whole group leaves at this step, its
+        snapshot taken, and forms again smaller)."""
         done = env_steps >= self.cfg.env_steps or (
             self.cfg.stop_return > 0 and mean_return is not None and mean_return >= self.cfg.stop_return)
-        flag = torch.tensor([1.0 if done and self.ctx.rank == 0 else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)
+        flags = torch.tensor([1.0 if done and self.ctx.rank == 0 else 0.0, 1.0 if self.preempted() else 0.0])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        self.left = bool(flags[1].item() > 0) and not flags[0].item() > 0
+        return bool(flags.max().item() > 0)
 
     def run(self) -> int:
-        """Train until rank 0 says enough; returns the steps trained."""
+        """Train until rank 0 says enough (or this learner is preempted); returns the steps trained."""
         if self.start == 0:
             self._wait_for_data()
         self._push(self.start, force=True)
         step = self.start
         while True:
-            reply = self.replay.sample(self.share, self.cfg.target_ratio if self.cfg.mode == "scale" else None)
-            if reply is None:
-                time.sleep(WAIT_S)  # throttled (or empty after a restart of the buffer): ask again
-                continue
-            env_steps, mean_return = int(reply.meta["env_steps"]), reply.meta.get("mean_return")
-            self.curve.add(env_steps, mean_return)
-            tensors = reply.tensors
-            batch = {name: tensors[name] for name in ("obs", "action", "reward", "next_obs", "discount")}
-            weights = tensors["_weights"] if self.cfg.alpha > 0 else None
-            loss, td = double_dqn_loss(self.model, self.target, batch, weights, picker=self.online)
-            self.optimizer.zero_grad()
-            loss.backward()
-            for group in self.optimizer.param_groups:
-                group["lr"] = self.cfg.lr
-            self.optimizer.step()
-            if self.cfg.alpha > 0:
-                self.replay.priorities(tensors["_slots"], tensors["_written"], td)
-            if (step + 1) % self.cfg.target_every == 0:
-                self.target.load_state_dict(self.online.state_dict())
-            self.progress.env_steps = env_steps
-            self.ckpt.step(step)
-            report(step, samples=len(batch["action"]), td_loss=loss.item())  # not as `loss`: a TD loss that rises
-                                                                       # as returns grow is no divergence
-            step += 1
-            self._push(step)
-            if self._stop_now(env_steps, mean_return):
-                self._push(step, force=True)
+            try:
+                finished = self._step(step)
+            except (StaleIncarnation, RuntimeError):
+                if not self._told():
+                    raise
+                self.left = True  # the group dissolved under a notice before its members could agree on a step
                 return step
+            step += 1
+            if finished:
+                return step
+
+    def _told(self) -> bool:
+        """Whether this process has been told to stop (waiting a little: the buffer's fence, or a member that left,
+        can learn of the group's new round before the notice reaches this process)."""
+        deadline = time.monotonic() + NOTICE_WAIT_S
+        while not self.preempted():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(WAIT_S)
+        return True
+
+    def _step(self, step: int) -> bool:
+        """One step (numbered ``step``); whether the group stops after it."""
+        while True:
+            reply = self.replay.sample(self.share, self.cfg.target_ratio if self.cfg.mode == "scale" else None)
+            if reply is not None:
+                break
+            time.sleep(WAIT_S)  # throttled (or empty after a restart of the buffer): ask again
+        env_steps, mean_return = int(reply.meta["env_steps"]), reply.meta.get("mean_return")
+        self.curve.add(env_steps, mean_return)
+        tensors = reply.tensors
+        batch = {name: tensors[name] for name in ("obs", "action", "reward", "next_obs", "discount")}
+        weights = tensors["_weights"] if self.cfg.alpha > 0 else None
+        loss, td = double_dqn_loss(self.model, self.target, batch, weights, picker=self.online)
+        self.optimizer.zero_grad()
+        loss.backward()
+        if self.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.online.parameters(), self.cfg.grad_clip)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.cfg.lr
+        self.optimizer.step()
+        if self.cfg.alpha > 0:
+            self.replay.priorities(tensors["_slots"], tensors["_written"], td)
+        if (step + 1) % self.cfg.target_every == 0:
+            self.target.load_state_dict(self.online.state_dict())
+        self.progress.env_steps = env_steps
+        self.ckpt.step(step)
+        # reported as td_loss, not loss: a TD loss that rises as the returns grow is no divergence
+        report(step, samples=len(batch["action"]), td_loss=loss.item())
+        self._push(step + 1)
+        if self._stop_now(env_steps, mean_return):
+            if not self.left:
+                self._push(step + 1, force=True)
+            return True
+        return False
 
     def close(self) -> None:
         self.ckpt.close()

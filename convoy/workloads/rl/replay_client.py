@@ -138,7 +138,16 @@ class ReplayClient:
         return dict(self.call(Message("stats", {})).meta)
 
     def snapshot(self) -> int:
-        return int(self.call(Message("snapshot", {})).meta["inserted"])
+        """Ask the buffer for a snapshot now; the transitions it holds in all."""
+        reply = self.call(Message("snapshot", {}))
+        self._forget_kept(int(reply.meta.get("kept", 0)))
+        return int(reply.meta["inserted"])
+
+    def settle(self) -> int:
+        """Before this process leaves: a snapshot of the buffer now, so that what it sent outlives both it and a
+        restart of the buffer; the transitions still held only here (0 once the snapshot has them all)."""
+        self.snapshot()
+        return sum(_rows(batch) for _, batch, _ in self.unkept)
 
     def shutdown(self) -> None:
         try:

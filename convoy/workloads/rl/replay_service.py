@@ -277,7 +277,10 @@ class ReplayService:
                                                             "visits": dict(self.visits)})
 
     def _snapshot(self, message: Message, caller: Identity | None) -> Message:
-        return Message("snapshotted", {"inserted": self.take_snapshot()})
+        """A snapshot now; the reply says how many of the caller's transitions it keeps."""
+        inserted = self.take_snapshot()
+        kept = self.snapshots.kept.get(self._source(message, caller), 0) if self.snapshots is not None else 0
+        return Message("snapshotted", {"inserted": inserted, "kept": kept})
 
     def _shutdown(self, message: Message, caller: Identity | None) -> Message:
         return Message("bye", {})
