@@ -16,7 +16,7 @@ import torch
 from convoy.worker.report import report
 from convoy.workloads.rl.config import RLConfig
 from convoy.workloads.rl.dqn import epsilon_at, greedy_or_random, q_network
-from convoy.workloads.rl.envs import SlicedEnv, slices_for
+from convoy.workloads.rl.envs import SlicedEnv
 from convoy.workloads.rl.nstep import NStep, Transition
 from convoy.workloads.rl.replay_client import ReplayClient
 
@@ -37,7 +37,7 @@ class Actor:
                  incarnation: int = 0, preempted: Callable[[], bool] = lambda: False) -> None:
         self.cfg, self.replay, self.rank, self.say = cfg, replay, rank, say
         self.preempted = preempted
-        self.env = SlicedEnv(cfg.env, slices_for(cfg.seeds, cfg.slices), cfg.step_cost)
+        self.env = SlicedEnv(cfg.env, None, cfg.step_cost, cfg.slicing, cfg.slices, cfg.seeds)
         self.net = q_network(self.env.spec.obs_size, self.env.spec.actions, cfg.hidden)
         self.version = 0
         self.deal_version = -1

@@ -11,6 +11,7 @@ from convoy.errors import ConfigError
 from convoy.worker.live_config import hot, restart
 
 MODES = ("scale", "throttle", "none")
+SLICINGS = ("seeds", "start-boxes")
 
 
 @dataclass
@@ -21,7 +22,9 @@ class RLConfig:
     step_cost: float = hot(0.0, min=0.0, max=10.0,
                                   doc="seconds each environment step takes (a simulator's cost)")
     seeds: int = restart(10_000, min=1, doc="reset seeds of the state space")
-    slices: int = restart(16, min=1, doc="slices the seeds are cut into, dealt to the actors")
+    slices: int = restart(16, min=1, doc="slices the state space is cut into, dealt to the actors")
+    slicing: str = restart("seeds", choices=SLICINGS, doc="seeds: ranges of reset seeds; start-boxes: boxes of "
+                                                          "initial states (environments that declare them)")
     n_step: int = restart(3, min=1, max=20, doc="steps of each transition's return")
     gamma: float = restart(0.99, min=0.0, max=1.0, doc="discount")
     target_ratio: float = hot(4.0, min=1e-6, doc="samples per insert the controller (or throttle) holds (> 0)")
@@ -53,7 +56,9 @@ class RLConfig:
     def validate(self) -> None:
         if not (self.target_ratio > 0 and math.isfinite(self.target_ratio)):
             raise ConfigError(f"target_ratio must be > 0 (samples per insert), got {self.target_ratio}")
-        if self.slices > self.seeds:
+        if self.slicing not in SLICINGS:
+            raise ConfigError(f"slicing must be one of {', '.join(SLICINGS)}, got {self.slicing!r}")
+        if self.slicing == "seeds" and self.slices > self.seeds:
             raise ConfigError(f"slices {self.slices} > seeds {self.seeds}: each slice needs at least one seed")
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")

@@ -13,7 +13,7 @@ from convoy.worker.scaling import RoleCounts
 from convoy.worker.scaling import roles as role_counts
 from convoy.worker.scaling import scale
 from convoy.workloads.rl.config import RLConfig
-from convoy.workloads.rl.envs import slices_for
+from convoy.workloads.rl.envs import declare_slices, make
 from convoy.workloads.rl.replay_client import ReplayClient
 from convoy.workloads.rl.scaling import Bounds, RateController, Rates, ScalingPolicy
 from convoy.workloads.rl.slices import SliceBook
@@ -24,7 +24,9 @@ TICK_S = 1.0
 class Controller:
     def __init__(self, cfg: RLConfig, replay: ReplayClient, say: Callable[[str], None] = print) -> None:
         self.cfg, self.replay, self.say = cfg, replay, say
-        self.book = SliceBook(slices_for(cfg.seeds, cfg.slices))
+        env = make(cfg.env)
+        self.book = SliceBook(declare_slices(env, cfg.slicing, cfg.slices, cfg.seeds))
+        env.close()
         self.rates: RateController | None = None
         self.decisions = 0
         self._dealt_for: tuple[int, ...] | None = None

@@ -1,15 +1,31 @@
-"""Environments for the RL job: a gymnasium environment by id, its state space cut into slices of reset seeds, and
-``step_cost``: seconds each step takes, standing for an expensive simulator (it sleeps, so a 2-core machine can
-show what more actors buy)."""
+"""Environments for the RL job: a gymnasium environment by id, its state space cut into slices, and ``step_cost``:
+seconds each step takes, standing for an expensive simulator (it sleeps, so a 2-core machine can show what more
+actors buy).
+
+Slices are ranges of reset seeds by default (any environment), or boxes of initial states (``slicing =
+"start-boxes"``) for an environment that declares its box: gymnasium's CartPole, Acrobot and MountainCar are known
+here, and any environment may declare its own with a method ``convoy_start_box()`` on its unwrapped class that
+returns ``(low, high, axis)``: the box of its initial states and the axis to cut it along (its ``state`` attribute is
+set to a point of the box after each reset)."""
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from convoy.errors import ConfigError
-from convoy.workloads.rl.slices import Slice, check_cover, seed_slices
+from convoy.workloads.rl.slices import Slice, StartBox, box_slices, check_boxes, check_cover, seed_slices
+
+START_BOXES: dict[str, tuple[tuple[float, ...], tuple[float, ...], int]] = {
+    "CartPole-v1": ((-0.05,) * 4, (0.05,) * 4, 2),  # cut along the pole's angle
+    "Acrobot-v1": ((-0.1,) * 4, (0.1,) * 4, 0),  # along the first link's angle
+    "MountainCar-v0": ((-0.6, 0.0), (-0.4, 0.0), 0),  # along the car's position
+}
+"""Boxes of initial states as gymnasium draws them (low, high, the axis to cut along)."""
 
 
 def make(env_id: str) -> Any:
@@ -43,12 +59,40 @@ class EnvSpec:
         return EnvSpec(int(space.shape[0]), int(actions.n))
 
 
-class SlicedEnv:
-    """One actor's environment: each episode resets with the next seed of the actor's next slice (round robin), and
-    each step sleeps ``step_cost`` seconds first. ``visits`` counts episodes per slice."""
+def start_box(env: Any) -> tuple[tuple[float, ...], tuple[float, ...], int]:
+    """The environment's own declaration of its box of initial states, else the known one; a ConfigError for an
+    environment that has none."""
+    declared = getattr(env.unwrapped, "convoy_start_box", None)
+    if declared is not None:
+        low, high, axis = declared()
+        return tuple(float(x) for x in low), tuple(float(x) for x in high), int(axis)
+    env_id = env.spec.id if env.spec else str(env)
+    if env_id not in START_BOXES:
+        raise ConfigError(f"{env_id} declares no box of initial states (no convoy_start_box() method; known: "
+                          f"{', '.join(START_BOXES)}): use slicing = \"seeds\"")
+    return START_BOXES[env_id]
 
-    def __init__(self, env_id: str, slices: list[Slice], step_cost: float = 0.0) -> None:
+
+def declare_slices(env: Any, slicing: str, count: int, seeds: int) -> list[Slice] | list[StartBox]:
+    """The environment's state space as ``count`` slices, checked to tile it."""
+    if slicing == "start-boxes":
+        low, high, axis = start_box(env)
+        boxes = box_slices(low, high, axis, count)
+        check_boxes(boxes, low, high)
+        return boxes
+    return slices_for(seeds, count)
+
+
+class SlicedEnv:
+    """One actor's environment: each episode starts in the actor's next slice (round robin): from the slice's next
+    reset seed, or from a state drawn in its start box. Each step sleeps ``step_cost`` seconds first. ``visits``
+    counts episodes per slice."""
+
+    def __init__(self, env_id: str, slices: list[Slice] | list[StartBox] | None = None, step_cost: float = 0.0,
+                 slicing: str = "seeds", count: int = 16, seeds: int = 10_000) -> None:
         self.env = make(env_id)
+        if slices is None:
+            slices = declare_slices(self.env, slicing, count, seeds)
         self.spec = EnvSpec.of(self.env)
         self.slices = {s.index: s for s in slices}
         self.owned: list[int] = []
@@ -70,7 +114,16 @@ class SlicedEnv:
         episode = self._episodes.get(index, 0)
         self._episodes[index] = episode + 1
         self.visits[index] = self.visits.get(index, 0) + 1
-        obs, _ = self.env.reset(seed=self.slices[index].seed(episode))
+        piece = self.slices[index]
+        if isinstance(piece, Slice):
+            obs, _ = self.env.reset(seed=piece.seed(episode))
+            return obs, index
+        obs, _ = self.env.reset(seed=index * 1_000_003 + episode)
+        state = piece.draw(random.Random(index * 1_000_003 + episode))
+        inner = self.env.unwrapped
+        inner.state = np.array(state, dtype=np.asarray(inner.state).dtype)
+        observe = getattr(inner, "_get_ob", None)  # where the observation is not the state itself (Acrobot)
+        obs = observe() if observe is not None else np.array(state, dtype=np.float32)
         return obs, index
 
     def step(self, action: int) -> tuple[Any, float, bool, bool]:

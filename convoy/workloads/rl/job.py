@@ -68,7 +68,7 @@ def run_replay(cfg: RLConfig) -> int:
         error = cfg.throttle_error or (cfg.batch + cfg.insert_batch * cfg.target_ratio)
         throttle = Throttle(cfg.target_ratio, min_size=cfg.learning_starts, error=error)
     service = ReplayService(buffer, env[SERVICE_HOST_ENV], int(env["CONVOY_ROLE_PORT"]), snapshots=snapshots,
-                            snapshot_every_s=cfg.snapshot_every_s, throttle=throttle,
+                            snapshot_every_s=cfg.snapshot_every_s, throttle=throttle, say=say,
                             credentials=Credentials.from_env(), admit=IncarnationFence(me).check, kept=extra)
     say(f"replay: serving {buffer.capacity} transitions at {service.address} ({cfg.mode} mode)")
     service.wait()

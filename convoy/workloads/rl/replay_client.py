@@ -18,6 +18,7 @@ import torch
 
 from convoy.errors import ConfigError
 from convoy.parallel.transport import Connection, ConnectionLost, Credentials, Message, TransportError
+from convoy.parallel.transport.connection import REQUEST_S
 
 FIND_S = 60.0
 """How long a call looks for the replay service (restarting, or not yet published) before it gives up."""
@@ -27,8 +28,12 @@ class ReplayClient:
     """``address`` is asked again (``find``) whenever the service cannot be reached: a restarted replay may serve
     at a new address, published to the job's processes."""
 
-    def __init__(self, find: Callable[[], str], credentials: Credentials | None = None, find_s: float = FIND_S) -> None:
-        self.find, self.credentials, self.find_s = find, credentials, find_s
+    def __init__(self, find: Callable[[], str], credentials: Credentials | None = None, find_s: float = FIND_S,
+                 request_s: float = REQUEST_S) -> None:
+        """``find``: the service's address now; ``find_s``: how long to keep trying to reach it; ``request_s``: how
+        long one request may take before the connection is given up and the request sent again (a stopped service:
+        a batch sent again is kept once)."""
+        self.find, self.credentials, self.find_s, self.request_s = find, credentials, find_s, request_s
         self.conn: Connection | None = None
         self.sent = 0
         """This process's transitions accepted by the buffer (the next batch's ``first``)."""
@@ -50,7 +55,8 @@ class ReplayClient:
                     address = self.find()
                     if not address:
                         raise ConnectionLost("the replay service has published no address yet")
-                    self.conn = Connection(address, credentials=self.credentials, service="replay service")
+                    self.conn = Connection(address, self.request_s, credentials=self.credentials,
+                                           service="replay service")
                     self.reconnects += 1
                 return self.conn.request(message)
             except (ConnectionLost, OSError) as exc:
@@ -81,7 +87,7 @@ class ReplayClient:
             if reply.op != "wait":  # a throttled insert waits at the service, then asks again
                 break
         if reply.op == "inserted":
-            self._forget_kept(int(reply.meta["kept"]))
+            self._forget_kept(int(reply.meta["kept"]), int(reply.meta.get("capacity", 0)))
         return reply
 
     def _resend_from(self, have: int) -> Message:
@@ -103,8 +109,13 @@ class ReplayClient:
             self.resent += 1
         return reply
 
-    def _forget_kept(self, kept: int) -> None:
+    def _forget_kept(self, kept: int, capacity: int = 0) -> None:
+        """Drop the batches a snapshot holds, and those older than the buffer's last ``capacity`` transitions of
+        this process (its ring holds no more of them, so there is nothing to send again), when it says its
+        capacity: what this process holds stays bounded however long the buffer goes without a snapshot."""
         while self.unkept and self.unkept[0][0] + _rows(self.unkept[0][1]) <= kept:
+            self.unkept.popleft()
+        while capacity and self.unkept and self.unkept[0][0] + _rows(self.unkept[0][1]) <= self.sent - capacity:
             self.unkept.popleft()
 
     def sample(self, count: int, target: float | None = None) -> Message | None:

@@ -22,6 +22,7 @@ import torch
 from convoy.errors import ConfigError
 from convoy.parallel.transport import Credentials, Identity, Limits, Listener, Message
 from convoy.parallel.transport.handshake import Admit
+from convoy.runtime.slots import SnapshotNoSpace
 from convoy.workloads.rl.buffer import BadTransitions, ReplayBuffer
 from convoy.workloads.rl.rates import Pacer, RateMeter, Throttle
 from convoy.workloads.rl.replay_snapshots import BufferSnapshots
@@ -75,9 +76,12 @@ class ReplayService:
                  snapshots: BufferSnapshots | None = None, snapshot_every_s: float = 5.0,
                  throttle: Throttle | None = None, credentials: Credentials | None = None,
                  admit: Admit | None = None, limits: Limits | None = None, window_s: float = 2.0,
-                 kept: Mapping[str, Any] | None = None) -> None:
+                 kept: Mapping[str, Any] | None = None, say: Callable[[str], None] = print) -> None:
         """``kept``: what a snapshot held beside the buffer (``BufferSnapshots.restore``'s second part)."""
-        self.buffer, self.snapshots, self.throttle = buffer, snapshots, throttle
+        self.buffer, self.snapshots, self.throttle, self.say = buffer, snapshots, throttle, say
+        self.snapshot_failures = 0
+        """Snapshots that found no room (a full /dev/shm): the service serves on and tries again each interval."""
+        self._snapshots_back = False
         self.snapshot_every_s = snapshot_every_s
         self.changed = threading.Condition()
         self.meter = RateMeter(window_s)
@@ -183,7 +187,8 @@ class ReplayService:
                     self.visits[int(index)] = self.visits.get(int(index), 0) + int(count)
             self.changed.notify_all()
             kept = self.snapshots.kept.get(source, 0) if self.snapshots is not None else have + taken
-            return Message("inserted", {"have": have + taken, "kept": kept, "size": self.buffer.size,
+            return Message("inserted", {"have": have + taken, "kept": kept, "capacity": self.buffer.capacity,
+                                        "size": self.buffer.size,
                                         "env_steps": self.episodes.env_steps})
 
     def _sample(self, message: Message, caller: Identity | None) -> Message:
@@ -234,6 +239,7 @@ class ReplayService:
                     "env_steps": self.episodes.env_steps, "mean_return": self.episodes.mean_return,
                     "returns_kept": len(self.episodes.returns), "weights_version": self.weights[0],
                     "snapshots": self.snapshots.taken if self.snapshots is not None else 0,
+                    "snapshot_failures": self.snapshot_failures,
                     "by_source": dict(counters.by_source), "visits": {str(k): v for k, v in self.visits.items()}}
 
     def _stats(self, message: Message, caller: Identity | None) -> Message:
@@ -270,11 +276,27 @@ class ReplayService:
         return Message("slices", {"version": version, "slices": dealt.get(rank, [])})
 
     def take_snapshot(self) -> int:
+        """A snapshot now; the transitions inserted in all. With no room for it (a full /dev/shm) the service says so
+        once, serves on without one (the actors keep what they sent until a snapshot holds it: nothing is lost
+        that they still hold) and tries again at the next one; it says when snapshots are back."""
         if self.snapshots is None:
             raise ConfigError("this replay service keeps no snapshots")
         with self.changed:
-            return self.snapshots.take(self.buffer, {"episodes": self.episodes.saved(), "duplicates": self.duplicates,
-                                                            "visits": dict(self.visits)})
+            try:
+                self.snapshots.take(self.buffer, {"episodes": self.episodes.saved(), "duplicates": self.duplicates,
+                                                  "visits": dict(self.visits)})
+            except SnapshotNoSpace as exc:
+                self.snapshot_failures += 1
+                if self.snapshot_failures == 1 or self._snapshots_back:
+                    self.say(f"replay: no room for its snapshot ({exc}); serving on without one: the actors keep "
+                             f"what they sent until a snapshot holds it, and it tries again every "
+                             f"{self.snapshot_every_s:g} s")
+                self._snapshots_back = False
+                return self.buffer.counters.inserted
+            if self.snapshot_failures and not self._snapshots_back:
+                self.say(f"replay: snapshots taken again after {self.snapshot_failures} without room")
+                self._snapshots_back = True
+            return self.buffer.counters.inserted
 
     def _snapshot(self, message: Message, caller: Identity | None) -> Message:
         """A snapshot now; the reply says how many of the caller's transitions it keeps."""

@@ -9,6 +9,7 @@ every deal: every slice owned, none twice.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -29,6 +30,62 @@ class Slice:
     def seed(self, episode: int) -> int:
         """The reset seed of an actor's ``episode``-th episode in this slice (it cycles through the slice)."""
         return self.start + episode % (self.stop - self.start)
+
+
+@dataclass(frozen=True)
+class StartBox:
+    """A box of initial states, numbered ``index``: an episode in it starts from a state drawn uniformly between
+    ``low`` and ``high`` (for an environment whose start state can be set, e.g. gymnasium's classic control)."""
+
+    index: int
+    low: tuple[float, ...]
+    high: tuple[float, ...]
+
+    def draw(self, rng: random.Random) -> list[float]:
+        return [rng.uniform(a, b) for a, b in zip(self.low, self.high, strict=True)]
+
+
+def box_slices(low: Sequence[float], high: Sequence[float], axis: int, count: int) -> list[StartBox]:
+    """The box ``[low, high]`` of initial states cut into ``count`` even boxes along ``axis``."""
+    if len(low) != len(high) or not 0 <= axis < len(low):
+        raise ConfigError(f"a start box needs low and high of one length and an axis within it; got {len(low)}, "
+                          f"{len(high)} and axis {axis}")
+    if count < 1 or not low[axis] < high[axis]:
+        raise ConfigError(f"cannot cut [{low[axis]}, {high[axis]}] on axis {axis} into {count} boxes: give count >= 1 "
+                          "and low < high")
+    cuts = [low[axis] + (high[axis] - low[axis]) * i / count for i in range(count + 1)]
+    cuts[-1] = high[axis]
+    boxes = []
+    for i in range(count):
+        box_low, box_high = list(low), list(high)
+        box_low[axis], box_high[axis] = cuts[i], cuts[i + 1]
+        boxes.append(StartBox(i, tuple(box_low), tuple(box_high)))
+    return boxes
+
+
+def check_boxes(boxes: Sequence[StartBox], low: Sequence[float], high: Sequence[float]) -> None:
+    """Boxes an environment declares must tile its box of initial states ``[low, high]``: numbered 0..n-1, each
+    inside it and spanning it on every axis but one, where they follow each other with no gap and no overlap."""
+    if not boxes:
+        raise ConfigError("an environment declared no start boxes: declare at least one covering its start states")
+    if sorted(b.index for b in boxes) != list(range(len(boxes))):
+        raise ConfigError(f"start boxes must be numbered 0..{len(boxes) - 1}, got {sorted(b.index for b in boxes)}")
+    cut = [axis for axis in range(len(low))
+           if any((b.low[axis], b.high[axis]) != (low[axis], high[axis]) for b in boxes)]
+    if any(len(b.low) != len(low) or len(b.high) != len(high) for b in boxes) or len(cut) > 1:
+        raise ConfigError(f"start boxes must span [{list(low)}, {list(high)}] on every axis but one; they differ on "
+                          f"axes {cut}")
+    axis = cut[0] if cut else 0
+    at = low[axis]
+    for box in sorted(boxes, key=lambda b: b.low[axis]):
+        if not box.low[axis] < box.high[axis]:
+            raise ConfigError(f"start box {box.index} is empty on axis {axis}")
+        if box.low[axis] != at:
+            what = "overlaps the box before it" if box.low[axis] < at else f"leaves [{at}, {box.low[axis]}) uncovered"
+            raise ConfigError(f"start box {box.index} {what} on axis {axis}")
+        at = box.high[axis]
+    if at != high[axis]:
+        raise ConfigError(f"start boxes end at {at} on axis {axis}, not at the space's {high[axis]}")
 
 
 def seed_slices(total: int, count: int) -> list[Slice]:
@@ -100,7 +157,7 @@ class SliceBook:
     """The controller's deal over time: who owns which slice, how many deals kept the invariant, and each
     slice's visits (episodes the actors report started in it)."""
 
-    slices: list[Slice]
+    slices: Sequence[Slice | StartBox]
     dealt: dict[str, tuple[int, ...]] = field(default_factory=dict)
     deals: int = 0
     """Deals made (each checked by ``check_dealt``)."""
