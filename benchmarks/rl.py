@@ -1,6 +1,6 @@
 """The RL workload's targets (issue 51), each against its peer in the same run where there is one.
 
-    python benchmarks/rl.py [--only buffer,replace,ratio] [--quick]
+    python benchmarks/rl.py [--only buffer,replace,ratio,preempt,learn] [--quick] [--rllib-seeds N]
 
 1. buffer: inserts + samples per second of the replay buffer, prioritized (alpha 0.6), capacity 50,000 CartPole
    transitions, chunks of 32 inserted, batches of 64 sampled 4 times a chunk (8 samples per insert), priorities
@@ -18,7 +18,15 @@
    side, and transitions inserted per second over the run. Targets: scale mode within +-10% of the target in every
    window; no process blocked > 5% of its time; throughput >= 1.5x the throttle mode's.
 
-Not here yet: the DQN learning target against RLlib's tuned CartPole config (150k steps, 5 seeds) and preemption.
+4. learn: ``examples/rl_dqn.toml`` as committed, 5 seeds (1 in ``--quick``), each to a mean return of 475 over 100
+   episodes or 150k environment steps; peer: RLlib's DQN with its own tuned CartPole config
+   (``scripts/rllib_dqn.py``), ``--rllib-seeds`` seeds. Targets: median steps <= 150k; median wall time to 475
+   convoy / RLlib <= 0.5. Seed 0's learning curve is copied to ``results/rl-learning-curve.png``. Not in the
+   default sections (about 30 min a seed for RLlib): ``--only learn``.
+5. preempt: a 2-CPU pool held whole by the job (4 actors, 2 learners); ``convoy preempt --cpus 1.25 --priority 5
+   --seconds 5``: the time to the CPUs free, the transitions of the preempted actors the buffer does not hold, and
+   the time from the priority job's end to 4 actors and a group of 2 learners running again (3 runs).
+   Targets: <= 2 s, 0 lost, <= 5 s.
 Exits 0 whether the targets are met or missed.
 """
 
@@ -241,8 +249,9 @@ def run_ratio(mode: str, quick: bool) -> dict[str, object]:
     length = 50.0 if quick else 70.0
     with tempfile.TemporaryDirectory(prefix=f"convoy-rl-{mode}-") as tmp:
         work = Path(tmp)
-        job = start_job(work, "--set", f"mode={mode}", "--set", "step_cost=0.002", "--set", "target_ratio=4")
-        points: list[tuple[float, int, int]] = []
+        job = start_job(work, "--set", f"mode={mode}", "--set", "step_cost=0.002", "--set", "target_ratio=4",
+                        "--set", "batch=64", "--set", "hidden=128")  # as in the first runs: 6 actors cover x3
+        points: list[tuple[float, int, int, int]] = []
         try:
             replay = wait_for("the replay service", lambda: (work / "run" / "token").exists() and replay_of(work))
             wait_for("learning to start", lambda: int(replay.stats()["sampled"]) > 0)
@@ -262,7 +271,7 @@ def run_ratio(mode: str, quick: bool) -> dict[str, object]:
                         learner = learner or learner_pid(work)
                         os.kill(learner, signal.SIGSTOP if what == "stop" else signal.SIGCONT)
                 stats = replay.stats()
-                points.append((now, int(stats["inserted"]), int(stats["sampled"])))
+                points.append((now, int(stats["inserted"]), int(stats["sampled"]), int(stats["staged"])))
                 time.sleep(1.0)
             final = replay.stats()
         finally:
@@ -275,7 +284,8 @@ def run_ratio(mode: str, quick: bool) -> dict[str, object]:
     span = points[-1][0] - points[0][0]
     return {"windows": windows, "inserts_per_s": (points[-1][1] - points[0][1]) / span,
             "waited_insert_s": float(final["waited_insert_s"]), "waited_sample_s": float(final["waited_sample_s"]),
-            "span": span}
+            "span": span, "staged": int(final["staged"]),
+            "most_staged": max(staged for *_, staged in points)}
 
 
 def learner_pid(work: Path) -> int:
@@ -292,7 +302,8 @@ def bench_ratio(quick: bool) -> list[str]:
     for name, run in (("scale", scale), ("throttle", throttle)):
         windows = ", ".join(f"{w:.2f}" for w in run["windows"])  # type: ignore[attr-defined]
         print(f"  {name:<9} windows [{windows}]; {run['inserts_per_s']:.0f} inserts/s; the throttle held inserts "
-              f"{run['waited_insert_s']:.1f} s and samples {run['waited_sample_s']:.1f} s of {run['span']:.0f} s")
+              f"{run['waited_insert_s']:.1f} s and samples {run['waited_sample_s']:.1f} s of {run['span']:.0f} s; "
+              f"staged at most {run['most_staged']} transitions")
     windows: list[float] = scale["windows"]  # type: ignore[assignment]
     worst = max(abs(w / 4 - 1) for w in windows) if windows else float("inf")
     held = max(float(scale["waited_insert_s"]), float(scale["waited_sample_s"]))  # type: ignore[arg-type]
@@ -305,14 +316,164 @@ def bench_ratio(quick: bool) -> list[str]:
             f"target throughput scale / throttle: {gain:.2f}x (goal >= 1.5x) {'met' if gain >= 1.5 else 'missed'}"]
 
 
+def preempt_once(work: Path) -> dict[str, float]:
+    """A job of priority 5 asks for 1.25 CPUs of a 2-CPU pool that the RL job holds whole (4 actors at 0.25, 2
+    learners at 0.5): 3 actors and a learner are given back; timed from the ask to the CPUs free, and from the
+    priority job's end to the RL job running 4 actors and a group of 2 learners again."""
+    env = {**os.environ, "CONVOY_POOL": str(work / "pool.db"), "CONVOY_POOL_CPUS": "2"}
+    convoy = [sys.executable, "-m", "convoy"]
+    log = (work / "out.txt").open("w")
+    job = subprocess.Popen([*convoy, "run", str(JOB), "--run-dir", str(work / "run"), "--set", "stop_return=0",
+                            "--set", "env_steps=100000000", "--set", "mode=none", "--set", "step_cost=0.002",
+                            "--set", "snapshot_every_s=2"], stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+                           start_new_session=True)
+    try:
+        wait_for("the job", lambda: "controller: 16 slices dealt to 1 actor(s)" in output(work), 120)
+        subprocess.run([*convoy, "scale", "--run-dir", str(work / "run"), "actor=4", "learner=2"], check=True,
+                       env=env, capture_output=True)
+        wait_for("4 actors and 2 learners", lambda: "dealt to 4 actor(s)" in output(work) and re.search(
+            r"learner 1: training \S+ \(pid \d+\), world size 2", output(work)), 120)
+        time.sleep(3.0)
+        asked = subprocess.run([*convoy, "preempt", "--cpus", "1.25", "--priority", "5", "--seconds", "5"],
+                               env=env, capture_output=True, text=True, timeout=120)
+        ended, mark = time.monotonic(), len(output(work))
+        free = re.search(r"free after ([\d.]+) s", asked.stdout)
+        if asked.returncode != 0 or free is None:
+            raise RuntimeError(f"convoy preempt failed: {asked.stdout}{asked.stderr}")
+
+        def back() -> bool:
+            later = output(work)[mark:]
+            return len(set(re.findall(r"actor ([123]): stepping", later))) == 3 and bool(
+                re.search(r"learner 0: training \S+ \(pid \d+\), world size 2", later))
+
+        try:
+            wait_for("the job back at its count", back, 60)
+        except RuntimeError:
+            print(output(work)[-6000:])
+            raise
+        regrown = time.monotonic() - ended
+        replay = replay_of(work)
+        by_source = dict(replay.stats()["by_source"])  # type: ignore[call-overload]
+        replay.close()
+    finally:
+        stop_job(job)
+    text = output(work)
+    lost = 0
+    cut = r"actor (\d): preempted: episode cut at step \d+; (\d+) transitions inserted"
+    for found in re.finditer(cut, text):
+        rank, inserted = found.groups()
+        started = re.findall(rf"actor {rank}: stepping \S+ \(pid \d+, incarnation (\d+)\)", text[:found.start()])
+        held = int(by_source.get(f"actor{rank}.{started[-1]}", 0))  # the process that was preempted
+        lost += max(0, int(inserted) - held)
+    return {"free": float(free.group(1)), "back": regrown, "lost": float(lost)}
+
+
+def bench_preempt(quick: bool) -> list[str]:
+    runs = []
+    for _ in range(1 if quick else 3):
+        with tempfile.TemporaryDirectory(prefix="convoy-rl-preempt-") as tmp:
+            runs.append(preempt_once(Path(tmp)))
+    free = statistics.median(run["free"] for run in runs)
+    back = statistics.median(run["back"] for run in runs)
+    lost = sum(run["lost"] for run in runs)
+    print(f"\n## preempt: a priority job asks for 1.25 of 2 CPUs held by the RL job ({len(runs)} runs)")
+    frees = ", ".join(f"{run['free']:.2f}" for run in runs)
+    backs = ", ".join(f"{run['back']:.2f}" for run in runs)
+    print(f"  CPUs free after: {frees} s; back at 4 actors and 2 learners after the priority job ended: {backs} s; "
+          f"transitions lost {lost:.0f}")
+    return [f"target preemption frees the CPUs: {free:.2f} s (goal <= 2 s) {'met' if free <= 2 else 'missed'}",
+            f"target transitions lost to a preemption: {lost:.0f} (goal 0) {'met' if lost == 0 else 'missed'}",
+            f"target back at its count after the priority job: {back:.2f} s (goal <= 5 s) "
+            f"{'met' if back <= 5 else 'missed'}"]
+
+
+LEARN_GOAL, LEARN_STEPS = 475.0, 150_000
+
+
+def convoy_learns(seed: int, extra: list[str]) -> dict[str, object]:
+    """One seed of ``examples/rl_dqn.toml`` as committed (it ends once the last 100 episodes average 475): the env
+    steps and wall time (launch to exit) it took, or that it did not get there in 150k steps."""
+    with tempfile.TemporaryDirectory(prefix="convoy-rl-learn-") as tmp:
+        work = Path(tmp)
+        began = time.monotonic()
+        log = (work / "out.txt").open("w")
+        job = subprocess.run([sys.executable, "-m", "convoy", "run", str(JOB), "--run-dir", str(work / "run"),
+                              "--set", f"seed={seed}", "--set", f"env_steps={LEARN_STEPS}", *extra],
+                             stdout=log, stderr=subprocess.STDOUT, cwd=REPO, timeout=3600)
+        wall = time.monotonic() - began
+        text = output(work)
+        final = re.search(r"final: mean return ([\d.]+) over the last \d+ episodes after (\d+) environment steps", text)
+        if job.returncode != 0 or final is None:
+            raise RuntimeError(f"the DQN job failed (exit {job.returncode}):\n{text[-3000:]}")
+        curve = REPO / "benchmarks" / "results" / "rl-learning-curve.png"
+        if seed == 0:
+            curve.write_bytes((work / "run" / "learning-curve.png").read_bytes())
+        mean, steps = float(final.group(1)), int(final.group(2))
+        return {"reached": mean >= LEARN_GOAL, "steps": steps, "wall": wall, "mean": mean}
+
+
+def rllib_learns(seed: int) -> dict[str, object]:
+    """One seed of RLlib's DQN with its tuned CartPole config (``scripts/rllib_dqn.py``), to 475 or 150k steps."""
+    script = REPO / "benchmarks" / "scripts" / "rllib_dqn.py"
+    done = subprocess.run([sys.executable, str(script), "--seed", str(seed), "--reward", str(LEARN_GOAL),
+                           "--max-steps", str(LEARN_STEPS)], capture_output=True, text=True, timeout=7200)
+    reached = re.search(r"rllib: reached ([\d.]+) at (\d+) steps in ([\d.]+) s", done.stdout)
+    if reached:
+        return {"reached": True, "steps": int(reached.group(2)), "wall": float(reached.group(3)),
+                "mean": float(reached.group(1))}
+    missed = re.search(r"rllib: not reached by (\d+) steps \(([\d.]+) s\)", done.stdout)
+    if missed is None:
+        raise RuntimeError(f"RLlib's DQN did not run (exit {done.returncode}):\n{done.stdout[-2000:]}"
+                           f"{done.stderr[-3000:]}")
+    last = re.findall(r"rllib: steps \d+ return ([\d.na]+)", done.stdout)
+    return {"reached": False, "steps": int(missed.group(1)), "wall": float(missed.group(2)),
+            "mean": float(last[-1]) if last else float("nan")}
+
+
+def describe_runs(name: str, runs: list[dict[str, object]]) -> None:
+    for seed, run in enumerate(runs):
+        how = "reached 475" if run["reached"] else f"not reached (mean {run['mean']:.1f})"
+        print(f"  {name:<7} seed {seed}: {how} at {run['steps']} env steps, {run['wall']:.0f} s")
+
+
+def bench_learn(quick: bool, rllib_seeds: int) -> list[str]:
+    seeds = 1 if quick else 5
+    print(f"\n## learn: DQN on CartPole-v1 to a mean return of 475 over 100 episodes, at most 150k env steps "
+          f"({seeds} seeds; RLlib {rllib_seeds})")
+    ours = [convoy_learns(seed, []) for seed in range(seeds)]
+    describe_runs("convoy", ours)
+    theirs = [rllib_learns(seed) for seed in range(rllib_seeds)]
+    describe_runs("RLlib", theirs)
+    steps = statistics.median(float(run["steps"]) if run["reached"] else float("inf") for run in ours)
+    wall = statistics.median(float(run["wall"]) if run["reached"] else float("inf") for run in ours)
+    lines = [f"target DQN reaches 475 in <= 150k steps (median of {seeds}): "
+             + (f"{steps:.0f} steps (goal <= 150000) {'met' if steps <= LEARN_STEPS else 'missed'}"
+                if steps < float("inf") else "not reached by the median seed (goal <= 150000) missed")]
+    if theirs:
+        peer = statistics.median(float(run["wall"]) if run["reached"] else float("inf") for run in theirs)
+        if peer < float("inf"):
+            ratio = wall / peer
+            lines.append(f"target wall time to 475, convoy / RLlib: {wall:.0f} s / {peer:.0f} s = {ratio:.2f} "
+                         f"(goal <= 0.5) {'met' if ratio <= 0.5 else 'missed'}")
+        else:
+            spent = statistics.median(float(run["wall"]) for run in theirs)
+            lines.append(f"target wall time to 475, convoy / RLlib: RLlib did not reach 475 in 150k steps ({spent:.0f} "
+                         f"s, median); convoy {wall:.0f} s: ratio below {wall / spent:.2f} (goal <= 0.5) "
+                         f"{'met' if wall / spent <= 0.5 else 'missed'}")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", default="buffer,replace,ratio")
+    parser.add_argument("--only", default="buffer,replace,ratio,preempt")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rllib-seeds", type=int, default=5, help="seeds of RLlib's DQN in the learn section "
+                                                                   "(about 30 min each here)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     targets: list[str] = []
-    parts = {"buffer": bench_buffer, "replace": bench_replace, "ratio": bench_ratio}
+    parts = {"buffer": bench_buffer, "replace": bench_replace, "ratio": bench_ratio,
+             "preempt": bench_preempt, "learn": lambda quick: bench_learn(quick, args.rllib_seeds)}
     for name in args.only.split(","):
         targets += parts[name](args.quick)
     print()

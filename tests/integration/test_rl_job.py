@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow
 
 JOB = REPO / "examples" / "rl_dqn.toml"
 SHORT = ["--set", "env_steps=5000", "--set", "learning_starts=300", "--set", "stop_return=0",
-         "--set", "snapshot_every_s=0.5", "--set", "epsilon_steps=1000", "--set", "hidden=32"]
+         "--set", "snapshot_every_s=0.5", "--set", "epsilon_steps=1000", "--set", "hidden=32", "--set", "batch=64",
+         "--set", "target_ratio=4"]
 
 
 def test_a_short_dqn_job_scales_its_actors_replaces_a_killed_one_and_ends_with_its_curve(

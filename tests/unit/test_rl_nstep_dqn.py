@@ -1,12 +1,18 @@
-"""n-step returns (no bootstrap past a true end, a bootstrap after a time limit) and double DQN's target."""
+"""n-step returns (no bootstrap past a true end, a bootstrap after a time limit), double DQN's target, and a short
+learning check of the pieces together."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 
 from convoy.errors import ConfigError
-from convoy.workloads.rl.dqn import double_dqn_loss, epsilon_at
+from convoy.workloads.rl.actor import to_batch
+from convoy.workloads.rl.buffer import Layout, ReplayBuffer
+from convoy.workloads.rl.dqn import double_dqn_loss, epsilon_at, greedy_or_random, q_network
+from convoy.workloads.rl.envs import SlicedEnv, slices_for
 from convoy.workloads.rl.nstep import NStep
 
 
@@ -50,3 +56,43 @@ def test_epsilon_decays_linearly_over_the_jobs_steps() -> None:
     assert epsilon_at(0, 1.0, 0.1, 100) == 1.0
     assert epsilon_at(50, 1.0, 0.1, 100) == pytest.approx(0.55)
     assert epsilon_at(500, 1.0, 0.1, 100) == 0.1
+
+
+def test_the_pieces_learn_cartpole_in_six_thousand_steps() -> None:
+    """The learning check: the actor's and the learner's pieces in one process (sliced environment, 3-step
+    transitions, the buffer, epsilon-greedy, double DQN with a target network), seeded: the last 20 episodes of
+    6,000 steps average far above a random policy's 22 (this run: about 220)."""
+    pytest.importorskip("gymnasium")
+    torch.manual_seed(0)
+    env = SlicedEnv("CartPole-v1", slices_for(100, 4))
+    env.own([0, 1, 2, 3])
+    online = q_network(4, 2, 64)
+    target = copy.deepcopy(online)
+    optimizer = torch.optim.Adam(online.parameters(), lr=1e-3)
+    buffer = ReplayBuffer(Layout.for_dqn((4,)), 20_000, alpha=0.0, seed=0)
+    generator = torch.Generator().manual_seed(0)
+    returns: list[float] = []
+    steps = updates = 0
+    while steps < 6000:
+        obs, _ = env.reset()
+        nstep, total, done = NStep(3, 0.99), 0.0, False
+        while not done:
+            with torch.no_grad():
+                action = greedy_or_random(online(torch.as_tensor(obs, dtype=torch.float32)),
+                                          epsilon_at(steps, 1.0, 0.05, 2000), generator)
+            next_obs, reward, terminated, truncated = env.step(action)
+            total, steps = total + reward, steps + 1
+            finished = nstep.step(obs.tolist(), action, reward, next_obs.tolist(), terminated, truncated)
+            if finished:
+                buffer.insert(to_batch(finished))
+            obs, done = next_obs, terminated or truncated
+            if buffer.size >= 500:
+                loss, _ = double_dqn_loss(online, target, buffer.sample(64).batch)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                updates += 1
+                if updates % 50 == 0:
+                    target.load_state_dict(online.state_dict())
+        returns.append(total)
+    assert sum(returns[-20:]) / 20 > 150, returns[-20:]

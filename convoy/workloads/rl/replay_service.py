@@ -5,7 +5,8 @@ Ops (``Message.op``): ``insert`` (an actor's transitions, exactly once: each bat
 before it), ``sample``, ``priorities``, ``stats``, ``weights_put`` / ``weights_get`` (by version), ``deal_put`` /
 ``deal_get`` (an actor's slices), ``snapshot`` and ``shutdown``. A malformed insert is refused whole and counted;
 in throttle mode an insert or a sample waits (Reverb's rate limiter, ``rates.Throttle``) and the time waited is
-counted per side.
+counted per side. In scale mode nobody waits: each paced sample gets what the learners owe at the target, and
+inserts enter the table as the samples allow, the rest staged in order (``staging.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from convoy.runtime.slots import SnapshotNoSpace
 from convoy.workloads.rl.buffer import BadTransitions, ReplayBuffer
 from convoy.workloads.rl.rates import Pacer, RateMeter, Throttle
 from convoy.workloads.rl.replay_snapshots import BufferSnapshots
+from convoy.workloads.rl.staging import Staging
 
 TICK_S = 0.25
 THROTTLE_WAIT_S = 30.0
@@ -76,8 +78,10 @@ class ReplayService:
                  snapshots: BufferSnapshots | None = None, snapshot_every_s: float = 5.0,
                  throttle: Throttle | None = None, credentials: Credentials | None = None,
                  admit: Admit | None = None, limits: Limits | None = None, window_s: float = 2.0,
-                 kept: Mapping[str, Any] | None = None, say: Callable[[str], None] = print) -> None:
-        """``kept``: what a snapshot held beside the buffer (``BufferSnapshots.restore``'s second part)."""
+                 kept: Mapping[str, Any] | None = None, say: Callable[[str], None] = print,
+                 stage_rows: int | None = None) -> None:
+        """``kept``: what a snapshot held beside the buffer (``BufferSnapshots.restore``'s second part);
+        ``stage_rows``: a fixed size for the scale mode's staging (None: sized to the table's intake)."""
         self.buffer, self.snapshots, self.throttle, self.say = buffer, snapshots, throttle, say
         self.snapshot_failures = 0
         """Snapshots that found no room (a full /dev/shm): the service serves on and tries again each interval."""
@@ -98,6 +102,14 @@ class ReplayService:
         self.waiting = 0
         """Calls the throttle holds now."""
         self.pacer = Pacer()
+        self.paced: tuple[float, int] | None = None
+        """(target, nominal batch) of the learners' paced samples: from the first one, inserts go through staging."""
+        self.staging = Staging(stage_rows or max(1, buffer.capacity // 4)) if throttle is None else None
+        self.stage_sized = stage_rows is None
+        """Scale mode's inserts that the samples do not allow yet (sized to some seconds of the table's intake)."""
+        self.received: dict[str, int] = dict(buffer.counters.by_source)
+        """Each source's transitions taken in (in the table or staged): what its next batch's ``first`` must be."""
+        self.received_total = buffer.counters.inserted
         if kept:
             self.episodes = Episodes.from_saved(dict(kept.get("episodes", {})))
             self.duplicates = int(kept.get("duplicates", 0))
@@ -166,7 +178,7 @@ class ReplayService:
             except BadTransitions:
                 counters.refused += 1
                 raise
-            have = counters.by_source.get(source, 0)
+            have = self.received.get(source, 0)
             if first > have:  # a gap: the buffer came back from a snapshot older than what the actor saw kept
                 return Message("resend", {"from": have})
             skip = min(rows, have - first) if first >= 0 else 0
@@ -175,11 +187,27 @@ class ReplayService:
                 throttle.check(rows - skip, inserting=True, inserted=counters.inserted)
                 ok, waited = self._held_until(lambda: throttle.may_insert(counters.inserted, counters.sampled,
                                                                           rows - skip))
-                self.waited.insert_s += waited
-                if not ok:
-                    return Message("wait", {"waited_s": waited})
-            taken = self.buffer.insert({name: t[skip:] for name, t in message.tensors.items()}, source,
-                                       rows=rows - skip)
+            elif self.staging is not None and self.paced is not None:  # scaling and staging are both spent
+                staging = self.staging
+                ok, waited = self._held_until(lambda: staging.fits(rows - skip))
+            else:
+                ok, waited = True, 0.0
+            self.waited.insert_s += waited
+            if not ok:
+                return Message("wait", {"waited_s": waited})
+            if waited:  # while it waited, the same batch may have come again (a resend after a time-out)
+                have = self.received.get(source, 0)
+                if first > have:
+                    return Message("resend", {"from": have})
+                skip = min(rows, have - first) if first >= 0 else 0
+            fresh, taken = {name: t[skip:] for name, t in message.tensors.items()}, rows - skip
+            if self.paced is None or self.staging is None:
+                self.buffer.insert(fresh, source, rows=taken)
+            else:
+                self.staging.push(source, fresh, taken)
+                self._admit()
+            self.received[source] = have + taken
+            self.received_total += taken
             self.duplicates += skip
             if skip == 0:  # a batch sent again had its episodes counted when it first came
                 self.episodes.add(list(message.meta.get("returns", [])), int(message.meta.get("env_steps", 0)))
@@ -208,13 +236,26 @@ class ReplayService:
             if self.buffer.size == 0:
                 return Message("wait", {"waited_s": 0.0})
             if target is not None and self.throttle is None:
-                count = self.pacer.count(float(target), count, self.buffer.counters.inserted,
+                self.paced = (float(target), count)
+                staged = self.staging.rows if self.staging is not None else 0
+                count = self.pacer.count(float(target), count, self.buffer.counters.inserted + staged,
                                          self.buffer.counters.sampled)
             drawn = self.buffer.sample(count)
+            self._admit()
             self.changed.notify_all()
         tensors = {**drawn.batch, "_slots": drawn.slots, "_written": drawn.written, "_weights": drawn.weights}
         return Message("sampled", {"size": self.buffer.size, "env_steps": self.episodes.env_steps,
                                    "mean_return": self.episodes.mean_return}, tensors)
+
+    def _admit(self) -> None:
+        """Move what the samples now allow from staging into the table (the caller holds ``changed``)."""
+        if self.staging is None or self.paced is None or not self.staging.rows:
+            return
+        target, nominal = self.paced
+        counters, (inserted_at, sampled_at) = self.buffer.counters, self.pacer.base or (0, 0)
+        due = self.staging.due(counters.inserted - inserted_at, counters.sampled - sampled_at, target, nominal)
+        for source, batch, rows in self.staging.take(due):  # counted from where pacing began, as the pacer counts
+            self.buffer.insert(batch, source, rows=rows)
 
     def _priorities(self, message: Message, caller: Identity | None) -> Message:
         tensors = message.tensors
@@ -231,7 +272,9 @@ class ReplayService:
             inserts, samples, demanded = self.meter.rates(3)
             counters = self.buffer.counters
             return {"inserts_per_s": inserts, "samples_per_s": samples, "demanded_per_s": demanded,
-                    "inserted": counters.inserted,
+                    "inserted": counters.inserted, "received": self.received_total,
+                    "staged": self.staging.rows if self.staging is not None else 0,
+                    "staging_limit": self.staging.limit if self.staging is not None else 0,
                     "sampled": counters.sampled, "refused": counters.refused, "size": self.buffer.size,
                     "capacity": self.buffer.capacity, "stale_priorities": counters.stale_priorities,
                     "duplicates": self.duplicates, "waited_insert_s": self.waited.insert_s, "waiting": self.waiting,
@@ -312,7 +355,10 @@ class ReplayService:
         while not self.stopped.wait(TICK_S):
             now = time.monotonic()
             with self.changed:
-                self.meter.note(now, self.buffer.counters.inserted, self.buffer.counters.sampled, self.demanded)
+                self.meter.note(now, self.received_total, self.buffer.counters.sampled, self.demanded)
+                if self.staging is not None and self.paced is not None and self.stage_sized:
+                    self.staging.size_for(now, self.meter.rates(3)[1] / self.paced[0], self.buffer.capacity)
+                    self.changed.notify_all()
             if self.snapshots is not None and now - last_snapshot >= self.snapshot_every_s and self.buffer.size:
                 self.take_snapshot()
                 last_snapshot = now
