@@ -68,8 +68,9 @@ def test_a_learner_that_stops_sampling_leaves_the_ratio_and_every_transition_ent
         assert (int(stats["inserted"]), int(stats["sampled"])) == (before[0] + slack, before[1]), \
             "no samples, so no more than the slack enters the table"
         assert stats["staged"] == 2000 - slack and stats["received"] == 2200 and stats["waited_insert_s"] == 0
-        for _ in range(40):  # it resumes; each request is what the learners owe (up to 4 batches), and
-            learner.sample(64, target=4.0)  # the staged rows enter as the samples allow
+        for _ in range(40):  # it resumes at its own batch, and the staged rows enter as the samples allow
+            reply = learner.sample(64, target=4.0)
+            assert reply is not None and len(reply.tensors["action"]) == 64, "a backlog is no debt to pay"
             stats = service.stats()
             # counted from where pacing began (200 in, none sampled): as many in as the samples allow, no fewer
             admitted, sampled = int(stats["inserted"]) - 200, int(stats["sampled"])

@@ -237,8 +237,10 @@ class ReplayService:
                 return Message("wait", {"waited_s": 0.0})
             if target is not None and self.throttle is None:
                 self.paced = (float(target), count)
-                staged = self.staging.rows if self.staging is not None else 0
-                count = self.pacer.count(float(target), count, self.buffer.counters.inserted + staged,
+                # owed by the table's count, not the staged rows: with rows staged the table takes in what the
+                # learners sample, so they sample their own batch (a staged backlog is no debt to catch up on larger
+                # batches: fewer, larger updates learn less from each environment step)
+                count = self.pacer.count(float(target), count, self.buffer.counters.inserted,
                                          self.buffer.counters.sampled)
             drawn = self.buffer.sample(count)
             self._admit()

@@ -2,7 +2,7 @@
 
 In scale mode the table takes in what the learners' samples allow at the target samples per insert, and the rest
 waits here, in order, instead of making an actor wait: a learner group that stalls for a few seconds (a SIGSTOP, a
-restart from its snapshot) leaves the ratio where it was, and the staged transitions enter as it catches up. What
+restart from its snapshot) leaves the ratio where it was, and the staged transitions enter as it samples again. What
 scaling meets is the lasting difference between the rates; what staging absorbs is the moment.
 
 Bounded to ``STAGE_S`` seconds of the table's intake (at least ``FLOOR`` rows, at most a quarter of its capacity):
