@@ -12,7 +12,8 @@
    buffer holding a transition of its replacement (the buffer's per-process counts, read over the transport).
    RLlib's default for a failed env runner is 60 s (``delay_between_env_runner_restarts_s``) plus its probe,
    quoted, not measured. Target: <= 2 s.
-3. ratio: the same job in ``scale`` mode and in ``throttle`` mode (Reverb's rate limiter), one after the other;
+3. ratio: the same job (batches of 64, 128-unit layers, target 4: six actors cover the simulator's cost tripled)
+   in ``scale`` mode and in ``throttle`` mode (Reverb's rate limiter), one after the other;
    after 15 s ``step_cost`` triples (``convoy config set``), at 25 s an actor is SIGKILLed, at 35 s the learner is
    SIGSTOPped for 5 s; samples per insert in each 10 s window after the first, the time the throttle held each
    side, and transitions inserted per second over the run. Targets: scale mode within +-10% of the target in every
@@ -318,12 +319,14 @@ def bench_ratio(quick: bool) -> list[str]:
 
 def preempt_once(work: Path) -> dict[str, float]:
     """A job of priority 5 asks for 1.25 CPUs of a 2-CPU pool that the RL job holds whole (4 actors at 0.25, 2
-    learners at 0.5): 3 actors and a learner are given back; timed from the ask to the CPUs free, and from the
+    learners at 0.5: the example's job file with the learners' CPUs added): 3 actors and a learner are given back; timed from the ask to the CPUs free, and from the
     priority job's end to the RL job running 4 actors and a group of 2 learners again."""
     env = {**os.environ, "CONVOY_POOL": str(work / "pool.db"), "CONVOY_POOL_CPUS": "2"}
     convoy = [sys.executable, "-m", "convoy"]
     log = (work / "out.txt").open("w")
-    job = subprocess.Popen([*convoy, "run", str(JOB), "--run-dir", str(work / "run"), "--set", "stop_return=0",
+    text = JOB.read_text().replace('entrypoint = "rl_dqn.py"', f'entrypoint = "{JOB.parent / "rl_dqn.py"}"')
+    (work / "rl_cpus.toml").write_text(text.replace("[roles.learner]\n", "[roles.learner]\ncpus = 0.5\n"))
+    job = subprocess.Popen([*convoy, "run", str(work / "rl_cpus.toml"), "--run-dir", str(work / "run"), "--set", "stop_return=0",
                             "--set", "env_steps=100000000", "--set", "mode=none", "--set", "step_cost=0.002",
                             "--set", "snapshot_every_s=2"], stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
                            start_new_session=True)

@@ -44,14 +44,25 @@ def test_a_short_dqn_job_scales_its_actors_replaces_a_killed_one_and_ends_with_i
     assert procs.wait_no_leftovers() == []
 
 
+def learners_take_cpus(where: Path) -> Path:
+    """The example's job file with its learners taking 0.5 CPU each (so that they hold some of the pool)."""
+    text = JOB.read_text().replace('entrypoint = "rl_dqn.py"', f'entrypoint = "{JOB.parent / "rl_dqn.py"}"')
+    text = text.replace('[roles.learner]\n', '[roles.learner]\ncpus = 0.5\n')
+    assert "cpus = 0.5" in text and str(JOB.parent) in text, "the example's job file changed: update this test"
+    (where / "rl_cpus.toml").write_text(text)
+    return where / "rl_cpus.toml"
+
+
 def test_a_job_of_higher_priority_takes_actors_then_a_learner_and_the_rl_job_grows_back(
         procs: ProcessScope, run_dir: Path) -> None:
-    """The pool has 2 CPUs (the test's own); actors take 0.25 each and learners 0.5 (the example's). A priority job
+    """The pool has 2 CPUs (the test's own); actors take 0.25 each (the example's) and learners 0.5 (the example's
+    job file with one line more). A priority job
     asks for 1.25 CPUs while 4 actors and 2 learners hold them all: 3 actors cut their episodes, flush and leave
     (their transitions in the buffer's snapshot), then learner 1: both learners leave at the same step and learner 0
     forms the group again from its snapshot; when the priority job ends, the roles grow back and the group of 2 goes
     on from where it left."""
-    job = procs.start(["run", JOB, "--run-dir", run_dir, *SHORT, "--set", "env_steps=1000000", "--set",
+    job = procs.start(["run", learners_take_cpus(run_dir.parent), "--run-dir", run_dir, *SHORT, "--set",
+                       "env_steps=1000000", "--set",
                        "mode=none", "--set", "step_cost=0.002", "--set", "snapshot_every_s=2"])
     job.wait_output(r"controller: 16 slices dealt to 1 actor\(s\)", timeout=90)
     assert procs.run(["scale", "--run-dir", run_dir, "actor=4", "learner=2"]).returncode == 0
