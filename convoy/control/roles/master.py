@@ -273,8 +273,7 @@ class RoleMaster:
         return events
 
     def _stop(self, role: str, rank: int, reason: str, notice_s: float = 0.0, release: bool = True) -> None:
-        """Stop the rank's processes: SIGTERM now, or told first with ``notice_s`` to finish their unit of work (what
-        they hold counts as given back to the pool once they exit, unless ``release`` is False: they start again)."""
+        """SIGTERM the rank's processes now, or tell them first (``notice_s``); ``release``: theirs goes back to the pool."""
         self.pending = [start for start in self.pending if (start.role, start.rank) != (role, rank)]
         for key, placed in self.placed.items():
             if key[:2] == (role, rank) and key not in self.stopping:
