@@ -273,7 +273,7 @@ class RoleMaster:
         return events
 
     def _stop(self, role: str, rank: int, reason: str, notice_s: float = 0.0, release: bool = True) -> None:
-        """SIGTERM the rank's processes now, or tell them first (``notice_s``); ``release``: theirs goes back to the pool."""
+        """SIGTERM the rank's processes now, or tell them first (``notice_s``); ``release``: their share is freed."""
         self.pending = [start for start in self.pending if (start.role, start.rank) != (role, rank)]
         for key, placed in self.placed.items():
             if key[:2] == (role, rank) and key not in self.stopping:
