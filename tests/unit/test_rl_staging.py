@@ -6,6 +6,8 @@ table once; only a full staging makes an insert wait, and that is counted."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -49,12 +51,25 @@ def test_staging_gives_the_oldest_rows_in_order_cutting_a_batch_and_is_sized_to_
     assert sized.fits(12_500) and not Staging(limit=10, rows=5).fits(6) and Staging(limit=10).fits(99), \
         "a batch larger than the limit fits an empty staging (it would never fit otherwise)"
 
-def test_a_learner_that_stops_sampling_leaves_the_ratio_and_every_transition_enters_once() -> None:
+
+@contextmanager
+def served(stage_rows: int) -> Iterator[tuple[ReplayService, ReplayClient, ReplayClient]]:
+    """A scale-mode service with staging of a fixed size, and an actor and a learner connected to it."""
     secret = Credentials.fresh()
-    service = ReplayService(ReplayBuffer(Layout.for_dqn((4,)), capacity=10_000), credentials=secret, stage_rows=2500)
+    service = ReplayService(ReplayBuffer(Layout.for_dqn((4,)), capacity=10_000), credentials=secret,
+                            stage_rows=stage_rows)
     actor = ReplayClient(lambda: service.address, secret.as_process(Identity("actor", 0, 1)), find_s=5)
     learner = ReplayClient(lambda: service.address, secret.as_process(Identity("learner", 0, 1)), find_s=5)
     try:
+        yield service, actor, learner
+    finally:
+        actor.close()
+        learner.close()
+        service.close()
+
+
+def test_a_learner_that_stops_sampling_leaves_the_ratio_and_every_transition_enters_once() -> None:
+    with served(stage_rows=2500) as (service, actor, learner):
         actor.insert(batch(0, 200))  # before the first paced sample: straight into the table
         for _ in range(10):
             learner.sample(64, target=4.0)
@@ -82,19 +97,11 @@ def test_a_learner_that_stops_sampling_leaves_the_ratio_and_every_transition_ent
             learner.sample(64, target=4.0)
         stats = service.stats()
         assert stats["inserted"] == 2200 and stats["by_source"] == {"actor0.1": 2200} and stats["duplicates"] == 0
-    finally:
-        actor.close()
-        learner.close()
-        service.close()
 
 
 def test_with_staging_full_an_insert_waits_for_room_and_the_wait_is_counted() -> None:
     """Actors faster than the learners with no scaling left: the last resort is the throttle's, counted."""
-    secret = Credentials.fresh()
-    service = ReplayService(ReplayBuffer(Layout.for_dqn((4,)), capacity=10_000), credentials=secret, stage_rows=100)
-    actor = ReplayClient(lambda: service.address, secret.as_process(Identity("actor", 0, 1)), find_s=5)
-    learner = ReplayClient(lambda: service.address, secret.as_process(Identity("learner", 0, 1)), find_s=5)
-    try:
+    with served(stage_rows=100) as (service, actor, learner):
         actor.insert(batch(0, 100))
         learner.sample(16, target=4.0)  # pacing begins: from here inserts are staged
         actor.insert(batch(100, 100))
@@ -108,7 +115,3 @@ def test_with_staging_full_an_insert_waits_for_room_and_the_wait_is_counted() ->
         later.join()
         stats = service.stats()
         assert float(stats["waited_insert_s"]) >= 0.5 and stats["received"] == 300  # type: ignore[arg-type]
-    finally:
-        actor.close()
-        learner.close()
-        service.close()
