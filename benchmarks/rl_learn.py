@@ -1,0 +1,96 @@
+"""The learn section of ``benchmarks/rl.py`` (issue 51): ``examples/rl_dqn.toml`` as committed against RLlib's DQN
+with its own tuned CartPole config (``scripts/rllib_dqn.py``), seed by seed, to a mean return of 475 over 100
+episodes or 150k environment steps. Run through ``python benchmarks/rl.py --only learn``."""
+
+from __future__ import annotations
+
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+JOB = REPO / "examples" / "rl_dqn.toml"
+
+
+def output(work: Path) -> str:
+    return (work / "out.txt").read_text(errors="replace")
+
+
+LEARN_GOAL, LEARN_STEPS = 475.0, 150_000
+
+
+def convoy_learns(seed: int, extra: list[str]) -> dict[str, object]:
+    """One seed of ``examples/rl_dqn.toml`` as committed (it ends once the last 100 episodes average 475): the env
+    steps and wall time (launch to exit) it took, or that it did not get there in 150k steps."""
+    with tempfile.TemporaryDirectory(prefix="convoy-rl-learn-") as tmp:
+        work = Path(tmp)
+        began = time.monotonic()
+        log = (work / "out.txt").open("w")
+        job = subprocess.run([sys.executable, "-m", "convoy", "run", str(JOB), "--run-dir", str(work / "run"),
+                              "--set", f"seed={seed}", "--set", f"env_steps={LEARN_STEPS}", *extra],
+                             stdout=log, stderr=subprocess.STDOUT, cwd=REPO, timeout=3600)
+        wall = time.monotonic() - began
+        text = output(work)
+        final = re.search(r"final: mean return ([\d.]+) over the last \d+ episodes after (\d+) environment steps", text)
+        if job.returncode != 0 or final is None:
+            raise RuntimeError(f"the DQN job failed (exit {job.returncode}):\n{text[-3000:]}")
+        curve = REPO / "benchmarks" / "results" / "rl-learning-curve.png"
+        if seed == 0:
+            curve.write_bytes((work / "run" / "learning-curve.png").read_bytes())
+        mean, steps = float(final.group(1)), int(final.group(2))
+        return {"reached": mean >= LEARN_GOAL, "steps": steps, "wall": wall, "mean": mean}
+
+
+def rllib_learns(seed: int) -> dict[str, object]:
+    """One seed of RLlib's DQN with its tuned CartPole config (``scripts/rllib_dqn.py``), to 475 or 150k steps."""
+    script = REPO / "benchmarks" / "scripts" / "rllib_dqn.py"
+    done = subprocess.run([sys.executable, str(script), "--seed", str(seed), "--reward", str(LEARN_GOAL),
+                           "--max-steps", str(LEARN_STEPS)], capture_output=True, text=True, timeout=7200)
+    reached = re.search(r"rllib: reached ([\d.]+) at (\d+) steps in ([\d.]+) s", done.stdout)
+    if reached:
+        return {"reached": True, "steps": int(reached.group(2)), "wall": float(reached.group(3)),
+                "mean": float(reached.group(1))}
+    missed = re.search(r"rllib: not reached by (\d+) steps \(([\d.]+) s\)", done.stdout)
+    if missed is None:
+        raise RuntimeError(f"RLlib's DQN did not run (exit {done.returncode}):\n{done.stdout[-2000:]}"
+                           f"{done.stderr[-3000:]}")
+    last = re.findall(r"rllib: steps \d+ return ([\d.na]+)", done.stdout)
+    return {"reached": False, "steps": int(missed.group(1)), "wall": float(missed.group(2)),
+            "mean": float(last[-1]) if last else float("nan")}
+
+
+def describe_runs(name: str, runs: list[dict[str, object]]) -> None:
+    for seed, run in enumerate(runs):
+        how = "reached 475" if run["reached"] else f"not reached (mean {run['mean']:.1f})"
+        print(f"  {name:<7} seed {seed}: {how} at {run['steps']} env steps, {run['wall']:.0f} s")
+
+
+def bench_learn(quick: bool, rllib_seeds: int) -> list[str]:
+    seeds = 1 if quick else 5
+    print(f"\n## learn: DQN on CartPole-v1 to a mean return of 475 over 100 episodes, at most 150k env steps "
+          f"({seeds} seeds; RLlib {rllib_seeds})")
+    ours = [convoy_learns(seed, []) for seed in range(seeds)]
+    describe_runs("convoy", ours)
+    theirs = [rllib_learns(seed) for seed in range(rllib_seeds)]
+    describe_runs("RLlib", theirs)
+    steps = statistics.median(float(run["steps"]) if run["reached"] else float("inf") for run in ours)
+    wall = statistics.median(float(run["wall"]) if run["reached"] else float("inf") for run in ours)
+    lines = [f"target DQN reaches 475 in <= 150k steps (median of {seeds}): "
+             + (f"{steps:.0f} steps (goal <= 150000) {'met' if steps <= LEARN_STEPS else 'missed'}"
+                if steps < float("inf") else "not reached by the median seed (goal <= 150000) missed")]
+    if theirs:
+        peer = statistics.median(float(run["wall"]) if run["reached"] else float("inf") for run in theirs)
+        if peer < float("inf"):
+            ratio = wall / peer
+            lines.append(f"target wall time to 475, convoy / RLlib: {wall:.0f} s / {peer:.0f} s = {ratio:.2f} "
+                         f"(goal <= 0.5) {'met' if ratio <= 0.5 else 'missed'}")
+        else:
+            spent = statistics.median(float(run["wall"]) for run in theirs)
+            lines.append(f"target wall time to 475, convoy / RLlib: RLlib did not reach 475 in 150k steps ({spent:.0f} "
+                         f"s, median); convoy {wall:.0f} s: ratio below {wall / spent:.2f} (goal <= 0.5) "
+                         f"{'met' if wall / spent <= 0.5 else 'missed'}")
+    return lines
