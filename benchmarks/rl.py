@@ -56,10 +56,10 @@ from convoy.worker.role_env import service_secret  # noqa: E402
 from convoy.workloads.rl.buffer import Layout, ReplayBuffer  # noqa: E402
 from convoy.workloads.rl.replay_client import ReplayClient  # noqa: E402
 from convoy.workloads.rl.replay_service import ReplayService  # noqa: E402
-from rl_learn import bench_learn  # noqa: E402  (benchmarks/ is this script's directory)
+from rl_rllib import bench_learn, time_rllib  # noqa: E402  (benchmarks/ is this script's directory)
 
 JOB = REPO / "examples" / "rl_dqn.toml"
-CAPACITY, CHUNK, BATCH, SAMPLES_PER_CHUNK = 50_000, 32, 64, 4
+from rl_rllib import BATCH, CAPACITY, CHUNK, SAMPLES_PER_CHUNK  # noqa: E402
 
 
 def chunk(first: int) -> dict[str, torch.Tensor]:
@@ -110,35 +110,6 @@ def time_convoy_service(rounds: int) -> float:
     learner.close()
     service.close()
     return rate
-
-
-def time_rllib(rounds: int) -> float | str:
-    try:
-        import numpy
-        from ray.rllib.env.single_agent_episode import SingleAgentEpisode
-        from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import PrioritizedEpisodeReplayBuffer
-    except Exception as exc:  # noqa: BLE001 (any import failure: the peer is not measured, said so)
-        return f"not measured: ray.rllib does not import here ({type(exc).__name__}: {exc})"
-
-    def episode() -> SingleAgentEpisode:
-        obs = numpy.random.randn(CHUNK + 1, 4).astype(numpy.float32)
-        made = SingleAgentEpisode(observations=list(obs), actions=list(numpy.random.randint(0, 2, CHUNK)),
-                                  rewards=[1.0] * CHUNK, len_lookback_buffer=0)
-        return made.to_numpy()
-
-    buffer = PrioritizedEpisodeReplayBuffer(capacity=CAPACITY, alpha=0.6)
-    for _ in range(CAPACITY // CHUNK + 1):
-        buffer.add([episode()])
-    chunks = [episode() for _ in range(rounds)]  # each its own episode: one added again would continue it
-    began, done = time.perf_counter(), 0
-    for i in range(rounds):
-        buffer.add([chunks[i % len(chunks)]])
-        done += CHUNK
-        for _ in range(SAMPLES_PER_CHUNK):
-            buffer.sample(num_items=BATCH, n_step=1, beta=0.4)
-            buffer.update_priorities(numpy.random.rand(BATCH))
-            done += BATCH
-    return done / (time.perf_counter() - began)
 
 
 def bench_buffer(quick: bool) -> list[str]:

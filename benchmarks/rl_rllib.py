@@ -1,6 +1,7 @@
-"""The learn section of ``benchmarks/rl.py`` (issue 51): ``examples/rl_dqn.toml`` as committed against RLlib's DQN
-with its own tuned CartPole config (``scripts/rllib_dqn.py``), seed by seed, to a mean return of 475 over 100
-episodes or 150k environment steps. Run through ``python benchmarks/rl.py --only learn``."""
+"""RLlib's side of ``benchmarks/rl.py`` (issue 51): its replay buffer timed as its DQN uses it (the buffer section's
+peer), and the learn section, ``examples/rl_dqn.toml`` as committed against RLlib's DQN with its own tuned CartPole
+config (``scripts/rllib_dqn.py``), seed by seed, to a mean return of 475 over 100 episodes or 150k environment
+steps. Run through ``python benchmarks/rl.py``."""
 
 from __future__ import annotations
 
@@ -14,6 +15,36 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "examples" / "rl_dqn.toml"
+CAPACITY, CHUNK, BATCH, SAMPLES_PER_CHUNK = 50_000, 32, 64, 4
+
+
+def time_rllib(rounds: int) -> float | str:
+    try:
+        import numpy
+        from ray.rllib.env.single_agent_episode import SingleAgentEpisode
+        from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import PrioritizedEpisodeReplayBuffer
+    except Exception as exc:  # noqa: BLE001 (any import failure: the peer is not measured, said so)
+        return f"not measured: ray.rllib does not import here ({type(exc).__name__}: {exc})"
+
+    def episode() -> SingleAgentEpisode:
+        obs = numpy.random.randn(CHUNK + 1, 4).astype(numpy.float32)
+        made = SingleAgentEpisode(observations=list(obs), actions=list(numpy.random.randint(0, 2, CHUNK)),
+                                  rewards=[1.0] * CHUNK, len_lookback_buffer=0)
+        return made.to_numpy()
+
+    buffer = PrioritizedEpisodeReplayBuffer(capacity=CAPACITY, alpha=0.6)
+    for _ in range(CAPACITY // CHUNK + 1):
+        buffer.add([episode()])
+    chunks = [episode() for _ in range(rounds)]  # each its own episode: one added again would continue it
+    began, done = time.perf_counter(), 0
+    for i in range(rounds):
+        buffer.add([chunks[i % len(chunks)]])
+        done += CHUNK
+        for _ in range(SAMPLES_PER_CHUNK):
+            buffer.sample(num_items=BATCH, n_step=1, beta=0.4)
+            buffer.update_priorities(numpy.random.rand(BATCH))
+            done += BATCH
+    return done / (time.perf_counter() - began)
 
 
 def output(work: Path) -> str:
