@@ -11,12 +11,12 @@ own per change: the round only gathers the nodes; a role group re-forms in round
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 from collections.abc import Sequence
 from typing import Any, Callable
 
 from convoy.control.job import RUNNING, Event, Job
 from convoy.control.protocol import messages as p
+from convoy.control.roles import gang, saved
 from convoy.control.roles.members import FINISHED, Decision, FailJob, RestartJob, RestartRole, Roles, Start, Stop
 from convoy.control.roles.orders import Key, Orders
 from convoy.control.roles.placement import Need, Placed, Rooms, Taken
@@ -100,7 +100,7 @@ class RoleMaster:
         events = [Event("role_exited", what + report.last_lines(), report.node_id)] + self.sizing.exited(key, report)
         for hook in self.exit_hooks:
             events += hook(*key, report.describe())
-        live = key not in self.stopping and self._is_current(key) and not report.infrastructure
+        live = key not in self.stopping and self.is_current(key) and not report.infrastructure
         measuring_failed = self.sizing.measuring_failed(key, report) if live else None
         relaunch = self.sizing.oom(key, report) if live and report.oom_killed and not measuring_failed else None
         if measuring_failed:
@@ -111,7 +111,7 @@ class RoleMaster:
             events += more + self.carry_out(decisions)
         elif key in self.stopping:
             self.stopping.discard(key)
-            if self._is_current(key):  # a service stopped at the end: it is done
+            if self.is_current(key):  # a service stopped at the end: it is done
                 decisions, more = self.roles.finished(report.role, report.rank, report.incarnation)
                 events += more + self.carry_out(decisions)
         elif report.infrastructure:
@@ -148,7 +148,7 @@ class RoleMaster:
         """A node's memory report: peaks for status, and a role's measuring iteration, which sizes the role."""
         events: list[Event] = []
         for role, rank, incarnation, figures in self.sizing.memory(report):
-            if self._is_current((role, rank, incarnation)):
+            if self.is_current((role, rank, incarnation)):
                 events += self._size(role, report.node_id, figures)
         return events + self.advance()
 
@@ -174,6 +174,9 @@ class RoleMaster:
     def scale(self, role: str, count: int, why: str = "") -> list[Event]:
         """Run ``count`` processes of ``role`` (``why``: who asked and their reason); a ConfigError names the role's
         allowed counts."""
+        refused = gang.growth_refused(self, role, count) if role in self.roles.roles else ""
+        if refused:
+            raise ConfigError(refused)
         decisions, events = self.roles.scale(role, count, why)
         return events + self.carry_out(decisions) + self.advance()
 
@@ -225,32 +228,12 @@ class RoleMaster:
 
     def state(self) -> dict[str, Any]:
         """Everything a restarted master needs to take the running role processes back (JSON-ready)."""
-        return {
-            "roles": self.roles.state(), "sizing": self.sizing.state(), "begun": self.begun,
-            "pending": [asdict(start) for start in self.pending],
-            "placed": [[*key, asdict(placed)] for key, placed in self.placed.items()],
-            "homes": [[*key, *home] for key, home in self.homes.items()],
-            "stopping": [list(key) for key in self.stopping], "lost": self.lost, "orders": self.orders.state(),
-            "rooms": self.rooms.state(), "faults": [list(fault) for fault in self.faults],
-        }
+        return saved.state(self)
 
-    def load_state(self, saved: dict[str, Any]) -> list[Event]:
+    def load_state(self, state: dict[str, Any]) -> list[Event]:
         """Take back a previous master's roles: the processes run on (their agents reattach and report), and
         what it had not heard back about is told again at once."""
-        self.roles.load_state(saved["roles"])
-        self.sizing.load_state(saved["sizing"])
-        self.begun = saved["begun"]
-        self.pending = [Start(**start) for start in saved["pending"]]
-        self.placed = {(role, rank, inc): Placed(**placed) for role, rank, inc, placed in saved["placed"]}
-        self.homes = {(role, rank): (node, port) for role, rank, node, port in saved["homes"]}
-        self.stopping = {(role, rank, inc) for role, rank, inc in saved["stopping"]}
-        self.lost = dict(saved["lost"])
-        self.rooms.load_state(saved["rooms"])
-        self.faults = [(node, cause) for node, cause in saved["faults"]]
-        self.orders.load_state(saved["orders"])
-        running = sum(1 for key in self.placed if self._is_current(key))
-        return [Event("roles_resumed", f"the restarted master takes back {running} role process(es); "
-                                       f"{len(self.pending)} wait to be placed", console=True)]
+        return saved.load_state(self, state)
 
     def carry_out(self, decisions: list[Decision], tail: str = "") -> list[Event]:
         """Do what ``Roles`` decided (``tail``: the failed process's last lines, for a failure of the job)."""
@@ -296,21 +279,23 @@ class RoleMaster:
     def _place(self) -> list[Event]:
         """Assign what waits to nodes with room for it; non-service roles wait until every service has an address,
         and a process no node has room for waits, said once (its role runs below its count meanwhile)."""
-        membership = self.job.membership
-        if membership is None or not self.pending:
-            return []
-        nodes = [member.node_id for member in membership.members
-                 if self.lost.get(member.node_id, -1) < membership.round_id]
-        if not nodes:
+        nodes = self.live_nodes()
+        if not nodes or not self.pending:
             return []
         ready = {name: bool(state.members) and all(member.address for member in state.members.values())
                  for name, state in self.roles.roles.items()}
-        taken = self._taken()
-        events, waiting = [], []
+        taken, waiting, events = self.taken(), [], []
+        whole: dict[str, bool] = {}
         for start in self.pending:
             key = (start.role, start.rank, start.incarnation)
-            if not self._is_current(key):
+            if not self.is_current(key):
                 continue  # replaced or scaled away before it was placed
+            if self.specs[start.role].group and start.role not in whole:
+                whole[start.role], said = gang.placed_whole(self, start.role, nodes, taken)
+                events += said
+            if not whole.get(start.role, True):
+                waiting.append(start)
+                continue
             if not all(ready[name] for name in self.waits[start.role]) or self.sizing.waits(start.role, start.rank) \
                     or (start.rank and not self.roles.group_address(start.role)):
                 waiting.append(start)
@@ -341,14 +326,20 @@ class RoleMaster:
         spec = self.specs[role]
         return Need(self.sizing.limit_for(role, rank), spec.cpus or 0.0, spec.gpus)
 
-    def _taken(self) -> dict[str, Taken]:
+    def live_nodes(self) -> list[str]:
+        """The closed round's nodes not lost since (what processes are placed on)."""
+        membership = self.job.membership
+        return [] if membership is None else [member.node_id for member in membership.members
+                                              if self.lost.get(member.node_id, -1) < membership.round_id]
+
+    def taken(self) -> dict[str, Taken]:
         taken: dict[str, Taken] = {}
         for (role, rank, _), placed in self.placed.items():
             taken.setdefault(placed.node_id, Taken()).add(self.need(role, rank), placed.gpus)
         return taken
 
     def _placed_count(self, role: str) -> int:
-        return sum(1 for key in self.placed if key[0] == role and self._is_current(key))
+        return sum(1 for key in self.placed if key[0] == role and self.is_current(key))
 
     def _check_short(self, now: float) -> list[Event]:
         """Fail the job once a role has stayed below its MIN for want of room as long as a round may wait for its
@@ -394,7 +385,7 @@ class RoleMaster:
         counts = ", ".join(f"{name} x{len(state.members)}" for name, state in self.roles.roles.items())
         return self.job.succeed(f"every role finished ({counts})")
 
-    def _is_current(self, key: Key) -> bool:
+    def is_current(self, key: Key) -> bool:
         member = self.roles.roles[key[0]].members.get(key[1])
         return member is not None and member.incarnation == key[2]
 

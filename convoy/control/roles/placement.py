@@ -168,3 +168,16 @@ class Rooms:
         self.nodes = {node: NodeRoom(**room) for node, room in saved["nodes"].items()}
         self.told_waiting = {(role, rank, incarnation) for role, rank, incarnation in saved["told_waiting"]}
         self.short = dict(saved["short"])  # monotonic times: a master restarted on the same host reads them right
+
+
+def room_for_all(needs: Sequence[Need], nodes: Sequence[str], rooms: Mapping[str, NodeRoom],
+                 taken: Mapping[str, Taken]) -> bool:
+    """Whether every one of ``needs`` has a node at once, beside what ``taken`` holds (a group's members start
+    together: one placed without the others would wait in its rendezvous for them)."""
+    trial = {node: Taken(used.memory_bytes, used.cpus, set(used.gpus), used.processes) for node, used in taken.items()}
+    for need in needs:
+        choice = choose(nodes, rooms, trial, need)
+        if choice is None:
+            return False
+        trial.setdefault(choice.node_id, Taken()).add(need, choice.gpus)
+    return True

@@ -19,6 +19,8 @@ from convoy.workloads.rl.scaling import Bounds, RateController, Rates, ScalingPo
 from convoy.workloads.rl.slices import SliceBook
 
 TICK_S = 1.0
+REFUSED_S = 10.0
+"""How long a role whose growth the master refused (no room for a group's new members) is not grown again."""
 
 
 class Controller:
@@ -30,6 +32,8 @@ class Controller:
         self.rates: RateController | None = None
         self.decisions = 0
         self._dealt_for: tuple[int, ...] | None = None
+        self.refused: dict[str, float] = {}
+        """Role -> when the master last refused to grow it."""
 
     def _policy(self, roles: dict[str, RoleCounts]) -> ScalingPolicy:
         actor, learner = roles["actor"], roles["learner"]
@@ -50,12 +54,20 @@ class Controller:
         # the learners' demand (their nominal batches): what they sample is paced to the target already
         rates = Rates(float(stats["inserts_per_s"]), float(stats["demanded_per_s"]),  # type: ignore[arg-type]
                       roles["actor"].running, roles["learner"].running)
-        pending = frozenset(name for name in ("actor", "learner") if roles[name].pending)
+        now = time.monotonic()
+        pending = frozenset(name for name in ("actor", "learner")
+                            if roles[name].pending or now - self.refused.get(name, -REFUSED_S) < REFUSED_S)
         decision = self.rates.decide(rates, pending)
-        if decision is not None:
-            self.decisions += 1
+        if decision is None:
+            return
+        try:
             scale(decision.role, decision.count, decision.reason)
-            self.say(f"controller: {decision.role} -> {decision.count}: {decision.reason}")
+        except ConfigError as exc:  # the master refused (a group's new members have no room): it is not grown for now
+            self.refused[decision.role] = now
+            self.say(f"controller: {decision.role} stays at {roles[decision.role].wanted}: {exc}")
+            return
+        self.decisions += 1
+        self.say(f"controller: {decision.role} -> {decision.count}: {decision.reason}")
 
     def _deal(self, actors: int) -> None:
         """Deal again when the actors' count changed; put the deal to the buffer every tick (a restarted buffer
