@@ -30,10 +30,10 @@ from convoy.errors import ConfigError, ConvoyError, MasterUnreachableError
 from convoy.worker.measure import BASELINE, BEGIN, END
 
 MEASURE_INTERVAL_S = 0.005
-"""How often the measuring process is sampled during its measured iteration (a sample costs a few ms of CPU,
-so before and after it every role process is sampled at ``PEAK_INTERVAL_S``)."""
+"""How often the measuring process is sampled during its measured iteration (RSS, USS and PSS from
+``smaps_rollup``: a sample costs a few ms of CPU, so before and after it the process is sampled for RSS only)."""
 PEAK_INTERVAL_S = 0.05
-"""How often every other role process is sampled (its peak for status and the margin)."""
+"""How often every role process's RSS is sampled from ``statm`` (its peak for status and the margin)."""
 REPORT_S = 1.0
 """A memory report goes out at least this often while role processes run (at once when there is news)."""
 NO_LIMIT = 2**60
@@ -122,7 +122,7 @@ class RoleMemory:
         if limit is not None:
             limit.add(pid)
         # the measuring process too: it is sampled every few ms only between its iteration's begin and end
-        watched = Watched(key, TreeSampler(pid, PEAK_INTERVAL_S).start(), limit, assignment.measure)
+        watched = Watched(key, TreeSampler(pid, PEAK_INTERVAL_S, rss_only=True).start(), limit, assignment.measure)
         with self._lock:
             self.watched[key] = watched
             self._news = True
@@ -146,10 +146,10 @@ class RoleMemory:
                 watched.sampler.window()
                 watched.measuring = bool(watched.shape)
                 if watched.measuring:
-                    watched.sampler.set_interval(MEASURE_INTERVAL_S)
+                    watched.sampler.set_interval(MEASURE_INTERVAL_S, rss_only=False)
             elif kind == END and watched.measuring:
                 peak, watched.measuring = watched.sampler.window(), False
-                watched.sampler.set_interval(PEAK_INTERVAL_S)
+                watched.sampler.set_interval(PEAK_INTERVAL_S, rss_only=True)
                 watched.measured = _measured(watched.shape, watched.baseline or TreeMemory(), peak, message)
             self._news = True
 

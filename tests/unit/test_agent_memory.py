@@ -180,3 +180,27 @@ def test_a_baseline_the_agent_reads_late_is_the_process_as_it_marked_it(tmp_path
         memory.close()
         proc.stdin.close()
         proc.wait(10)
+
+
+def test_an_rss_only_sampler_keeps_the_rss_peak_from_statm_and_reads_uss_only_when_asked(allocator_script) -> None:
+    """What the agent runs beside every role process that does not measure: RSS from ``statm`` (cheap, no lock in
+    the sampled process), and a full sample (USS, PSS) only when it switches to measuring or asks for one."""
+    proc = _start(allocator_script, "fork")
+    try:
+        _wait_for_processes(proc.pid, 2)
+        with TreeSampler(proc.pid, interval_s=0.005, rss_only=True) as sampler:
+            _say(proc, str(ALLOCATE), "allocated")
+            time.sleep(0.1)
+            peak = sampler.peak()
+            assert sampler.latest.num_processes == 2 and sampler.latest.uss_bytes == 0
+            assert peak.uss_bytes == peak.pss_bytes == 0 and peak.num_samples > 5
+            assert abs(peak.rss_bytes - sample_tree(proc.pid).rss_bytes) <= TOLERANCE * ALLOCATE
+            sampler.set_interval(0.005, rss_only=False)
+            time.sleep(0.1)
+            assert sampler.peak().uss_bytes >= (1 - TOLERANCE) * ALLOCATE, "measuring reads USS again"
+        _say(proc, "free", "freed")
+        _say(proc, "exit")
+        assert proc.wait(10) == 0
+    finally:
+        proc.kill()
+        proc.wait()
