@@ -169,3 +169,18 @@ def test_rates_are_measured_over_the_window(secret: Credentials) -> None:
     assert stats["inserts_per_s"] > 0 and stats["samples_per_s"] > 0
     assert 1.5 <= stats["samples_per_s"] / stats["inserts_per_s"] <= 2.5  # type: ignore[operator]
     service.close()
+
+
+def test_new_priorities_ride_on_the_next_sample_and_are_applied_before_it_is_drawn(secret: Credentials) -> None:
+    service = ReplayService(ReplayBuffer(LAYOUT, capacity=100, alpha=1.0, seed=0), credentials=secret)
+    client_of(service, secret).insert(transitions(0, 10))
+    learner = client_of(service, secret, role="learner")
+    first = learner.sample(10)
+    assert first is not None
+    slots, written = first.tensors["_slots"], first.tensors["_written"]
+    wanted = torch.where(first.tensors["action"] == 7, 1.0, 0.0)  # all the priority on transition 7
+    second = learner.sample(32, updated={"slots": slots, "written": written, "priorities": wanted})
+    assert second is not None and set(second.tensors["action"].tolist()) == {7}
+    with pytest.raises(ConfigError, match="priorities need the tensors slots, written and priorities"):
+        learner.call(Message("sample", {"count": 4}, {"slots": slots}))
+    service.close()

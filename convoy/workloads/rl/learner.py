@@ -77,6 +77,8 @@ class Learner:
         self.start = self.ckpt.restore()
         self.share = max(1, cfg.batch // self.ctx.world_size)
         self._pushed_at = 0.0
+        self._updated: dict[str, torch.Tensor] | None = None
+        """New priorities of the last batch, not sent yet (they go with the next sample)."""
 
     def _wait_for_data(self) -> None:
         while True:
@@ -137,7 +139,9 @@ class Learner:
     def _step(self, step: int) -> bool:
         """One step (numbered ``step``); whether the group stops after it."""
         while True:
-            reply = self.replay.sample(self.share, self.cfg.target_ratio if self.cfg.mode == "scale" else None)
+            reply = self.replay.sample(self.share, self.cfg.target_ratio if self.cfg.mode == "scale" else None,
+                                       self._updated)
+            self._updated = None  # applied with the first call, whatever its answer
             if reply is not None:
                 break
             time.sleep(WAIT_S)  # throttled (or empty after a restart of the buffer): ask again
@@ -154,8 +158,8 @@ class Learner:
         for group in self.optimizer.param_groups:
             group["lr"] = self.cfg.lr
         self.optimizer.step()
-        if self.cfg.alpha > 0:
-            self.replay.priorities(tensors["_slots"], tensors["_written"], td)
+        if self.cfg.alpha > 0:  # sent with the next sample
+            self._updated = {"slots": tensors["_slots"], "written": tensors["_written"], "priorities": td}
         if (step + 1) % self.cfg.target_every == 0:
             self.target.load_state_dict(self.online.state_dict())
         self.progress.env_steps = env_steps

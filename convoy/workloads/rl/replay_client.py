@@ -118,16 +118,18 @@ class ReplayClient:
         while capacity and self.unkept and self.unkept[0][0] + _rows(self.unkept[0][1]) <= self.sent - capacity:
             self.unkept.popleft()
 
-    def sample(self, count: int, target: float | None = None) -> Message | None:
+    def sample(self, count: int, target: float | None = None, updated: dict[str, torch.Tensor] | None = None
+               ) -> Message | None:
         """A batch (tensors, with ``_slots``, ``_written`` and ``_weights``); None while the buffer is empty or the
         throttle holds this side back. ``target``: paced to that many samples per insert (the batch's size varies
-        around ``count``)."""
-        reply = self.call(Message("sample", {"count": count, **({"target": target} if target else {})}))
+        around ``count``). ``updated``: new priorities of an earlier batch (``slots``, ``written``, ``priorities``),
+        applied before this one is drawn: one round trip a learner step instead of two."""
+        reply = self.call(Message("sample", {"count": count, **({"target": target} if target else {})},
+                                  _priority_tensors(**updated) if updated else {}))
         return reply if reply.op == "sampled" else None
 
     def priorities(self, slots: torch.Tensor, written: torch.Tensor, priorities: torch.Tensor) -> int:
-        reply = self.call(Message("priorities", {}, {"slots": slots, "written": written,
-                                                     "priorities": priorities.float()}))
+        reply = self.call(Message("priorities", {}, _priority_tensors(slots, written, priorities)))
         return int(reply.meta["applied"])
 
     def put_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -171,6 +173,10 @@ class ReplayClient:
         if self.conn is not None:
             self.conn.close()
             self.conn = None
+
+
+def _priority_tensors(slots: torch.Tensor, written: torch.Tensor, priorities: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"slots": slots, "written": written, "priorities": priorities.float()}
 
 
 def _rows(batch: dict[str, torch.Tensor]) -> int:

@@ -221,9 +221,12 @@ class ReplayService:
 
     def _sample(self, message: Message, caller: Identity | None) -> Message:
         """``count`` transitions; with ``target`` (paced), as many as the learners owe at that many samples per
-        insert, within the pacer's bounds around ``count`` (nobody waits)."""
+        insert, within the pacer's bounds around ``count`` (nobody waits). New priorities of an earlier batch, when
+        the message carries them, are applied first."""
         count = int(message.meta.get("count", 0))
         target = message.meta.get("target")
+        if message.tensors:
+            self._priorities(message, caller)
         with self.changed:
             self.demanded += count
             if self.throttle is not None:
