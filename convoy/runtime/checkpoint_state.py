@@ -184,6 +184,8 @@ class BackgroundCopy:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._guard: Callable[[], None] | None = None
+        self._started = threading.Lock()
+        """Held while a copy's thread starts: ``settle`` (from the SIGTERM watcher's thread) sees a started one."""
 
     def start(self, copy: Callable[[], None], name: str, guard: Callable[[], None] | None = None) -> None:
         def run() -> None:
@@ -193,12 +195,15 @@ class BackgroundCopy:
                 self._error = exc
 
         self._guard = guard
-        self._thread = threading.Thread(target=run, name=name, daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        with self._started:
+            thread.start()
+            self._thread = thread
 
     def settle(self, timeout_s: float) -> bool:
         """Let a copy in flight finish, from any thread, for at most ``timeout_s``; whether none is left."""
-        thread = self._thread
+        with self._started:
+            thread = self._thread
         if thread is not None:
             thread.join(timeout_s)
             return not thread.is_alive()

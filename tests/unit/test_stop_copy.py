@@ -57,3 +57,29 @@ def test_sigterm_with_no_copy_in_flight_exits_at_once(tmp_path: Path) -> None:
 def test_a_scripts_own_sigterm_handler_is_left_alone(tmp_path: Path) -> None:
     code, said, wrote, _ = stopped(tmp_path, "own")
     assert said == "left alone" and code == 7 and wrote == "own handler"
+
+
+def test_settle_from_another_thread_never_meets_a_copy_not_yet_started() -> None:
+    """The SIGTERM watcher settles the copies from its own thread while the training thread starts the next one:
+    it sees the last started copy or none, never a thread it cannot join (a race once seen in an RL learner)."""
+    import threading
+
+    from convoy.runtime.checkpoint_state import BackgroundCopy
+
+    copies, errors, done = BackgroundCopy(), [], threading.Event()
+
+    def settle_often() -> None:
+        while not done.is_set():
+            try:
+                copies.settle(0.01)
+            except RuntimeError as exc:
+                errors.append(exc)
+
+    watcher = threading.Thread(target=settle_often)
+    watcher.start()
+    for _ in range(3000):
+        copies.start(lambda: None, "convoy-snapshot")
+        copies.wait()
+    done.set()
+    watcher.join()
+    assert errors == []
