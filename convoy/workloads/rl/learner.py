@@ -22,6 +22,7 @@ from convoy.worker.report import report
 from convoy.workloads.rl.config import RLConfig
 from convoy.workloads.rl.dqn import double_dqn_loss, q_network
 from convoy.workloads.rl.envs import EnvSpec
+from convoy.workloads.rl.prefetch import Prefetcher
 from convoy.workloads.rl.replay_client import ReplayClient
 
 PUSH_EVERY_S = 0.25
@@ -78,7 +79,8 @@ class Learner:
         self.share = max(1, cfg.batch // self.ctx.world_size)
         self._pushed_at = 0.0
         self._updated: dict[str, torch.Tensor] | None = None
-        """New priorities of the last batch, not sent yet (they go with the next sample)."""
+        """New priorities of the last batch, not sent yet (they go with the next request for a sample)."""
+        self.prefetch = Prefetcher(replay, lambda: (self.share, cfg.target_ratio if cfg.mode == "scale" else None))
 
     def _wait_for_data(self) -> None:
         while True:
@@ -138,13 +140,8 @@ class Learner:
 
     def _step(self, step: int) -> bool:
         """One step (numbered ``step``); whether the group stops after it."""
-        while True:
-            reply = self.replay.sample(self.share, self.cfg.target_ratio if self.cfg.mode == "scale" else None,
-                                       self._updated)
-            self._updated = None  # applied with the first call, whatever its answer
-            if reply is not None:
-                break
-            time.sleep(WAIT_S)  # throttled (or empty after a restart of the buffer): ask again
+        reply = self.prefetch.next(self._updated)
+        self._updated = None
         env_steps, mean_return = int(reply.meta["env_steps"]), reply.meta.get("mean_return")
         self.curve.add(env_steps, mean_return)
         tensors = reply.tensors
@@ -158,7 +155,7 @@ class Learner:
         for group in self.optimizer.param_groups:
             group["lr"] = self.cfg.lr
         self.optimizer.step()
-        if self.cfg.alpha > 0:  # sent with the next sample
+        if self.cfg.alpha > 0:  # sent with the next request for a sample
             self._updated = {"slots": tensors["_slots"], "written": tensors["_written"], "priorities": td}
         if (step + 1) % self.cfg.target_every == 0:
             self.target.load_state_dict(self.online.state_dict())
@@ -174,5 +171,6 @@ class Learner:
         return False
 
     def close(self) -> None:
+        self.prefetch.close()
         self.ckpt.close()
         dist.destroy_process_group()
