@@ -86,3 +86,27 @@ def test_counts_stay_within_bounds_and_nothing_is_decided_while_a_side_has_no_ra
 def test_a_bad_policy_is_named(overrides: dict[str, object], error: str) -> None:
     with pytest.raises(ConfigError, match=error):
         RateController(policy(**overrides))
+
+
+def test_a_growth_of_the_learners_that_does_not_raise_their_rate_is_taken_back_and_not_tried_again() -> None:
+    controller = RateController(policy(learner_patience=1, trial_ticks=2, min_gain=0.1))
+    grown = controller.decide(Rates(inserts_per_s=100, samples_per_s=200, actors=8, learners=1))
+    assert grown is not None and (grown.role, grown.count) == ("learner", 2)
+    assert controller.decide(Rates(100, 150, 8, 1)) is None, "the group forms again: not judged yet"
+    assert controller.decide(Rates(100, 210, 8, 2)) is None, "one tick at the new count"
+    taken_back = controller.decide(Rates(100, 210, 8, 2))
+    assert taken_back == Decision("learner", 1, "2 learners sample 210/s where 1 sampled 200/s (less than 10% "
+                                                "more): the growth is taken back, and the learners stay at 1 or "
+                                                "fewer (2 -> 1)")
+    assert controller.decide(Rates(100, 200, 8, 1)) == Decision(
+        "actor", 4, "200 samples/s over 100 inserts/s = 2.00 samples per insert, target 4: fewer actors: the learners "
+                    "can grow no further (8 -> 4)"), "the imbalance remains: the actors give way, the learners stay"
+
+
+def test_a_growth_of_the_learners_that_pays_is_kept() -> None:
+    controller = RateController(policy(learner_patience=1, trial_ticks=2))
+    assert controller.decide(Rates(100, 200, 8, 1)) is not None
+    assert controller.decide(Rates(100, 300, 8, 2)) is None, "on trial: nothing else for the learners meanwhile"
+    grown = controller.decide(Rates(100, 300, 8, 2))
+    assert controller.learner_cap is None, "50% more samples: kept"
+    assert grown is not None and (grown.role, grown.count) == ("learner", 3), "still short: it may grow again"

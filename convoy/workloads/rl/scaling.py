@@ -6,6 +6,11 @@ counts; it answers with at most one change: the slower side grows (as far as its
 else the faster side shrinks to match. A change to the learners re-forms their group, so it waits until the
 imbalance has lasted ``learner_patience`` ticks; after any change the controller waits ``settle_ticks`` for the
 new processes' rates before it judges again. The decision names the rates that caused it.
+
+More learners need not sample more: on a machine whose cores the actors, the buffer and the learners share, a
+second learner can slow the pair (its gradients' all-reduce, its share of the CPUs). So a growth of the learners is
+a trial: once the grown group has sampled for ``trial_ticks``, a rate that did not rise by ``min_gain`` takes the
+growth back, and the learners are not grown past that count again.
 """
 
 from __future__ import annotations
@@ -39,6 +44,10 @@ class ScalingPolicy:
     """Ticks an imbalance must last before the learners' count changes (it re-forms their group)."""
     settle_ticks: int = 2
     """Ticks to wait after a change before the rates are judged again (the new processes start)."""
+    trial_ticks: int = 5
+    """Ticks the grown learners sample at their new count before their rate is compared with the one before."""
+    min_gain: float = 0.1
+    """The rise of the learners' rate (a fraction) a growth must bring to stay."""
 
     def validate(self) -> None:
         if not (self.target > 0 and math.isfinite(self.target)):
@@ -48,8 +57,8 @@ class ScalingPolicy:
         for name, bounds in (("actor", self.actors), ("learner", self.learners)):
             if bounds.minimum < 1 or bounds.minimum > bounds.maximum:
                 raise ConfigError(f"role {name}: MIN:MAX {bounds.minimum}:{bounds.maximum} needs 1 <= MIN <= MAX")
-        if self.learner_patience < 1 or self.settle_ticks < 0:
-            raise ConfigError("learner_patience must be >= 1 and settle_ticks >= 0")
+        if self.learner_patience < 1 or self.settle_ticks < 0 or self.trial_ticks < 1 or self.min_gain < 0:
+            raise ConfigError("learner_patience and trial_ticks must be >= 1, settle_ticks and min_gain >= 0")
 
 
 @dataclass(frozen=True)
@@ -91,9 +100,19 @@ class RateController:
         """Consecutive ticks the ratio was off in the same direction (+: too many samples per insert)."""
         self._quiet = 0
         """Ticks left before the rates are judged again, after a change."""
+        self._trial: tuple[int, int, float] | None = None
+        """A growth of the learners on trial: (count before, count after, their rate before)."""
+        self._trial_seen = 0
+        """Ticks the grown learners have sampled at their new count."""
+        self.learner_cap: int | None = None
+        """The learners' count a growth past which did not pay."""
 
     def decide(self, rates: Rates, pending: frozenset[str] = frozenset()) -> Decision | None:
         policy, ratio = self.policy, rates.ratio
+        if self._trial is not None:
+            judged = self._judge(rates)
+            if judged is not None:
+                return judged
         if self._quiet > 0:
             self._quiet -= 1
             return None
@@ -120,12 +139,37 @@ class RateController:
             shrink = ("actor", rates.actors, policy.actors.clamp(math.floor(
                 rates.samples_per_s / policy.target / per_actor)), "fewer actors: the learners can grow no further")
         role, now, wanted, why = grow
+        if role == "learner" and self.learner_cap is not None:
+            wanted = min(wanted, max(now, self.learner_cap))
+        if role == "learner" and self._trial is not None:
+            return None  # the learners' growth is on trial: nothing to take from the actors until it is judged
         if wanted > now and role not in pending:
-            return self._change(role, now, wanted, f"{said}: {why}")
+            decision = self._change(role, now, wanted, f"{said}: {why}")
+            if decision is not None and role == "learner":
+                self._trial, self._trial_seen = (now, wanted, rates.samples_per_s), 0
+            return decision
         role, now, wanted, why = shrink
-        if wanted < now:
+        if wanted < now and not (role == "learner" and self._trial is not None):
             return self._change(role, now, wanted, f"{said}: {why}")
         return None
+
+    def _judge(self, rates: Rates) -> Decision | None:
+        """The trial of a growth of the learners: once they have sampled ``trial_ticks`` at their new count, keep it
+        if their rate rose by ``min_gain``, else take it back (and grow them no further)."""
+        assert self._trial is not None
+        before, after, rate_before = self._trial
+        self._trial_seen = self._trial_seen + 1 if rates.learners == after else 0
+        if self._trial_seen < self.policy.trial_ticks:
+            return None
+        self._trial = None
+        if rates.samples_per_s >= rate_before * (1 + self.policy.min_gain):
+            return None
+        self.learner_cap = before
+        self._quiet, self._streak = self.policy.settle_ticks, 0
+        return Decision("learner", before, f"{after} learners sample {rates.samples_per_s:.0f}/s where {before} "
+                                           f"sampled {rate_before:.0f}/s (less than {self.policy.min_gain:.0%} more): "
+                                           f"the growth is taken back, and the learners stay at {before} or fewer "
+                                           f"({after} -> {before})")
 
     def _change(self, role: str, now: int, wanted: int, why: str) -> Decision | None:
         if role == "learner" and abs(self._streak) < self.policy.learner_patience:
