@@ -24,7 +24,7 @@ SHORT = ["--set", "env_steps=5000", "--set", "learning_starts=300", "--set", "st
 def test_a_short_dqn_job_scales_its_actors_replaces_a_killed_one_and_ends_with_its_curve(
         procs: ProcessScope, run_dir: Path) -> None:
     job = procs.start(["run", JOB, "--run-dir", run_dir, *SHORT, "--set", "step_cost=0.002"])
-    job.wait_output(r"replay: serving 50000 transitions at 127\.0\.0\.1:\d+ \(scale mode\)", timeout=90)
+    job.wait_output(r"replay: serving 200000 transitions at 127\.0\.0\.1:\d+ \(scale mode\)", timeout=90)
     job.wait_output(r"controller: 16 slices dealt to 1 actor\(s\), each owned once", timeout=60)
     first = int(job.wait_output(r"actor 0: stepping CartPole-v1 \(pid (\d+), incarnation \d+\)").group(1))
     psutil.Process(first).send_signal(signal.SIGKILL)
