@@ -23,7 +23,7 @@
    episodes or 150k environment steps; peer: RLlib's DQN with its own tuned CartPole config
    (``scripts/rllib_dqn.py``), ``--rllib-seeds`` seeds. Targets: median steps <= 150k; median wall time to 475
    convoy / RLlib <= 0.5. Seed 0's learning curve is copied to ``results/rl-learning-curve.png``. Not in the
-   default sections (about 30 min a seed for RLlib): ``--only learn``.
+   default sections (5 to 30 min a seed for RLlib): ``--only learn``.
 5. preempt: a 2-CPU pool held whole by the job (4 actors, 2 learners); ``convoy preempt --cpus 1.25 --priority 5
    --seconds 5``: the time to the CPUs free, the transitions of the preempted actors the buffer does not hold, and
    the time from the priority job's end to 4 actors and a group of 2 learners running again (3 runs).
@@ -369,7 +369,7 @@ def main() -> None:
     parser.add_argument("--only", default="buffer,replace,ratio,preempt")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rllib-seeds", type=int, default=5, help="seeds of RLlib's DQN in the learn section "
-                                                                   "(about 30 min each here)")
+                                                                   "(5 to 30 min each here)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     targets: list[str] = []

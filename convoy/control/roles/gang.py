@@ -11,14 +11,32 @@ Called by ``RoleMaster`` under its lock."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from convoy.control.job import Event
 from convoy.control.pool.claims import total
-from convoy.control.roles.placement import Taken, describe_room, room_for_all
+from convoy.control.pool.scheduler import Scheduler
+from convoy.control.roles.members import Roles, Start
+from convoy.control.roles.orders import Key
+from convoy.control.roles.placement import Need, Rooms, Taken, describe_room, room_for_all
+from convoy.roles_config import RoleSpec
 
-if TYPE_CHECKING:
-    from convoy.control.roles.master import RoleMaster
+
+class RoleMaster(Protocol):
+    """What of ``control/roles/master.py``'s RoleMaster this reads (named here: the master imports this module)."""
+
+    roles: Roles
+    specs: dict[str, RoleSpec]
+    begun: bool
+    pending: list[Start]
+    rooms: Rooms
+    scheduler: Scheduler
+    pool_waiting: set[Key]
+
+    def need(self, role: str, rank: int) -> Need: ...
+    def is_current(self, key: Key) -> bool: ...
+    def live_nodes(self) -> list[str]: ...
+    def taken(self) -> dict[str, Taken]: ...
 
 
 def growth_refused(master: RoleMaster, role: str, count: int) -> str:

@@ -5,14 +5,31 @@ again at once."""
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from convoy.control.job import Event
-from convoy.control.roles.members import Start
-from convoy.control.roles.placement import Placed
+from convoy.control.roles.members import Roles, Start
+from convoy.control.roles.orders import Key, Orders
+from convoy.control.roles.placement import Placed, Rooms
+from convoy.control.roles.sizing import RoleSizing
 
-if TYPE_CHECKING:
-    from convoy.control.roles.master import RoleMaster
+
+class RoleMaster(Protocol):
+    """What of ``control/roles/master.py``'s RoleMaster is saved (named here: the master imports this module)."""
+
+    roles: Roles
+    sizing: RoleSizing
+    begun: bool
+    pending: list[Start]
+    placed: dict[Key, Placed]
+    homes: dict[tuple[str, int], tuple[str, int]]
+    stopping: set[Key]
+    lost: dict[str, int]
+    orders: Orders
+    rooms: Rooms
+    faults: list[tuple[str, str]]
+
+    def is_current(self, key: Key) -> bool: ...
 
 
 def state(master: RoleMaster) -> dict[str, Any]:
