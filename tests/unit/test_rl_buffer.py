@@ -30,6 +30,24 @@ def test_rows_come_back_exactly_and_the_ring_keeps_the_newest() -> None:
     assert set(ids.tolist()) == set(range(3, 13))  # the oldest three were overwritten
     assert torch.equal(sampled.batch["reward"], ids.float())
     assert torch.equal(sampled.batch["obs"][:, 2], ids.float()) and torch.equal(sampled.written, ids)
+    buffer.insert(transitions(13, 25), source="a")  # larger than the ring, starting mid-ring: its newest 10 stay
+    sampled = buffer.sample(500)
+    assert set(sampled.batch["action"].tolist()) == set(range(28, 38))
+    assert torch.equal(sampled.written, sampled.batch["action"]) and torch.equal(buffer.written.sort().values,
+                                                                                 torch.arange(28, 38))
+
+
+def test_frames_are_kept_as_uint8_and_come_back_exactly() -> None:
+    buffer = ReplayBuffer(Layout.for_dqn((4, 84, 84), torch.uint8), capacity=50)
+    frames = torch.randint(0, 256, (61, 4, 84, 84), dtype=torch.uint8)
+    for first in range(0, 60, 20):
+        buffer.insert({"obs": frames[first:first + 20], "action": torch.arange(first, first + 20),
+                       "reward": torch.zeros(20), "next_obs": frames[first + 1:first + 21],
+                       "discount": torch.ones(20)})
+    sampled = buffer.sample(200)
+    assert sampled.batch["obs"].dtype == torch.uint8
+    assert torch.equal(sampled.batch["obs"], frames[sampled.batch["action"]])
+    assert torch.equal(sampled.batch["next_obs"], frames[sampled.batch["action"] + 1])
 
 
 def test_capacity_in_bytes_bounds_the_rows() -> None:
