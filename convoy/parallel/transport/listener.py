@@ -1,7 +1,7 @@
 """A role service's end: accepts connections, admits a caller once it has proven it holds the job's secret (and
-is not a stale incarnation), then answers each message with the handler's reply, one thread per connection. A
-caller refused for any reason gets one ``error`` reply naming why, and its connection is closed; every other
-connection goes on."""
+is not a stale incarnation), then answers each message with the handler's reply, one thread per connection (its
+tensors in the connection's shared-memory lane, lane.py, when the caller opened one). A caller refused for any
+reason gets one ``error`` reply naming why, and its connection is closed; every other connection goes on."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from convoy.errors import ConvoyError
 from convoy.parallel.transport.connection import tune
 from convoy.parallel.transport.errors import Refused, TransportError
 from convoy.parallel.transport.handshake import Admit, Credentials, Identity, service_handshake
+from convoy.parallel.transport.lane import OPEN, OPENED, REFUSED, Lane, LaneRefused, lane_in, lane_out
 from convoy.parallel.transport.tls import service_context
 from convoy.parallel.transport.wire import Limits, Message, recv_message, send_message
 
@@ -95,23 +96,44 @@ class Listener:
                 self._open.pop(me, None)
 
     def _answer(self, stream: socket.socket, caller: Identity) -> None:
-        """Each message's reply, until the caller leaves or is refused (``Refused`` raised)."""
-        while not self.closed.is_set():
-            message = recv_message(stream, self.limits)
-            if self.admit is not None:
-                self.admit(caller)  # a caller current at connect may have been replaced since
-            try:
-                reply = self.handler(message, caller)
-            except Refused:
-                raise
-            except ConvoyError as exc:
-                reply = Message("error", {"message": str(exc), "kind": type(exc).__name__})
-            except (KeyError, TypeError, ValueError, IndexError) as exc:  # a request that lacks what its op needs
-                why = f"op {message.op[:40]!r}: malformed request ({type(exc).__name__}: {str(exc)[:200]})"
-                reply = Message("error", {"message": why, "kind": "ConfigError"})
-            send_message(stream, reply)
-            if self.replied is not None:
-                self.replied(reply)
+        """Each message's reply, until the caller leaves or is refused (``Refused`` raised); tensors through the
+        connection's shared-memory lane once the caller has opened one."""
+        lane: Lane | None = None
+        try:
+            while not self.closed.is_set():
+                message = recv_message(stream, self.limits)
+                if self.admit is not None:
+                    self.admit(caller)  # a caller current at connect may have been replaced since
+                if message.op == OPEN:
+                    if lane is not None:
+                        lane.close()
+                    lane, reply = self._open_lane(message)
+                else:
+                    reply = lane_out(lane, self._reply(lane_in(lane, message, self.limits), caller))
+                send_message(stream, reply)
+                if self.replied is not None:
+                    self.replied(reply)
+        finally:
+            if lane is not None:
+                lane.close()
+
+    def _open_lane(self, message: Message) -> tuple[Lane | None, Message]:
+        try:
+            lane = Lane.attach(message.meta, self.limits)
+        except LaneRefused as exc:
+            return None, Message(REFUSED, {"why": str(exc)})
+        return lane, Message(OPENED, {"bytes": lane.size})
+
+    def _reply(self, message: Message, caller: Identity) -> Message:
+        try:
+            return self.handler(message, caller)
+        except Refused:
+            raise
+        except ConvoyError as exc:
+            return Message("error", {"message": str(exc), "kind": type(exc).__name__})
+        except (KeyError, TypeError, ValueError, IndexError) as exc:  # a request that lacks what its op needs
+            why = f"op {message.op[:40]!r}: malformed request ({type(exc).__name__}: {str(exc)[:200]})"
+            return Message("error", {"message": why, "kind": "ConfigError"})
 
     def _refuse(self, stream: socket.socket, why: Refused, drain: bool = True) -> None:
         """One reply naming why, then the close; ``drain``: after reading (and dropping) a bounded rest of what was

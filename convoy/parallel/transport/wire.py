@@ -118,13 +118,13 @@ def parse_header(raw: bytes, limits: Limits) -> Header:
     if len(listed) > limits.tensors:
         raise BadMessage(f"a message of {len(listed)} tensors is over this service's bound of {limits.tensors} "
                          f"(Limits.tensors)")
-    entries = [_entry(item) for item in listed]
+    entries = [parse_entry(item) for item in listed]
     if len({name for name, _, _ in entries}) != len(entries):
         raise BadMessage("a message names one tensor twice")
     return Header(header["op"], header["meta"], entries)
 
 
-def _entry(item: Any) -> tuple[str, str, list[int]]:
+def parse_entry(item: Any) -> tuple[str, str, list[int]]:
     if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and len(item[0]) <= MAX_NAME_CHARS
             and item[1] in DTYPES and isinstance(item[2], list) and len(item[2]) <= MAX_DIMS
             and all(type(d) is int and d >= 0 for d in item[2])):
