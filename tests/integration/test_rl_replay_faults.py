@@ -1,7 +1,8 @@
 """The replay service's faults as inputs, on a real process of its own: a /dev/shm with no room for its snapshot (a
 2 MiB tmpfs in a private mount namespace) and the service SIGSTOPped and continued while an actor inserts and a
 learner samples. Each has its outcome: the service serves on and says so once; what the actor sent lands exactly
-once; nothing waits for ever."""
+once; nothing waits for ever. A caller with no room in /dev/shm for its shared-memory lane, or a service that
+cannot see the caller's /dev/shm (another host), sends its tensors on the socket instead."""
 
 from __future__ import annotations
 
@@ -63,6 +64,8 @@ def test_a_buffer_with_no_room_for_its_snapshot_serves_on_and_its_actors_hold_a_
             launched.wait_output(r"replay: no room for its snapshot", timeout=30)
     drawn = learner.sample(64)
     assert drawn is not None and len(drawn.tensors["action"]) == 64, "it still serves samples"
+    for client in (actor, learner):  # a /dev/shm of its own, as on another host: no shared-memory lane
+        assert client.conn is not None and client.conn.lane is None and "cannot open" in client.conn.lane_why
     held = sum(len(batch["action"]) for _, batch, _ in actor.unkept)
     assert 100_000 <= held <= 101_000, f"the actor holds the ring's worth of what no snapshot has, not more: {held}"
     stats = stats_at_end(launched)
@@ -95,3 +98,26 @@ def test_a_stopped_and_continued_buffer_takes_every_insert_exactly_once(procs: P
     assert actor.reconnects >= 2, "the actor's request timed out in the stop and it connected again"
     stats = stats_at_end(launched)
     assert stats["inserted"] == 1100 and stats["by_source"] == {"actor0.1": 1100}, "each transition once: " + str(stats)
+
+
+LANE_CALLER = """
+import torch
+from convoy.parallel.transport import Connection, Credentials, Identity, Listener, Message
+job = Credentials.fresh()
+service = Listener(lambda message, caller: Message("back", {}, message.tensors), credentials=job)
+conn = Connection(service.address, credentials=job.as_process(Identity("actor", 0, 1)), lane_bytes=4 << 20)
+reply = conn.request(Message("x", {}, {"x": torch.arange(1000.0)}))
+assert torch.equal(reply.tensors["x"], torch.arange(1000.0))
+print("lane", conn.lane is not None, "why", conn.lane_why, "laned", conn.laned)
+service.close()
+"""
+
+
+def test_a_caller_with_no_room_in_dev_shm_for_its_lane_sends_on_the_socket() -> None:
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", MOUNT], capture_output=True)
+    if probe.returncode:
+        pytest.skip(f"cannot mount a tmpfs on /dev/shm in a private mount namespace: {probe.stderr.decode().strip()}")
+    done = subprocess.run(["unshare", "-m", "sh", "-c", f'{MOUNT} && exec "$0" "$@"', sys.executable, "-c",
+                           LANE_CALLER], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "lane False why no segment of 4194304 bytes in /dev/shm (No space left on device) laned 0" in done.stdout

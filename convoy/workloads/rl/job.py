@@ -80,7 +80,7 @@ def run_learner(cfg: RLConfig, replay: ReplayClient) -> int:
     me = role()
     learner = Learner(cfg, replay, env_spec(cfg), say, lambda: me.preempted)
     say(f"learner {learner.ctx.rank}: training {cfg.env} (pid {os.getpid()}), world size {learner.ctx.world_size}, "
-        f"from step {learner.start}")
+        f"from step {learner.start}; samples from the replay service {learner.prefetch.client.route()}")
     began = time.monotonic()
     steps = learner.run()
     if learner.left:
@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
             Controller(cfg, replay, say).run()
             return 0
         actor = Actor(cfg, replay, me.rank, say, me.incarnation, lambda: me.preempted)
-        say(f"actor {me.rank}: stepping {cfg.env} (pid {os.getpid()}, incarnation {me.incarnation})")
+        say(f"actor {me.rank}: stepping {cfg.env} (pid {os.getpid()}, incarnation {me.incarnation}); transitions to "
+            f"the replay service {replay.route()}")
         why = actor.run()
         say(f"actor {me.rank}: {why}")
         return 0

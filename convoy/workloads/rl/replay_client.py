@@ -22,6 +22,8 @@ from convoy.parallel.transport.connection import REQUEST_S
 
 FIND_S = 60.0
 """How long a call looks for the replay service (restarting, or not yet published) before it gives up."""
+LANE_BYTES = 1 << 20
+"""The shared-memory lane asked for on one host (it grows to the largest batch or weights seen)."""
 
 
 class ReplayClient:
@@ -29,11 +31,13 @@ class ReplayClient:
     at a new address, published to the job's processes."""
 
     def __init__(self, find: Callable[[], str], credentials: Credentials | None = None, find_s: float = FIND_S,
-                 request_s: float = REQUEST_S) -> None:
+                 request_s: float = REQUEST_S, lane_bytes: int = LANE_BYTES) -> None:
         """``find``: the service's address now; ``find_s``: how long to keep trying to reach it; ``request_s``: how
         long one request may take before the connection is given up and the request sent again (a stopped service:
-        a batch sent again is kept once)."""
+        a batch sent again is kept once); ``lane_bytes``: the transitions, samples and weights go through shared
+        memory when the service is on this host (0: always on the socket)."""
         self.find, self.credentials, self.find_s, self.request_s = find, credentials, find_s, request_s
+        self.lane_bytes = lane_bytes
         self.conn: Connection | None = None
         self.sent = 0
         """This process's transitions accepted by the buffer (the next batch's ``first``)."""
@@ -56,7 +60,7 @@ class ReplayClient:
                     if not address:
                         raise ConnectionLost("the replay service has published no address yet")
                     self.conn = Connection(address, self.request_s, credentials=self.credentials,
-                                           service="replay service")
+                                           service="replay service", lane_bytes=self.lane_bytes)
                     self.reconnects += 1
                 return self.conn.request(message)
             except (ConnectionLost, OSError) as exc:
@@ -149,6 +153,15 @@ class ReplayClient:
 
     def stats(self) -> dict[str, object]:
         return dict(self.call(Message("stats", {})).meta)
+
+    def route(self) -> str:
+        """How this process's tensors reach the service (connecting first if it has not yet)."""
+        if self.conn is None:
+            self.stats()
+        conn = self.conn
+        if conn is not None and conn.lane is not None:
+            return f"through shared memory (a lane of {conn.lane.size >> 10} KiB)"
+        return f"on the socket ({conn.lane_why if conn is not None and conn.lane_why else 'no lane asked for'})"
 
     def snapshot(self) -> int:
         """Ask the buffer for a snapshot now; the transitions it holds in all."""
