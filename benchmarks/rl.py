@@ -2,12 +2,14 @@
 
     python benchmarks/rl.py [--only buffer,replace,ratio,preempt,learn] [--quick] [--rllib-seeds N]
 
-1. buffer: inserts + samples per second of the replay buffer, prioritized (alpha 0.6), capacity 50,000 CartPole
-   transitions, chunks of 32 inserted, batches of 64 sampled 4 times a chunk (8 samples per insert), priorities
-   updated after each sample, timed once the buffer is full. convoy's buffer as the actors and learners use it
-   (``ReplayService`` over the role transport, one connection each, in another thread) and in the same process
-   (``ReplayBuffer``); peer: RLlib's ``PrioritizedEpisodeReplayBuffer``, what its DQN uses by default, in the
-   learner's process as RLlib runs it (the same chunks as ``SingleAgentEpisode``s, 1-step). Target: >= 1x.
+1. buffer: inserts + samples per second of the replay buffer, prioritized (alpha 0.6): capacity 50,000 CartPole
+   transitions, batches of 64; and capacity 10,000 frames (4x84x84 uint8, Atari's), batches of 32; chunks of 32
+   inserted, 4 batches sampled a chunk, priorities updated after each sample, timed once the buffer is full.
+   convoy's buffer as one host's actors and learners use it (``ReplayService``, one connection each, the actor in
+   another thread, tensors through each connection's shared-memory lane), the same with every tensor on the socket
+   (as across hosts), and in the same process (``ReplayBuffer``); peer: RLlib's ``PrioritizedEpisodeReplayBuffer``,
+   what its DQN uses by default, in the learner's process as RLlib runs it (the same chunks as
+   ``SingleAgentEpisode``s, 1-step). Target: the service through shared memory >= 1x RLlib.
 2. replace: ``examples/rl_dqn.toml`` running; an actor SIGKILLed 5 times (3 in ``--quick``): from the kill to the
    buffer holding a transition of its replacement (the buffer's per-process counts, read over the transport).
    RLlib's default for a failed env runner is 60 s (``delay_between_env_runner_restarts_s``) plus its probe,
@@ -41,8 +43,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -55,86 +57,115 @@ from convoy.parallel.transport import Credentials, Identity  # noqa: E402
 from convoy.worker.role_env import service_secret  # noqa: E402
 from convoy.workloads.rl.buffer import Layout, ReplayBuffer  # noqa: E402
 from convoy.workloads.rl.replay_client import ReplayClient  # noqa: E402
-from convoy.workloads.rl.replay_service import ReplayService  # noqa: E402
 from rl_rllib import bench_learn, time_rllib  # noqa: E402  (benchmarks/ is this script's directory)
 
 JOB = REPO / "examples" / "rl_dqn.toml"
 from rl_rllib import BATCH, CAPACITY, CHUNK, SAMPLES_PER_CHUNK  # noqa: E402
 
 
-def chunk(first: int) -> dict[str, torch.Tensor]:
-    obs = torch.randn(CHUNK + 1, 4)
+@dataclass(frozen=True)
+class Shape:
+    """One buffer case: what a transition's observation is, and the sizes that go with it."""
+
+    name: str
+    obs: tuple[int, ...]
+    dtype: torch.dtype
+    capacity: int
+    batch: int
+
+
+CARTPOLE = Shape("CartPole (4 floats)", (4,), torch.float32, CAPACITY, BATCH)
+FRAMES = Shape("frames (4x84x84 uint8, Atari's)", (4, 84, 84), torch.uint8, 10_000, 32)
+
+
+def chunk(shape: Shape) -> dict[str, torch.Tensor]:
+    if shape.dtype == torch.uint8:
+        obs = torch.randint(0, 256, (CHUNK + 1, *shape.obs), dtype=torch.uint8)
+    else:
+        obs = torch.randn(CHUNK + 1, *shape.obs)
     return {"obs": obs[:-1].contiguous(), "action": torch.randint(2, (CHUNK,)), "reward": torch.ones(CHUNK),
             "next_obs": obs[1:].contiguous(), "discount": torch.full((CHUNK,), 0.99)}
 
 
-def time_convoy_in_process(rounds: int) -> float:
-    buffer = ReplayBuffer(Layout.for_dqn((4,)), CAPACITY, alpha=0.6)
-    for i in range(CAPACITY // CHUNK + 1):
-        buffer.insert(chunk(i * CHUNK))
+def new_buffer(shape: Shape) -> ReplayBuffer:
+    return ReplayBuffer(Layout.for_dqn(shape.obs, shape.dtype), shape.capacity, alpha=0.6)
+
+
+def time_convoy_in_process(rounds: int, shape: Shape) -> float:
+    buffer, chunks = new_buffer(shape), [chunk(shape) for _ in range(8)]
+    for i in range(shape.capacity // CHUNK + 1):
+        buffer.insert(chunks[i % 8])
     began, done = time.perf_counter(), 0
     for i in range(rounds):
-        buffer.insert(chunk(i))
+        buffer.insert(chunks[i % 8])
         done += CHUNK
         for _ in range(SAMPLES_PER_CHUNK):
-            drawn = buffer.sample(BATCH)
-            buffer.update_priorities(drawn.slots, drawn.written, torch.rand(BATCH))
-            done += BATCH
+            drawn = buffer.sample(shape.batch)
+            buffer.update_priorities(drawn.slots, drawn.written, torch.rand(shape.batch))
+            done += shape.batch
     return done / (time.perf_counter() - began)
 
 
-def time_convoy_service(rounds: int) -> float:
-    secret = Credentials.fresh()
-    service = ReplayService(ReplayBuffer(Layout.for_dqn((4,)), CAPACITY, alpha=0.6), credentials=secret)
-    actor = ReplayClient(lambda: service.address, secret.as_process(Identity("actor", 0, 1)))
-    learner = ReplayClient(lambda: service.address, secret.as_process(Identity("learner", 0, 1)))
-    for i in range(CAPACITY // CHUNK + 1):
-        actor.insert(chunk(i))
-    began, done = time.perf_counter(), [0]
-
-    def act() -> None:
-        for i in range(rounds):
-            actor.insert(chunk(i))
-            done[0] += CHUNK
-
-    thread = threading.Thread(target=act)
-    thread.start()
-    for _ in range(rounds * SAMPLES_PER_CHUNK):
-        reply = learner.sample(BATCH)
-        assert reply is not None
-        learner.priorities(reply.tensors["_slots"], reply.tensors["_written"], torch.rand(BATCH))
-        done[0] += BATCH
-    thread.join()
-    rate = done[0] / (time.perf_counter() - began)
-    actor.close()
-    learner.close()
-    service.close()
-    return rate
+def time_convoy_service(rounds: int, shape: Shape, lane: bool) -> float:
+    """The service as one host's job runs it: the service, an actor and a learner, a process each
+    (``scripts/replay_procs.py``); ``lane``: the tensors through each connection's shared memory (the default on one
+    host), else on the socket (as across hosts). Transitions inserted + sampled over the time until both are done."""
+    script = [sys.executable, str(REPO / "benchmarks" / "scripts" / "replay_procs.py")]
+    env = {**os.environ, "REPLAY_SECRET": Credentials.fresh().secret.hex(), "OMP_NUM_THREADS": "1"}  # as in a job
+    obs, dtype = "x".join(map(str, shape.obs)), str(shape.dtype).removeprefix("torch.")
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True, "env": env}
+    service = subprocess.Popen([*script, "serve", obs, dtype, str(shape.capacity)], **pipes)  # type: ignore[call-overload]
+    try:
+        address = service.stdout.readline().split()[1]
+        actor = subprocess.Popen([*script, "act", address, obs, dtype, str(rounds), str(int(lane))], **pipes)  # type: ignore[call-overload]
+        learner = subprocess.Popen([*script, "learn", address, str(shape.batch), str(rounds * SAMPLES_PER_CHUNK),
+                                    str(int(lane))], **pipes)  # type: ignore[call-overload]
+        for proc in (actor, learner):
+            assert proc.stdout.readline().strip() == "ready"
+        for proc in (actor, learner):
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        done = [proc.stdout.readline().split() for proc in (actor, learner)]
+        for proc in (actor, learner):
+            assert proc.wait(60) == 0
+        return sum(int(line[1]) for line in done) / max(float(line[2]) for line in done)
+    finally:
+        service.terminate()
+        service.wait(30)
 
 
 def bench_buffer(quick: bool) -> list[str]:
-    rounds, runs = (200, 3) if quick else (1000, 5)
-    results: dict[str, list[float]] = {"convoy service": [], "convoy in-process": [], "RLlib": []}
-    skipped = ""
-    for _ in range(runs):
-        results["convoy service"].append(time_convoy_service(rounds))
-        results["convoy in-process"].append(time_convoy_in_process(rounds))
-        peer = time_rllib(rounds)
-        if isinstance(peer, str):
-            skipped = peer
-        else:
-            results["RLlib"].append(peer)
-    print(f"\n## buffer: transitions inserted + sampled per second ({runs} runs, median; capacity {CAPACITY}, "
-          f"chunks of {CHUNK}, batches of {BATCH}, {SAMPLES_PER_CHUNK} samples per chunk)")
-    medians = {name: statistics.median(rates) for name, rates in results.items() if rates}
-    for name, median in medians.items():
-        print(f"  {name:<18} {median:>12,.0f} /s   runs {', '.join(f'{r:,.0f}' for r in results[name])}")
-    if "RLlib" not in medians:
-        print(f"  RLlib: {skipped}")
-        return [f"target buffer throughput vs RLlib: {skipped} (goal >= 1x) missed"]
-    ratio = medians["convoy service"] / medians["RLlib"]
-    return [f"target buffer throughput, service over the transport / RLlib in-process: {ratio:.2f}x (goal >= 1x) "
-            f"{'met' if ratio >= 1 else 'missed'}"]
+    lines = []
+    for shape in (CARTPOLE, FRAMES):
+        rounds = (200 if quick else 1000) if shape is CARTPOLE else (50 if quick else 200)
+        runs = 3 if quick else 5
+        results: dict[str, list[float]] = {"convoy service, shared-memory lane": [], "convoy service, socket": [],
+                                           "convoy in-process": [], "RLlib": []}
+        skipped = ""
+        for _ in range(runs):
+            results["convoy service, shared-memory lane"].append(time_convoy_service(rounds, shape, lane=True))
+            results["convoy service, socket"].append(time_convoy_service(rounds, shape, lane=False))
+            results["convoy in-process"].append(time_convoy_in_process(rounds, shape))
+            peer = time_rllib(rounds, shape.obs, shape.dtype == torch.uint8, shape.capacity, shape.batch)
+            if isinstance(peer, str):
+                skipped = peer
+            else:
+                results["RLlib"].append(peer)
+        print(f"\n## buffer, {shape.name}: transitions inserted + sampled per second ({runs} runs, median; capacity "
+              f"{shape.capacity}, chunks of {CHUNK}, batches of {shape.batch}, {SAMPLES_PER_CHUNK} samples per chunk)")
+        medians = {name: statistics.median(rates) for name, rates in results.items() if rates}
+        for name, median in medians.items():
+            print(f"  {name:<35} {median:>12,.0f} /s   runs {', '.join(f'{r:,.0f}' for r in results[name])}")
+        lane_gain = medians["convoy service, shared-memory lane"] / medians["convoy service, socket"]
+        print(f"  shared-memory lane / socket: {lane_gain:.2f}x")
+        if "RLlib" not in medians:
+            print(f"  RLlib: {skipped}")
+            lines.append(f"target buffer throughput vs RLlib, {shape.name}: {skipped} (goal >= 1x) missed")
+            continue
+        ratio = medians["convoy service, shared-memory lane"] / medians["RLlib"]
+        lines.append(f"target buffer throughput, {shape.name}, service through shared memory / RLlib in-process: "
+                     f"{ratio:.2f}x (goal >= 1x) {'met' if ratio >= 1 else 'missed'}")
+    return lines
 
 
 def start_job(work: Path, *extra: str) -> subprocess.Popen:

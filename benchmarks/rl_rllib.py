@@ -18,7 +18,10 @@ JOB = REPO / "examples" / "rl_dqn.toml"
 CAPACITY, CHUNK, BATCH, SAMPLES_PER_CHUNK = 50_000, 32, 64, 4
 
 
-def time_rllib(rounds: int) -> float | str:
+def time_rllib(rounds: int, obs: tuple[int, ...] = (4,), frames: bool = False, capacity: int = CAPACITY,
+               batch: int = BATCH) -> float | str:
+    """RLlib's prioritized episode buffer, what its DQN uses by default, at the same chunks and batches; ``frames``:
+    uint8 observations."""
     try:
         import numpy
         from ray.rllib.env.single_agent_episode import SingleAgentEpisode
@@ -27,13 +30,16 @@ def time_rllib(rounds: int) -> float | str:
         return f"not measured: ray.rllib does not import here ({type(exc).__name__}: {exc})"
 
     def episode() -> SingleAgentEpisode:
-        obs = numpy.random.randn(CHUNK + 1, 4).astype(numpy.float32)
-        made = SingleAgentEpisode(observations=list(obs), actions=list(numpy.random.randint(0, 2, CHUNK)),
+        if frames:
+            seen = numpy.random.randint(0, 256, (CHUNK + 1, *obs), dtype=numpy.uint8)
+        else:
+            seen = numpy.random.randn(CHUNK + 1, *obs).astype(numpy.float32)
+        made = SingleAgentEpisode(observations=list(seen), actions=list(numpy.random.randint(0, 2, CHUNK)),
                                   rewards=[1.0] * CHUNK, len_lookback_buffer=0)
         return made.to_numpy()
 
-    buffer = PrioritizedEpisodeReplayBuffer(capacity=CAPACITY, alpha=0.6)
-    for _ in range(CAPACITY // CHUNK + 1):
+    buffer = PrioritizedEpisodeReplayBuffer(capacity=capacity, alpha=0.6)
+    for _ in range(capacity // CHUNK + 1):
         buffer.add([episode()])
     chunks = [episode() for _ in range(rounds)]  # each its own episode: one added again would continue it
     began, done = time.perf_counter(), 0
@@ -41,9 +47,9 @@ def time_rllib(rounds: int) -> float | str:
         buffer.add([chunks[i % len(chunks)]])
         done += CHUNK
         for _ in range(SAMPLES_PER_CHUNK):
-            buffer.sample(num_items=BATCH, n_step=1, beta=0.4)
-            buffer.update_priorities(numpy.random.rand(BATCH))
-            done += BATCH
+            buffer.sample(num_items=batch, n_step=1, beta=0.4)
+            buffer.update_priorities(numpy.random.rand(batch))
+            done += batch
     return done / (time.perf_counter() - began)
 
 
