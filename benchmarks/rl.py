@@ -106,15 +106,16 @@ def time_convoy_in_process(rounds: int, shape: Shape) -> float:
     return done / (time.perf_counter() - began)
 
 
-def time_convoy_service(rounds: int, shape: Shape, lane: bool) -> float:
-    """The service as one host's job runs it: the service, an actor and a learner, a process each
-    (``scripts/replay_procs.py``); ``lane``: the tensors through each connection's shared memory (the default on one
-    host), else on the socket (as across hosts). Transitions inserted + sampled over the time until both are done."""
+def time_convoy_service(rounds: int, shape: Shape, lane: bool, ring: bool) -> float:
+    """The service as a job runs it: the service, an actor and a learner, a process each (``scripts/replay_procs.py``);
+    ``ring``: the buffer's ring in /dev/shm, the learner gathering its samples from it (the default on one host);
+    ``lane``: the other tensors through each connection's shared-memory lane, else on the socket. Transitions
+    inserted + sampled over the time until both are done."""
     script = [sys.executable, str(REPO / "benchmarks" / "scripts" / "replay_procs.py")]
     env = {**os.environ, "REPLAY_SECRET": Credentials.fresh().secret.hex(), "OMP_NUM_THREADS": "1"}  # as in a job
     obs, dtype = "x".join(map(str, shape.obs)), str(shape.dtype).removeprefix("torch.")
     pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True, "env": env}
-    service = subprocess.Popen([*script, "serve", obs, dtype, str(shape.capacity)], **pipes)  # type: ignore[call-overload]
+    service = subprocess.Popen([*script, "serve", obs, dtype, str(shape.capacity), str(int(ring))], **pipes)  # type: ignore[call-overload]
     try:
         address = service.stdout.readline().split()[1]
         actor = subprocess.Popen([*script, "act", address, obs, dtype, str(rounds), str(int(lane))], **pipes)  # type: ignore[call-overload]
@@ -134,17 +135,21 @@ def time_convoy_service(rounds: int, shape: Shape, lane: bool) -> float:
         service.wait(30)
 
 
+SHARED, SOCKET = "convoy service, shared ring", "convoy service, socket"
+
+
 def bench_buffer(quick: bool) -> list[str]:
     lines = []
     for shape in (CARTPOLE, FRAMES):
         rounds = (200 if quick else 1000) if shape is CARTPOLE else (50 if quick else 200)
         runs = 3 if quick else 5
-        results: dict[str, list[float]] = {"convoy service, shared-memory lane": [], "convoy service, socket": [],
-                                           "convoy in-process": [], "RLlib": []}
+        ways = {SHARED: (False, True), "convoy service, ring + lanes": (True, True), SOCKET: (False, False),
+                "convoy service, lanes": (True, False)}
+        results: dict[str, list[float]] = {**{name: [] for name in ways}, "convoy in-process": [], "RLlib": []}
         skipped = ""
-        for _ in range(runs):
-            results["convoy service, shared-memory lane"].append(time_convoy_service(rounds, shape, lane=True))
-            results["convoy service, socket"].append(time_convoy_service(rounds, shape, lane=False))
+        for run in range(runs):
+            for name in (list(ways) if run % 2 == 0 else list(ways)[::-1]):  # A/B/B/A: no side always first
+                results[name].append(time_convoy_service(rounds, shape, *ways[name]))
             results["convoy in-process"].append(time_convoy_in_process(rounds, shape))
             peer = time_rllib(rounds, shape.obs, shape.dtype == torch.uint8, shape.capacity, shape.batch)
             if isinstance(peer, str):
@@ -156,14 +161,15 @@ def bench_buffer(quick: bool) -> list[str]:
         medians = {name: statistics.median(rates) for name, rates in results.items() if rates}
         for name, median in medians.items():
             print(f"  {name:<35} {median:>12,.0f} /s   runs {', '.join(f'{r:,.0f}' for r in results[name])}")
-        lane_gain = medians["convoy service, shared-memory lane"] / medians["convoy service, socket"]
-        print(f"  shared-memory lane / socket: {lane_gain:.2f}x")
+        print(f"  learner gathering from the shared ring / everything on the socket: "
+              f"{medians[SHARED] / medians[SOCKET]:.2f}x; lanes / socket: "
+              f"{medians['convoy service, lanes'] / medians[SOCKET]:.2f}x")
         if "RLlib" not in medians:
             print(f"  RLlib: {skipped}")
             lines.append(f"target buffer throughput vs RLlib, {shape.name}: {skipped} (goal >= 1x) missed")
             continue
-        ratio = medians["convoy service, shared-memory lane"] / medians["RLlib"]
-        lines.append(f"target buffer throughput, {shape.name}, service through shared memory / RLlib in-process: "
+        ratio = medians[SHARED] / medians["RLlib"]
+        lines.append(f"target buffer throughput, {shape.name}, service with its shared ring / RLlib in-process: "
                      f"{ratio:.2f}x (goal >= 1x) {'met' if ratio >= 1 else 'missed'}")
     return lines
 

@@ -1,14 +1,15 @@
 """The replay buffer's service as a job runs it, for the buffer section of benchmarks/rl.py: one process each for the
 service, an actor and a learner (three processes on the machine's cores, as in a job).
 
-    replay_procs.py serve OBS DTYPE CAPACITY          prints ``serving HOST:PORT``; ends at SIGTERM
-    replay_procs.py act ADDRESS OBS DTYPE ROUNDS LANE  fills the buffer, prints ``ready``, waits for a line on stdin,
-                                                      inserts ROUNDS chunks of 32, prints ``inserted N SECONDS``
-    replay_procs.py learn ADDRESS BATCH SAMPLES LANE   waits for a line on stdin, samples SAMPLES batches (priorities
-                                                      updated with each), prints ``sampled N SECONDS``
+    replay_procs.py serve OBS DTYPE CAPACITY RING      prints ``serving HOST:PORT``; ends at SIGTERM
+    replay_procs.py act ADDRESS OBS DTYPE ROUNDS LANE   fills the buffer, prints ``ready``, waits for a line on stdin,
+                                                       inserts ROUNDS chunks of 32, prints ``inserted N SECONDS``
+    replay_procs.py learn ADDRESS BATCH SAMPLES LANE    waits for a line on stdin, samples SAMPLES batches
+                                                       (priorities updated with each), prints ``sampled N SECONDS``
 
-OBS is a shape like ``4`` or ``4x84x84``; DTYPE ``float32`` or ``uint8``; LANE 1 sends the tensors through the
-connection's shared-memory lane, 0 on the socket. The secret is ``REPLAY_SECRET`` (hex).
+OBS is a shape like ``4`` or ``4x84x84``; DTYPE ``float32`` or ``uint8``; RING 1 keeps the buffer's ring in
+/dev/shm, where the learner gathers its samples itself (the service sends the slots); LANE 1 sends the tensors
+through the connection's shared-memory lane, 0 on the socket. The secret is ``REPLAY_SECRET`` (hex).
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from convoy.parallel.transport import Credentials, Identity  # noqa: E402
+from convoy.shm import SHM_DIR  # noqa: E402
 from convoy.workloads.rl.buffer import Layout, ReplayBuffer  # noqa: E402
 from convoy.workloads.rl.replay_client import ReplayClient  # noqa: E402
 from convoy.workloads.rl.replay_service import ReplayService  # noqa: E402
+from convoy.workloads.rl.ring import SharedRing  # noqa: E402
 
 CHUNK = 32
 
@@ -53,9 +56,12 @@ def client(address: str, role: str, lane: str) -> ReplayClient:
     return ReplayClient(lambda: address, secret(role), lane_bytes=(1 << 20) * int(lane))
 
 
-def serve(obs: str, dtype: str, capacity: str) -> None:
-    buffer = ReplayBuffer(Layout.for_dqn(shape_of(obs), getattr(torch, dtype)), int(capacity), alpha=0.6)
-    service = ReplayService(buffer, credentials=secret("replay"))
+def serve(obs: str, dtype: str, capacity: str, ring: str) -> None:
+    layout = Layout.for_dqn(shape_of(obs), getattr(torch, dtype))
+    buffer = ReplayBuffer(layout, int(capacity), alpha=0.6)
+    shared = SharedRing.create(SHM_DIR / f"convoy-bench{os.getpid()}-replay0-ring", layout, int(capacity)) \
+        if ring == "1" else None
+    service = ReplayService(buffer, credentials=secret("replay"), ring=shared)
     ended = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: ended.set())
     print(f"serving {service.address}", flush=True)
@@ -88,9 +94,10 @@ def learn(address: str, batch: str, samples: str, lane: str) -> None:
     for _ in range(int(samples)):
         reply = learner.sample(count)
         assert reply is not None
-        learner.priorities(reply.tensors["_slots"], reply.tensors["_written"], torch.rand(count))
+        slots = reply.tensors["_slots"]  # fewer than asked when rows were dropped as torn
+        learner.priorities(slots, reply.tensors["_written"], torch.rand(len(slots)))
     took = time.perf_counter() - began
-    print(f"sampled {count * int(samples)} {took:.6f}", flush=True)
+    print(f"sampled {count * int(samples) - learner.torn} {took:.6f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -74,21 +74,26 @@ class Agent:
         finally:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            self.heartbeat.stopping.set()
-            self._revoke()
-            if self._role_processes is not None:  # unreported: the node has left (the master counted its
-                self._role_processes.stop_all()    # processes out) or cannot reach the master
-            if self._forks is not None:
-                self._forks.close()  # no process of the job is forked from it any more
-            self.group.close()
-            self.local_api.stop()
-            if self.heartbeat.lease is not None:
-                self.heartbeat.lease.close()
-            reap(self._job_id, self.config.node_id)  # what the workers forked, and the node's cgroup
-            if self._job_id:  # the job's in-memory snapshots end with it; a node leaving a job that goes on
-                remove_segments(self._job_id, "" if self._final_status else self.config.node_id)  # takes its own
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            try:
+                self._stop_everything()
+            finally:  # even if a step above failed: nothing of the job is left running or in /dev/shm
+                reap(self._job_id, self.config.node_id)  # what the workers forked, and the node's cgroup
+                if self._job_id:  # the job's in-memory snapshots end with it; a node leaving a job that goes on
+                    remove_segments(self._job_id, "" if self._final_status else self.config.node_id)  # takes its own
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    def _stop_everything(self) -> None:
+        self.heartbeat.stopping.set()
+        self._revoke()
+        if self._role_processes is not None:  # unreported: the node has left (the master counted its
+            self._role_processes.stop_all()    # processes out) or cannot reach the master
+        if self._forks is not None:
+            self._forks.close()  # no process of the job is forked from it any more
+        self.group.close()
+        self.local_api.stop()
+        if self.heartbeat.lease is not None:
+            self.heartbeat.lease.close()
 
     def _loop(self) -> int:
         while True:

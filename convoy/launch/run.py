@@ -90,12 +90,14 @@ def run_job(scheduler: NodeScheduler, token: str, relaunch: bool, console: Calla
         return exc.exit_code
     finally:
         ignore_interrupts()
-        scheduler.stop(CHILD_EXIT_GRACE_S)
-        for node_id in scheduler.node_ids():
-            reap(config.master.job_id, node_id)
-        remove_segments(config.master.job_id)  # in case an agent died before it could clean up
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        try:
+            scheduler.stop(CHILD_EXIT_GRACE_S)
+            for node_id in scheduler.node_ids():
+                reap(config.master.job_id, node_id)
+        finally:  # even if stopping failed: the job's segments end with it
+            remove_segments(config.master.job_id)  # in case an agent died before it could clean up
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def supervise(scheduler: NodeScheduler, client: MasterClient, relaunch: bool, min_nodes: int,

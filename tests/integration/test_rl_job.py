@@ -1,8 +1,8 @@
 """The RL job end to end on real processes (``examples/rl_dqn.toml``, a short run): the four roles start in
 order, the controller deals the slices and scales the actors from the measured rates, a SIGKILLed actor is
-replaced without spending a restart and the buffer holds each transition once, actors and learners reach the buffer
-through shared memory (one host), the learners end the job with the final line and the learning curve, and nothing is
-left running."""
+replaced without spending a restart and the buffer holds each transition once, the learners gather their samples
+from the buffer's shared ring (one host), end the job with the final line and the learning curve, and nothing is
+left running (no process, no segment in /dev/shm)."""
 
 from __future__ import annotations
 
@@ -25,10 +25,12 @@ SHORT = ["--set", "env_steps=5000", "--set", "learning_starts=300", "--set", "st
 def test_a_short_dqn_job_scales_its_actors_replaces_a_killed_one_and_ends_with_its_curve(
         procs: ProcessScope, run_dir: Path) -> None:
     job = procs.start(["run", JOB, "--run-dir", run_dir, *SHORT, "--set", "step_cost=0.002"])
-    job.wait_output(r"replay: serving 200000 transitions at 127\.0\.0\.1:\d+ \(scale mode\)", timeout=90)
+    ring = Path(job.wait_output(r"replay: serving 200000 transitions at 127\.0\.0\.1:\d+ \(scale mode\); learners on "
+                                r"this host gather samples from (/dev/shm/convoy-\S+-replay0-ring-[0-9a-f]+)",
+                                timeout=90).group(1))
+    assert ring.exists()
     job.wait_output(r"controller: 16 slices dealt to 1 actor\(s\), each owned once", timeout=60)
-    first = int(job.wait_output(r"actor 0: stepping CartPole-v1 \(pid (\d+), incarnation \d+\); transitions to the "
-                                r"replay service through shared memory \(a lane of \d+ KiB\)").group(1))
+    first = int(job.wait_output(r"actor 0: stepping CartPole-v1 \(pid (\d+), incarnation \d+\)").group(1))
     psutil.Process(first).send_signal(signal.SIGKILL)
     job.wait_output(r"actor 0 failed \(was killed by SIGKILL\).*replaced", timeout=30)
     job.wait_output(rf"actor 0: stepping CartPole-v1 \(pid (?!{first}\b)\d+, incarnation \d+\)", timeout=30)
@@ -42,9 +44,11 @@ def test_a_short_dqn_job_scales_its_actors_replaces_a_killed_one_and_ends_with_i
     assert "with 0 restart(s)" in out, out  # the replacement spent none
     assert re.search(r"learner: \d+ steps in [\d.]+ s; buffer inserted \d+, sampled \d+, refused 0, 0 sent twice",
                      out), out
-    assert re.search(r"learner 0: training .*; samples from the replay service through shared memory", out), out
+    assert re.search(r"learner 0: training .*; samples gathered here from the shared ring convoy-\S+-replay0-ring-",
+                     out), out
     assert (run_dir / "learning-curve.png").stat().st_size > 1000
     assert procs.wait_no_leftovers() == []
+    assert not ring.exists(), "the ring ends with the job"
 
 
 def learners_take_cpus(where: Path) -> Path:

@@ -66,6 +66,7 @@ def test_a_buffer_with_no_room_for_its_snapshot_serves_on_and_its_actors_hold_a_
     assert drawn is not None and len(drawn.tensors["action"]) == 64, "it still serves samples"
     for client in (actor, learner):  # a /dev/shm of its own, as on another host: no shared-memory lane
         assert client.conn is not None and client.conn.lane is None and "cannot open" in client.conn.lane_why
+    assert learner.ring is None and learner.ring_why == "the service keeps no shared ring"
     held = sum(len(batch["action"]) for _, batch, _ in actor.unkept)
     assert 100_000 <= held <= 101_000, f"the actor holds the ring's worth of what no snapshot has, not more: {held}"
     stats = stats_at_end(launched)
@@ -73,6 +74,7 @@ def test_a_buffer_with_no_room_for_its_snapshot_serves_on_and_its_actors_hold_a_
     assert int(stats["snapshot_failures"]) >= 1, stats  # type: ignore[call-overload]
     out = launched.stdout()
     assert out.count("replay: no room for its snapshot") == 1, "said once, not at every try: " + out
+    assert "replay: no room in /dev/shm for the replay ring" in out and "over the transport" in out, out
     assert "serving on without one: the actors keep what they sent until a snapshot holds it" in out, out
 
 
@@ -121,3 +123,39 @@ def test_a_caller_with_no_room_in_dev_shm_for_its_lane_sends_on_the_socket() -> 
                            LANE_CALLER], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "lane False why no segment of 4194304 bytes in /dev/shm (No space left on device) laned 0" in done.stdout
+
+
+def test_a_learner_gathering_from_the_shared_ring_never_keeps_a_row_torn_by_a_wrapping_insert(
+        procs: ProcessScope) -> None:
+    """The buffer in a process of its own, a ring of 2000 rows that an actor wraps every few batches, a learner in
+    this process gathering its samples from the ring: every row it keeps is whole (each column encodes the insert
+    number the service drew it with), and the rows it dropped as torn are counted."""
+    secret = Credentials.fresh()
+    launched, address = serve(procs, secret, capacity=2000, every_s=3600)
+    actor = ReplayClient(lambda: address, secret.as_process(Identity("actor", 0, 1)), find_s=10)
+    learner = ReplayClient(lambda: address, secret.as_process(Identity("learner", 0, 1)), find_s=10)
+    actor.insert(transitions(0, 2000))
+    stop = threading.Event()
+
+    def insert() -> None:
+        first = 2000
+        while not stop.is_set():
+            actor.insert(transitions(first, 500))
+            first += 500
+
+    inserting = threading.Thread(target=insert)
+    inserting.start()
+    kept = 0
+    try:
+        for _ in range(300):
+            drawn = learner.sample(256)
+            assert drawn is not None and drawn.meta["direct"]
+            ids = drawn.tensors["_written"]
+            assert torch.equal(drawn.tensors["reward"], ids.float()) and torch.equal(drawn.tensors["action"], ids % 2)
+            assert torch.equal(drawn.tensors["obs"], ids.float().unsqueeze(1).repeat(1, 4))
+            kept += len(ids)
+    finally:
+        stop.set()
+        inserting.join()
+    assert kept + learner.torn == 300 * 256
+    stats_at_end(launched)

@@ -5,10 +5,12 @@ A transition is one row of every column the ``Layout`` names (for DQN: obs, acti
 where ``discount`` is gamma^n for an n-step return, 0 past the episode's end). An insert that does not match the
 layout is refused whole and counted, so nothing half-written enters the ring. Each slot remembers which insert
 wrote it (``written``): a priority update for a slot rewritten since it was sampled is dropped, not misapplied.
+The columns may live in a shared ring (``ring.py``, ``share``), where learners on the host gather rows themselves.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +23,16 @@ from convoy.workloads.rl.sumtree import SumTree
 
 class BadTransitions(ConfigError):
     """An insert whose tensors do not match the buffer's layout (refused whole, counted)."""
+
+
+_FENCE = threading.Lock()
+
+
+def fence() -> None:
+    """A full memory barrier for a ring other processes read: taking a lock is a locked instruction, which orders
+    every earlier store (streaming ones too) before every later one."""
+    with _FENCE:
+        pass
 
 
 @dataclass(frozen=True)
@@ -138,10 +150,13 @@ class ReplayBuffer:
         slots = torch.arange(first, first + take) % self.capacity
         start = first % self.capacity
         ahead = min(take, self.capacity - start)  # the rows before the ring wraps, then the rest from slot 0
+        self.written[slots] = -1  # a reader of a shared ring (ring.py) that copied one of these rows drops it
+        fence()
         for name, column in self.columns.items():  # slice copies: indexed writes are ~20x slower on large rows
             fresh = batch[name][rows - take:]
             column[start:start + ahead].copy_(fresh[:ahead])
             column[:take - ahead].copy_(fresh[ahead:])
+        fence()
         self.written[slots] = torch.arange(first, first + take)
         if self.tree is not None:
             self.tree.set(slots, torch.full((take,), self.max_priority ** self.alpha))
@@ -150,7 +165,9 @@ class ReplayBuffer:
         self.size = min(self.capacity, self.size + rows)
         return rows
 
-    def sample(self, count: int) -> Sampled:
+    def sample(self, count: int, gather: bool = True) -> Sampled:
+        """``count`` slots drawn, their insert numbers and weights, and (``gather``) their rows: a learner that
+        gathers them itself from a shared ring does not need them copied here."""
         if self.size == 0:
             raise ConfigError("the replay buffer is empty: insert transitions before sampling")
         if count < 1:
@@ -164,7 +181,8 @@ class ReplayBuffer:
             weights = (self.size * chance).pow(-self.beta)
             weights = (weights / weights.max()).to(torch.float32)
         self.counters.sampled += count
-        gathered = {n: torch.index_select(c, 0, slots) for n, c in self.columns.items()}  # not c[slots]: ~20x slower
+        # index_select, not c[slots]: indexed reads are ~20x slower on large rows
+        gathered = {n: torch.index_select(c, 0, slots) for n, c in self.columns.items()} if gather else {}
         return Sampled(slots, self.written[slots].clone(), gathered, weights)
 
     def update_priorities(self, slots: torch.Tensor, written: torch.Tensor, priorities: torch.Tensor) -> int:
@@ -183,6 +201,16 @@ class ReplayBuffer:
             self.max_priority = max(self.max_priority, float(fresh.max()))
             self.tree.set(slots[current], fresh.pow(self.alpha))
         return int(current.sum())
+
+    def share(self, columns: dict[str, torch.Tensor], written: torch.Tensor) -> None:
+        """Keep the ring in these tensors from now on (a shared ring's views, ``ring.SharedRing``), its rows copied
+        there first."""
+        if set(columns) != set(self.columns) or written.shape != self.written.shape:
+            raise ConfigError("a shared ring must have this buffer's columns and capacity")
+        for name, column in columns.items():
+            column.copy_(self.columns[name])
+        written.copy_(self.written)
+        self.columns, self.written = dict(columns), written
 
     def saved_form(self) -> dict[str, Any]:
         """Everything a restored buffer needs (views of the live tensors: copy them before the next insert)."""

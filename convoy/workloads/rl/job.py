@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 from convoy.errors import ConfigError
 from convoy.parallel.transport import Credentials, IncarnationFence
 from convoy.parallel.transport.errors import StaleIncarnation
+from convoy.shm import SHM_DIR, segment_path
 from convoy.worker.role_env import SERVICE_HOST_ENV
 from convoy.worker.live_config import train_config
 from convoy.worker.role_env import role
@@ -26,6 +28,7 @@ from convoy.workloads.rl.rates import Throttle
 from convoy.workloads.rl.replay_client import ReplayClient
 from convoy.workloads.rl.replay_service import ReplayService
 from convoy.workloads.rl.replay_snapshots import BufferSnapshots
+from convoy.workloads.rl.ring import RingNoSpace, SharedRing
 
 ROLES = ("replay", "actor", "learner", "controller")
 
@@ -67,20 +70,35 @@ def run_replay(cfg: RLConfig) -> int:
     if cfg.mode == "throttle":
         error = cfg.throttle_error or (cfg.batch + cfg.insert_batch * cfg.target_ratio)
         throttle = Throttle(cfg.target_ratio, min_size=cfg.learning_starts, error=error)
+    ring = shared_ring(env["CONVOY_JOB_ID"], me.rank, buffer)
     service = ReplayService(buffer, env[SERVICE_HOST_ENV], int(env["CONVOY_ROLE_PORT"]), snapshots=snapshots,
                             snapshot_every_s=cfg.snapshot_every_s, throttle=throttle, say=say,
-                            credentials=Credentials.from_env(), admit=IncarnationFence(me).check, kept=extra)
-    say(f"replay: serving {buffer.capacity} transitions at {service.address} ({cfg.mode} mode)")
+                            credentials=Credentials.from_env(), admit=IncarnationFence(me).check, kept=extra,
+                            ring=ring)
+    say(f"replay: serving {buffer.capacity} transitions at {service.address} ({cfg.mode} mode)"
+        + (f"; learners on this host gather samples from {ring.path}" if ring is not None else ""))
     service.wait()
     service.close()
     return 0
+
+
+def shared_ring(job_id: str, rank: int, buffer: ReplayBuffer) -> SharedRing | None:
+    """The buffer's ring in /dev/shm (an earlier incarnation's removed first); None, said once, without room."""
+    for old in SHM_DIR.glob(f"{segment_path(job_id, f'replay{rank}-ring-').name}*"):
+        old.unlink(missing_ok=True)  # a learner that still maps it keeps its pages until it lets go
+    try:
+        return SharedRing.create(segment_path(job_id, f"replay{rank}-ring-{secrets.token_hex(6)}"), buffer.layout,
+                                 buffer.capacity)
+    except RingNoSpace as exc:
+        say(f"replay: {exc}; learners get their samples over the transport")
+        return None
 
 
 def run_learner(cfg: RLConfig, replay: ReplayClient) -> int:
     me = role()
     learner = Learner(cfg, replay, env_spec(cfg), say, lambda: me.preempted)
     say(f"learner {learner.ctx.rank}: training {cfg.env} (pid {os.getpid()}), world size {learner.ctx.world_size}, "
-        f"from step {learner.start}; samples from the replay service {learner.prefetch.client.route()}")
+        f"from step {learner.start}; samples {learner.prefetch.client.sample_route()}")
     began = time.monotonic()
     steps = learner.run()
     if learner.left:

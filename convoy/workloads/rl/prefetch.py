@@ -25,7 +25,8 @@ class Prefetcher:
     def __init__(self, replay: ReplayClient, ask: Callable[[], tuple[int, float | None]]) -> None:
         """``replay``: the learner's client (its address and credentials; this one connects on its own); ``ask``:
         the batch and the paced target of each request, read when it is made (hot config changes land)."""
-        self.client = ReplayClient(replay.find, replay.credentials, replay.find_s, replay.request_s, replay.lane_bytes)
+        self.client = ReplayClient(replay.find, replay.credentials, replay.find_s, replay.request_s, replay.lane_bytes,
+                                   replay.direct)
         self.ask = ask
         self._requests: queue.Queue[tuple[Updated]] = queue.Queue()
         self._replies: queue.Queue[Message | BaseException] = queue.Queue()

@@ -19,11 +19,13 @@ import torch
 from convoy.errors import ConfigError
 from convoy.parallel.transport import Connection, ConnectionLost, Credentials, Message, TransportError
 from convoy.parallel.transport.connection import REQUEST_S
+from convoy.workloads.rl.ring import SharedRing
 
 FIND_S = 60.0
 """How long a call looks for the replay service (restarting, or not yet published) before it gives up."""
-LANE_BYTES = 1 << 20
-"""The shared-memory lane asked for on one host (it grows to the largest batch or weights seen)."""
+LANE_BYTES = 0
+"""No shared-memory lane by default: for the replay's messages it did not pay on a 2-core machine (0.89-0.93x the
+socket, benchmarks/results/rl.txt); the samples, the bulk of the bytes, come from the shared ring instead."""
 
 
 class ReplayClient:
@@ -31,13 +33,21 @@ class ReplayClient:
     at a new address, published to the job's processes."""
 
     def __init__(self, find: Callable[[], str], credentials: Credentials | None = None, find_s: float = FIND_S,
-                 request_s: float = REQUEST_S, lane_bytes: int = LANE_BYTES) -> None:
+                 request_s: float = REQUEST_S, lane_bytes: int = LANE_BYTES, direct: bool = True) -> None:
         """``find``: the service's address now; ``find_s``: how long to keep trying to reach it; ``request_s``: how
         long one request may take before the connection is given up and the request sent again (a stopped service:
-        a batch sent again is kept once); ``lane_bytes``: the transitions, samples and weights go through shared
-        memory when the service is on this host (0: always on the socket)."""
+        a batch sent again is kept once); ``lane_bytes``: the tensors go through a shared-memory lane of that size
+        when the service is on this host (0: on the socket); ``direct``: samples are gathered here from the service's
+        shared ring when this host has it (the service sends only the slots)."""
         self.find, self.credentials, self.find_s, self.request_s = find, credentials, find_s, request_s
-        self.lane_bytes = lane_bytes
+        self.lane_bytes, self.direct = lane_bytes, direct
+        self.ring: SharedRing | None = None
+        self.ring_why = ""
+        """Why samples are not gathered from the shared ring ('' while they are, or before the first sample)."""
+        self._ring_looked = -1
+        """The connection (by ``reconnects``) on which the ring was last looked for."""
+        self.torn = 0
+        """Drawn rows dropped because the ring overwrote them while this process copied them."""
         self.conn: Connection | None = None
         self.sent = 0
         """This process's transitions accepted by the buffer (the next batch's ``first``)."""
@@ -128,9 +138,47 @@ class ReplayClient:
         throttle holds this side back. ``target``: paced to that many samples per insert (the batch's size varies
         around ``count``). ``updated``: new priorities of an earlier batch (``slots``, ``written``, ``priorities``),
         applied before this one is drawn: one round trip a learner step instead of two."""
-        reply = self.call(Message("sample", {"count": count, **({"target": target} if target else {})},
-                                  _priority_tensors(**updated) if updated else {}))
-        return reply if reply.op == "sampled" else None
+        ring = self._ring_now()
+        meta = {"count": count, **({"target": target} if target else {}),
+                **({"direct": ring.token.hex()} if ring is not None else {})}
+        reply = self.call(Message("sample", meta, _priority_tensors(**updated) if updated else {}))
+        if reply.op != "sampled":
+            return None
+        if not reply.meta.get("direct"):
+            if ring is not None:  # a restarted service with a ring of its own: look for it at the next sample
+                self._drop_ring("the service's ring changed")
+            return reply
+        assert ring is not None
+        slots, written, weights = reply.tensors["_slots"], reply.tensors["_written"], reply.tensors["_weights"]
+        got = ring.gather(slots, written)
+        batch, kept = got.batch, got.kept
+        if not bool(kept.all()):
+            self.torn += int((~kept).sum())
+            batch = {name: t[kept] for name, t in batch.items()}
+            slots, written, weights = slots[kept], written[kept], weights[kept]
+        return Message("sampled", reply.meta, {**batch, "_slots": slots, "_written": written, "_weights": weights})
+
+    def _ring_now(self) -> SharedRing | None:
+        """The service's shared ring, mapped here once per connection when this host has it; None otherwise."""
+        if not self.direct or self.ring is not None:
+            return self.ring
+        if self.conn is not None and self._ring_looked == self.reconnects:
+            return None
+        where = self.call(Message("ring", {})).meta
+        self._ring_looked = self.reconnects
+        if not where.get("path"):
+            self.ring_why = "the service keeps no shared ring"
+            return None
+        try:
+            self.ring = SharedRing.open(str(where["path"]), bytes.fromhex(str(where["token"])))
+        except ConfigError as exc:  # another host's service, most often
+            self.ring_why = str(exc)
+        return self.ring
+
+    def _drop_ring(self, why: str) -> None:
+        if self.ring is not None:
+            self.ring.close()
+        self.ring, self.ring_why, self._ring_looked = None, why, -1
 
     def priorities(self, slots: torch.Tensor, written: torch.Tensor, priorities: torch.Tensor) -> int:
         reply = self.call(Message("priorities", {}, _priority_tensors(slots, written, priorities)))
@@ -163,6 +211,13 @@ class ReplayClient:
             return f"through shared memory (a lane of {conn.lane.size >> 10} KiB)"
         return f"on the socket ({conn.lane_why if conn is not None and conn.lane_why else 'no lane asked for'})"
 
+    def sample_route(self) -> str:
+        """Where this process's samples come from (looking for the shared ring first if it has not yet)."""
+        ring = self._ring_now()
+        if ring is not None:
+            return f"gathered here from the shared ring {ring.path.name}"
+        return f"{self.route()} ({self.ring_why or 'not gathered from a shared ring'})"
+
     def snapshot(self) -> int:
         """Ask the buffer for a snapshot now; the transitions it holds in all."""
         reply = self.call(Message("snapshot", {}))
@@ -186,6 +241,8 @@ class ReplayClient:
         if self.conn is not None:
             self.conn.close()
             self.conn = None
+        if self.ring is not None:
+            self._drop_ring("closed")
 
 
 def _priority_tensors(slots: torch.Tensor, written: torch.Tensor, priorities: torch.Tensor) -> dict[str, torch.Tensor]:

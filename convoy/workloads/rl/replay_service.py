@@ -2,7 +2,8 @@
 listener (the role services' transport), a table of handlers, and a ticker that measures rates and snapshots.
 
 Ops (``Message.op``): ``insert`` (an actor's transitions, exactly once: each batch says how many of its own came
-before it), ``sample``, ``priorities``, ``stats``, ``weights_put`` / ``weights_get`` (by version), ``deal_put`` /
+before it), ``sample`` (with ``direct``: only the slots, for a learner that gathers them from the shared ring),
+``ring`` (where the shared ring is), ``priorities``, ``stats``, ``weights_put`` / ``weights_get`` (by version), ``deal_put`` /
 ``deal_get`` (an actor's slices), ``snapshot`` and ``shutdown``. A malformed insert is refused whole and counted;
 in throttle mode an insert or a sample waits (Reverb's rate limiter, ``rates.Throttle``) and the time waited is
 counted per side. In scale mode nobody waits: each paced sample gets what the learners owe at the target, and
@@ -27,6 +28,7 @@ from convoy.runtime.slots import SnapshotNoSpace
 from convoy.workloads.rl.buffer import BadTransitions, ReplayBuffer
 from convoy.workloads.rl.rates import Pacer, RateMeter, Throttle
 from convoy.workloads.rl.replay_snapshots import BufferSnapshots
+from convoy.workloads.rl.ring import SharedRing
 from convoy.workloads.rl.staging import Staging
 
 TICK_S = 0.25
@@ -79,10 +81,14 @@ class ReplayService:
                  throttle: Throttle | None = None, credentials: Credentials | None = None,
                  admit: Admit | None = None, limits: Limits | None = None, window_s: float = 2.0,
                  kept: Mapping[str, Any] | None = None, say: Callable[[str], None] = print,
-                 stage_rows: int | None = None) -> None:
+                 stage_rows: int | None = None, ring: SharedRing | None = None) -> None:
         """``kept``: what a snapshot held beside the buffer (``BufferSnapshots.restore``'s second part);
-        ``stage_rows``: a fixed size for the scale mode's staging (None: sized to the table's intake)."""
+        ``stage_rows``: a fixed size for the scale mode's staging (None: sized to the table's intake); ``ring``: the
+        buffer's columns in shared memory, which learners on this host gather from."""
         self.buffer, self.snapshots, self.throttle, self.say = buffer, snapshots, throttle, say
+        self.ring = ring
+        if ring is not None:
+            buffer.share(ring.columns, ring.written)
         self.snapshot_failures = 0
         """Snapshots that found no room (a full /dev/shm): the service serves on and tries again each interval."""
         self._snapshots_back = False
@@ -118,7 +124,7 @@ class ReplayService:
         self.ops: dict[str, Callable[[Message, Identity | None], Message]] = {
             "insert": self._insert, "sample": self._sample, "priorities": self._priorities, "stats": self._stats,
             "weights_put": self._weights_put, "weights_get": self._weights_get, "deal_put": self._deal_put,
-            "deal_get": self._deal_get, "snapshot": self._snapshot, "shutdown": self._shutdown}
+            "deal_get": self._deal_get, "snapshot": self._snapshot, "shutdown": self._shutdown, "ring": self._ring}
         self.listener = Listener(self.handle, host, port, replied=self._replied, credentials=credentials,
                                  admit=admit, limits=limits)
         self.address = self.listener.address
@@ -145,6 +151,8 @@ class ReplayService:
         self.listener.close()
         if self.snapshots is not None:
             self.snapshots.close()
+        if self.ring is not None:  # a learner that still maps it keeps its pages until it lets go
+            self.ring.path.unlink(missing_ok=True)
 
     def _replied(self, reply: Message) -> None:
         if reply.op == "bye":
@@ -245,12 +253,20 @@ class ReplayService:
                 # batches: fewer, larger updates learn less from each environment step)
                 count = self.pacer.count(float(target), count, self.buffer.counters.inserted,
                                          self.buffer.counters.sampled)
-            drawn = self.buffer.sample(count)
+            direct = self.ring is not None and message.meta.get("direct") == self.ring.token.hex()
+            drawn = self.buffer.sample(count, gather=not direct)
             self._admit()
             self.changed.notify_all()
-        tensors = {**drawn.batch, "_slots": drawn.slots, "_written": drawn.written, "_weights": drawn.weights}
+        tensors = {**({} if direct else drawn.batch), "_slots": drawn.slots, "_written": drawn.written,
+                   "_weights": drawn.weights}
         return Message("sampled", {"size": self.buffer.size, "env_steps": self.episodes.env_steps,
-                                   "mean_return": self.episodes.mean_return}, tensors)
+                                   "mean_return": self.episodes.mean_return, "direct": direct}, tensors)
+
+    def _ring(self, message: Message, caller: Identity | None) -> Message:
+        """Where the shared ring is, and the token that proves a mapping of it is this service's ('' : none)."""
+        if self.ring is None:
+            return Message("ring", {"path": "", "token": ""})
+        return Message("ring", {"path": str(self.ring.path), "token": self.ring.token.hex()})
 
     def _admit(self) -> None:
         """Move what the samples now allow from staging into the table (the caller holds ``changed``)."""
