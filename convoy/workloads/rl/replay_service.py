@@ -3,8 +3,8 @@ listener (the role services' transport), a table of handlers, and a ticker that 
 
 Ops (``Message.op``): ``insert`` (an actor's transitions, exactly once: each batch says how many of its own came
 before it), ``sample`` (with ``direct``: only the slots, for a learner that gathers them from the shared ring),
-``ring`` (where the shared ring is), ``priorities``, ``stats``, ``weights_put`` / ``weights_get`` (by version), ``deal_put`` /
-``deal_get`` (an actor's slices), ``snapshot`` and ``shutdown``. A malformed insert is refused whole and counted;
+``ring`` (where the shared ring is), ``priorities``, ``stats``, ``weights_put`` / ``weights_get`` (by version),
+``deal_put`` / ``deal_get`` (an actor's slices), ``snapshot`` and ``shutdown``. A malformed insert is refused whole and counted;
 in throttle mode an insert or a sample waits (Reverb's rate limiter, ``rates.Throttle``) and the time waited is
 counted per side. In scale mode nobody waits: each paced sample gets what the learners owe at the target, and
 inserts enter the table as the samples allow, the rest staged in order (``staging.py``).

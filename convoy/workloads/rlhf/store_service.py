@@ -1,0 +1,162 @@
+"""The ``store`` role's service: the prompts' queue and the sample store behind one listener of the role services'
+authenticated transport. A rollout leases prompts, renews its leases while it works, and puts one group per prompt
+(its responses' tokens, their log-probs under the policy that made them, their rewards, and that policy's version);
+a trainer takes groups under the staleness rule and publishes each new version (with its weights' digest).
+
+Ops: ``lease`` {count}, ``renew``, ``put`` {prompt, version} + tensors, ``take`` {count, current}, ``publish``
+{version, digest} (the trainers only), ``stats``, ``shutdown``. A rollout that stops renewing for ``lease_s`` has its
+prompts given to others; its late groups are refused and counted. A put whose tensors do not make one group of
+``group_size`` responses is refused whole, naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from convoy.errors import ConfigError
+from convoy.parallel.transport import Credentials, Identity, Limits, Listener, Message
+from convoy.parallel.transport.handshake import Admit
+from convoy.workloads.rlhf.prompts import PromptQueue
+from convoy.workloads.rlhf.store import KEPT, SampleStore
+
+TICK_S = 0.5
+GROUP_TENSORS = ("tokens", "mask", "logprobs", "rewards")
+"""A group: tokens and mask [responses, length] (prompt and response; mask 1 on response tokens), log-probs
+[responses, length] (0 outside the response), rewards [responses]."""
+
+
+def holder(caller: Identity | None, message: Message) -> str:
+    if caller is not None:
+        return f"{caller.role}:{caller.rank}:{caller.incarnation}"
+    return str(message.meta.get("holder", ""))
+
+
+class StoreService:
+    def __init__(self, store: SampleStore, prompts: PromptQueue, group_size: int, host: str = "127.0.0.1",
+                 port: int = 0, *, credentials: Credentials | None = None, admit: Admit | None = None,
+                 limits: Limits | None = None, say: Callable[[str], None] = print) -> None:
+        if group_size < 2:
+            raise ConfigError(f"a group needs >= 2 responses (GRPO compares them), got {group_size}")
+        self.store, self.prompts, self.group_size, self.say = store, prompts, group_size, say
+        self.lock = threading.Lock()
+        self.digests: dict[int, str] = {}
+        """Each published version's weights digest, as the trainer reported it."""
+        self.refused_malformed = 0
+        self.stopped = threading.Event()
+        self.ops: dict[str, Callable[[Message, Identity | None], Message]] = {
+            "lease": self._lease, "renew": self._renew, "put": self._put, "take": self._take,
+            "publish": self._publish, "stats": self._stats, "shutdown": self._shutdown}
+        self.listener = Listener(self.handle, host, port, replied=self._replied, credentials=credentials,
+                                 admit=admit, limits=limits)
+        self.address = self.listener.address
+        self._ticker = threading.Thread(target=self._tick, name="store-ticker", daemon=True)
+        self._ticker.start()
+
+    def handle(self, message: Message, caller: Identity | None = None) -> Message:
+        op = self.ops.get(message.op)
+        if op is None:
+            raise ConfigError(f"unknown store op {message.op!r}; one of {sorted(self.ops)}")
+        return op(message, caller)
+
+    def _lease(self, message: Message, caller: Identity | None) -> Message:
+        count = int(message.meta.get("count", 1))
+        if count < 1:
+            raise ConfigError(f"lease at least one prompt, got {count}")
+        with self.lock:
+            taken = self.prompts.lease(holder(caller, message), count, time.monotonic())
+            return Message("leased", {"prompts": taken, "published": self.store.published})
+
+    def _renew(self, message: Message, caller: Identity | None) -> Message:
+        with self.lock:
+            held = self.prompts.renew(holder(caller, message), time.monotonic())
+            return Message("renewed", {"held": held, "published": self.store.published})
+
+    def _put(self, message: Message, caller: Identity | None) -> Message:
+        prompt, version = int(message.meta["prompt"]), int(message.meta["version"])
+        try:
+            group = self._group_of(message.tensors)
+        except ConfigError:
+            with self.lock:
+                self.refused_malformed += 1
+            raise
+        with self.lock:
+            if not self.prompts.finish(holder(caller, message), prompt):
+                return Message("refused", {"why": f"prompt {prompt} is no longer leased to this rollout: it went to "
+                                                  "another (this one was presumed stopped)"})
+            outcome = self.store.put(version, {"prompt": prompt, **group}, holder(caller, message))
+            if outcome != KEPT:
+                self.prompts.add([prompt])  # its group is not kept: the prompt is asked again
+            return Message("put", {"outcome": outcome, "published": self.store.published})
+
+    def _group_of(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        missing = sorted(set(GROUP_TENSORS) - set(tensors))
+        if missing:
+            raise ConfigError(f"a group needs the tensors {list(GROUP_TENSORS)}; missing {missing}")
+        tokens, mask, logprobs, rewards = (tensors[name] for name in GROUP_TENSORS)
+        if tokens.dim() != 2 or tokens.shape[0] != self.group_size or mask.shape != tokens.shape \
+                or logprobs.shape != tokens.shape or rewards.shape != (self.group_size,):
+            raise ConfigError(f"a group is {self.group_size} responses: tokens, mask and logprobs [responses, length], "
+                              f"rewards [responses]; got {list(tokens.shape)}, {list(mask.shape)}, "
+                              f"{list(logprobs.shape)}, {list(rewards.shape)}")
+        if not bool(torch.isfinite(rewards).all()) or not bool(torch.isfinite(logprobs).all()):
+            raise ConfigError("a group's rewards and log-probs must be finite")
+        return {name: tensors[name] for name in GROUP_TENSORS}
+
+    def _take(self, message: Message, caller: Identity | None) -> Message:
+        count, current = int(message.meta.get("count", 1)), int(message.meta["current"])
+        with self.lock:
+            groups = self.store.take(count, current)
+        if not groups:
+            return Message("empty", {"published": self.store.published})
+        length = max(int(g.payload["tokens"].shape[1]) for g in groups)
+        batch = {name: torch.cat([_padded(g.payload[name], length) for g in groups]) for name in GROUP_TENSORS[:3]}
+        batch["rewards"] = torch.cat([g.payload["rewards"] for g in groups])
+        batch["versions"] = torch.tensor([g.version for g in groups], dtype=torch.int64)
+        return Message("taken", {"groups": len(groups), "prompts": [g.payload["prompt"] for g in groups]}, batch)
+
+    def _publish(self, message: Message, caller: Identity | None) -> Message:
+        if caller is not None and caller.role != "trainer":
+            raise ConfigError(f"{caller.describe()} may not publish versions: only the trainers train the weights")
+        version = int(message.meta["version"])
+        with self.lock:
+            self.store.publish(version)
+            self.digests[version] = str(message.meta.get("digest", ""))
+        return Message("published", {"version": version})
+
+    def stats(self) -> dict[str, Any]:
+        with self.lock:
+            queue = self.prompts
+            return {**self.store.stats(), "prompts_waiting": len(queue.waiting), "prompts_leased": len(queue.leased),
+                    "prompts_done": queue.done, "prompts_requeued": queue.requeued, "late_groups": queue.late,
+                    "refused_malformed": self.refused_malformed}
+
+    def _stats(self, message: Message, caller: Identity | None) -> Message:
+        return Message("stats", self.stats())
+
+    def _shutdown(self, message: Message, caller: Identity | None) -> Message:
+        return Message("bye", {})
+
+    def _replied(self, reply: Message) -> None:
+        if reply.op == "bye":
+            self.stopped.set()
+
+    def _tick(self) -> None:
+        while not self.stopped.wait(TICK_S):
+            with self.lock:
+                stopped = self.prompts.expire(time.monotonic())
+            for name in stopped:
+                self.say(f"store: {name} renewed no lease for {self.prompts.lease_s:g} s: presumed stopped, its "
+                         "prompts go to the other rollouts")
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.listener.close()
+
+
+def _padded(tensor: torch.Tensor, length: int) -> torch.Tensor:
+    return torch.nn.functional.pad(tensor, (0, length - int(tensor.shape[1])))
