@@ -43,14 +43,17 @@ def test_a_published_version_is_copied_bit_for_bit_and_only_newer_ones_are(path:
     rollout = WeightBoard.open(path)
     shadow = model(seed=2)
     assert rollout.read_into(shadow, have=0) is None, "nothing published yet"
-    sent = board.publish(1, trainer)
+    sent = board.digest_of(trainer)
+    board.publish(1, trainer, sent)
     assert rollout.read_into(shadow, have=0) == 1
     assert all(torch.equal(shadow[name], t) for name, t in trainer.items())
     assert rollout.digest_of(shadow) == sent == rollout.current()[1]
     assert rollout.read_into(shadow, have=1) is None
     trainer["block3.w"][0, 0] += 1
-    assert board.publish(2, trainer) != sent
+    board.publish(2, trainer)
+    assert rollout.current() == (2, "0" * 32), "a version published without its digest says none"
     assert rollout.read_into(shadow, have=1) == 2 and torch.equal(shadow["block3.w"], trainer["block3.w"])
+    assert rollout.digest_of(shadow) != sent
     with pytest.raises(ConfigError, match="not newer"):
         board.publish(2, trainer)
     rollout.close()

