@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BENCHES := launch checkpoint faults allreduce pipeline local_sgd embedding lookahead gbdt confidential sequence ps \
-	ps_transport api_load live_config hf_trainer dashboard lightning_trainer torchrun_lines strategy
+	ps_transport api_load live_config hf_trainer dashboard lightning_trainer torchrun_lines strategy roles ray_scheduler rl rlhf
 # benchmarks/gpu.py needs a CUDA device: run it on a GPU machine (python3 benchmarks/gpu.py), or --quick --device cpu
 SHELL := /bin/bash
 
