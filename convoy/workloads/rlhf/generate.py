@@ -1,0 +1,74 @@
+"""A rollout's work on one prompt: ``group_size`` responses sampled with temperature through Hugging Face
+``generate`` (one batched call), each scored by the task's checker, laid out as the store takes a group: tokens and
+a mask over prompt + response (1 on the response's tokens, its end-of-text included), the log-probs the sampling
+policy gave the chosen tokens (0 elsewhere), and the rewards. A checker that raises drops the group (counted by the
+caller); it never reaches the store half scored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from convoy.errors import ConfigError
+
+
+class RewardFailed(ConfigError):
+    """The task's reward function raised on a response: the group is dropped and counted, the job goes on."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    group_size: int = 4
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.group_size < 2 or self.max_new_tokens < 1 or self.temperature <= 0:
+            raise ConfigError(f"sampling needs group_size >= 2, max_new_tokens >= 1 and temperature > 0; got "
+                              f"{self.group_size}, {self.max_new_tokens}, {self.temperature}")
+
+
+def prompt_ids(tokenizer: Any, text: str) -> torch.Tensor:
+    """The prompt as the chat model expects it (its chat template, the assistant's turn opened): [1, length]."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=False)
+    return ids if isinstance(ids, torch.Tensor) else torch.tensor([ids])
+
+
+@dataclass(frozen=True)
+class Generated:
+    group: dict[str, torch.Tensor]
+    """tokens, mask, logprobs [responses, prompt + response], rewards [responses]: what the store takes."""
+    texts: list[str]
+
+
+@torch.no_grad()
+def sample_group(model: Any, tokenizer: Any, text: str, score: Callable[[str], float],
+                 sampling: Sampling) -> Generated:
+    """One group for the prompt ``text``; ``score``: a response's reward (``RewardFailed`` if it raises)."""
+    prompt = prompt_ids(tokenizer, text).repeat(sampling.group_size, 1)
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True,
+                         temperature=sampling.temperature, top_k=0, top_p=1.0,
+                         max_new_tokens=sampling.max_new_tokens, return_dict_in_generate=True, output_scores=True,
+                         pad_token_id=tokenizer.eos_token_id)
+    tokens = out.sequences
+    start = prompt.shape[1]
+    chosen = tokens[:, start:]
+    steps = torch.stack(out.scores, dim=1).float().log_softmax(dim=-1)  # the sampling policy's, temperature in
+    picked = steps.gather(2, chosen.unsqueeze(2)).squeeze(2)
+    ended = (chosen == tokenizer.eos_token_id).int().cumsum(dim=1)
+    in_response = (ended == 0) | ((ended == 1) & (chosen == tokenizer.eos_token_id))  # up to its first end
+    mask = torch.zeros(tokens.shape, dtype=torch.float32)
+    mask[:, start:] = in_response.float()
+    logprobs = torch.zeros(tokens.shape, dtype=torch.float32)
+    logprobs[:, start:] = torch.where(in_response, picked, torch.zeros_like(picked))
+    texts = tokenizer.batch_decode(torch.where(in_response, chosen, tokenizer.eos_token_id), skip_special_tokens=True)
+    try:
+        rewards = torch.tensor([float(score(response)) for response in texts])
+    except Exception as exc:  # noqa: BLE001 (any error of the task's function: the group is dropped, said why)
+        raise RewardFailed(f"the reward function raised on a response ({type(exc).__name__}: {exc})") from exc
+    return Generated({"tokens": tokens, "mask": mask, "logprobs": logprobs, "rewards": rewards}, texts)

