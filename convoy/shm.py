@@ -1,8 +1,10 @@
-"""Where shared memory lives, and the names of a job's segments (snapshots, leases); torch-free so the agent
-can clean them."""
+"""Where shared memory lives, the names of a job's segments (snapshots, leases, rings, lanes, weight boards), and
+how one is made and mapped; torch-free so the agent can clean them."""
 
 from __future__ import annotations
 
+import mmap
+import os
 import re
 from pathlib import Path
 
@@ -33,3 +35,28 @@ def remove_segments(job_id: str, node_id: str = "") -> list[Path]:
         except FileNotFoundError:
             pass
     return removed
+
+
+def create_mapped(path: Path, size: int) -> mmap.mmap:
+    """A new segment of ``size`` bytes at ``path`` (mode 0600; an existing file or a link there is an error), its
+    pages reserved now, mapped. Raises ``OSError`` (ENOSPC: /dev/shm is full, here and not as SIGBUS on a first
+    write later) and leaves nothing at ``path`` when it does."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)
+        return mmap.mmap(fd, size)
+    except OSError:
+        path.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)
+
+
+def open_mapped(path: Path) -> mmap.mmap:
+    """An existing segment mapped whole, not through a link. Raises ``OSError``."""
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)

@@ -56,8 +56,9 @@ def test_a_buffer_with_no_room_for_its_snapshot_serves_on_and_its_actors_hold_a_
         pytest.skip(f"cannot mount a tmpfs on /dev/shm in a private mount namespace: {probe.stderr.decode().strip()}")
     secret = Credentials.fresh()
     launched, address = serve(procs, secret, capacity=100_000, every_s=0.1, small_shm=True)  # ~6 MiB a snapshot
-    actor = ReplayClient(lambda: address, secret.as_process(Identity("actor", 0, 1)), find_s=10)
-    learner = ReplayClient(lambda: address, secret.as_process(Identity("learner", 0, 1)), find_s=10)
+    actor = ReplayClient(lambda: address, secret.as_process(Identity("actor", 0, 1)), find_s=10, lane_bytes=1 << 20)
+    learner = ReplayClient(lambda: address, secret.as_process(Identity("learner", 0, 1)), find_s=10,
+                           lane_bytes=1 << 20)
     for batch in range(300):
         actor.insert(transitions(batch * 1000, 1000), env_steps=1000)
         if batch == 5:

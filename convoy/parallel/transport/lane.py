@@ -30,7 +30,7 @@ import torch
 
 from convoy.parallel.transport.errors import BadMessage
 from convoy.parallel.transport.wire import DTYPES, Limits, Message, parse_entry
-from convoy.shm import SHM_DIR, segment_prefix
+from convoy.shm import SHM_DIR, create_mapped, segment_prefix
 
 LANE_META = "_lane"
 OPEN, OPENED, REFUSED = "_lane_open", "_lane_opened", "_lane_refused"
@@ -59,16 +59,7 @@ class Lane:
         size = max(ALIGN * 2, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE)
         prefix = segment_prefix(job_id) if job_id else "convoy-"
         path = SHM_DIR / f"{prefix}lane-{secrets.token_hex(16)}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            os.posix_fallocate(fd, 0, size)
-            mm = mmap.mmap(fd, size)
-        except OSError:
-            path.unlink(missing_ok=True)
-            raise
-        finally:
-            os.close(fd)
+        mm = create_mapped(path, size)
         token = secrets.token_bytes(TOKEN_BYTES)
         mm[:TOKEN_BYTES] = token
         return Lane(mm), path, token

@@ -20,7 +20,6 @@ from __future__ import annotations
 import errno
 import json
 import mmap
-import os
 import secrets
 import struct
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 
 from convoy.errors import ConfigError
+from convoy.shm import create_mapped, open_mapped
 from convoy.workloads.rl.buffer import Layout
 
 MAGIC = b"CVYRING1"
@@ -79,18 +79,12 @@ class SharedRing:
         described = json.dumps(layout.describe()).encode()
         data_at = -(-(HEADER_BYTES + len(described)) // mmap.PAGESIZE) * mmap.PAGESIZE
         total = _offsets(layout, capacity, data_at)[2]
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            os.ftruncate(fd, total)
-            os.posix_fallocate(fd, 0, total)  # a full /dev/shm fails here, not with SIGBUS later
-            mm = mmap.mmap(fd, total)
+            mm = create_mapped(path, total)
         except OSError as exc:
-            path.unlink(missing_ok=True)
             if exc.errno == errno.ENOSPC:
                 raise RingNoSpace(f"no room in {path.parent} for the replay ring of {total / 2**20:.0f} MiB") from exc
             raise
-        finally:
-            os.close(fd)
         token = secrets.token_bytes(16)
         _HEADER.pack_into(mm, 0, MAGIC, token, len(described), capacity)
         mm[HEADER_BYTES:HEADER_BYTES + len(described)] = described
@@ -104,16 +98,15 @@ class SharedRing:
         path, an old ring, not a ring)."""
         where = Path(path)
         try:
-            fd = os.open(where, os.O_RDWR | os.O_NOFOLLOW)
+            mm = open_mapped(where)
         except OSError as exc:
             raise ConfigError(f"cannot open the replay ring {where}: {exc.strerror}") from exc
-        try:
-            size = os.fstat(fd).st_size
-            if size < HEADER_BYTES:
-                raise ConfigError(f"{where} is not a replay ring ({size} bytes)")
-            mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+        except ValueError as exc:  # an empty file cannot be mapped
+            raise ConfigError(f"{where} is not a replay ring (empty)") from exc
+        size = len(mm)
+        if size < HEADER_BYTES:
+            mm.close()
+            raise ConfigError(f"{where} is not a replay ring ({size} bytes)")
         magic, held, described_bytes, capacity = _HEADER.unpack_from(mm, 0)
         if magic != MAGIC or not secrets.compare_digest(held, token) or not 0 < described_bytes < size:
             mm.close()

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from convoy.errors import ConfigError
+from convoy.shm import create_mapped, open_mapped
 from convoy.workloads.rlhf.buckets import Manifest, digest
 
 MAGIC = b"CVYWGHT1"
@@ -63,19 +64,14 @@ class WeightBoard:
         data_at = -(-(HEADER_BYTES + len(described)) // mmap.PAGESIZE) * mmap.PAGESIZE
         total = data_at + 2 * slot_bytes
         tmp = path.with_name(path.name + ".new")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        tmp.unlink(missing_ok=True)  # a creation cut short before
         try:
-            os.ftruncate(fd, total)
-            os.posix_fallocate(fd, 0, total)  # a full /dev/shm fails here, not with SIGBUS mid-copy
-            mm = mmap.mmap(fd, total)
+            mm = create_mapped(tmp, total)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
             if exc.errno == errno.ENOSPC:
                 raise WeightBoardNoSpace(f"no room in {path.parent} for a weight board of {total / 2**20:.0f} MiB") \
                     from exc
             raise
-        finally:
-            os.close(fd)
         _HEADER.pack_into(mm, 0, MAGIC, len(described), slot_bytes, -1, bytes(16))
         mm[HEADER_BYTES:HEADER_BYTES + len(described)] = described
         os.replace(tmp, path)
@@ -83,14 +79,14 @@ class WeightBoard:
 
     @staticmethod
     def open(path: Path) -> WeightBoard:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         try:
-            size = os.fstat(fd).st_size
-            if size < HEADER_BYTES:
-                raise ConfigError(f"{path} is not a weight board ({size} bytes)")
-            mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+            mm = open_mapped(path)
+        except (OSError, ValueError) as exc:  # ValueError: an empty file cannot be mapped
+            raise ConfigError(f"cannot map the weight board {path}: {exc}") from exc
+        size = len(mm)
+        if size < HEADER_BYTES:
+            mm.close()
+            raise ConfigError(f"{path} is not a weight board ({size} bytes)")
         magic, described_bytes, slot_bytes, _, _ = _HEADER.unpack_from(mm, 0)
         if magic != MAGIC or not 0 < described_bytes <= size - HEADER_BYTES:
             mm.close()
