@@ -136,8 +136,10 @@ def test_a_killed_driver_started_again_with_resume_takes_the_job_back(
 
 def test_a_job_of_higher_priority_gets_a_node_from_an_elastic_one_which_grows_back(
         procs: ProcessScope, tmp_path: Path, cluster: LocalRayCluster) -> None:
+    # long enough to outlast the priority job's start on a loaded machine (in one CI run the job of 320 steps
+    # finished before the priority job had started, ended, and handed the node back)
     low = procs.start(["run", *ON, "--address", cluster.address, "--nnodes", "1:2", "--run-dir", tmp_path / "low",
-                       "--stop-grace", 2, EXAMPLE, "--steps", 320, "--step-time", 0.05, "--persist-every", 0],
+                       "--stop-grace", 2, EXAMPLE, "--steps", 800, "--step-time", 0.05, "--persist-every", 0],
                       env=cluster.driver_env)
     low.wait_output(r"round 1: 2 nodes", timeout=120)
     low.wait_output(r"\[rank0\]: step 20 loss")
@@ -151,5 +153,5 @@ def test_a_job_of_higher_priority_gets_a_node_from_an_elastic_one_which_grows_ba
     result = low.wait(240)
     assert result.returncode == 0, result.explain()
     assert "with 0 restart(s)" in result.stdout and "its node given to a job of higher priority" in result.stdout
-    assert _resumed_after_every_finished_step(tmp_path / "low") == 319
+    assert _resumed_after_every_finished_step(tmp_path / "low") == 799
     procs.wait_no_leftovers()
