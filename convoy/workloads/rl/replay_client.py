@@ -24,7 +24,7 @@ from convoy.workloads.rl.ring import SharedRing
 FIND_S = 60.0
 """How long a call looks for the replay service (restarting, or not yet published) before it gives up."""
 LANE_BYTES = 0
-"""No shared-memory lane by default: for the replay's messages it did not pay on a 2-core machine (0.89-0.93x the
+"""No shared-memory lane by default: for the replay's messages it did not pay on a 2-core machine (0.86-0.96x the
 socket, benchmarks/results/rl.txt); the samples, the bulk of the bytes, come from the shared ring instead."""
 
 
