@@ -7,9 +7,11 @@ import atexit
 import ctypes
 import gc
 import os
+import select
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, NamedTuple, NoReturn
@@ -187,3 +189,67 @@ def sample_tree(root_pid: int) -> TreeMemory:
         one = process_memory(pid)
         rss, uss, pss, count = rss + one.rss_bytes, uss + one.uss_bytes, pss + one.pss_bytes, count + one.num_processes
     return TreeMemory(rss, uss, pss, count)
+
+
+class Wakeup:
+    """A flag that other threads set and a main thread waits on, safe where a signal handler raises.
+
+    The launcher, the master and the agent turn SIGINT and SIGTERM into ``Interrupted``, raised in the main thread
+    wherever it is (``raise_interrupted``). ``threading.Event.wait`` and ``Condition.wait`` are not safe against
+    that: the exception can land in the Python code where the wait takes its condition's lock back, so the lock is
+    left released and leaving the ``with`` fails with "release unlocked lock" in place of the stop (an agent's
+    SIGTERM once ended in that traceback). ``Wakeup.wait`` holds no lock: it polls a pipe, and an exception raised
+    while it waits leaves nothing half done. It means what ``threading.Event`` means: ``set`` (from any thread, or
+    a signal handler) wakes every waiter until ``clear``.
+    """
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._poll = select.poll()
+        self._poll.register(self._read, select.POLLIN)
+        self._set = False
+
+    def set(self) -> None:
+        # The byte goes before the flag: a byte still in the pipe then means the flag is set (or a clear is under
+        # way), so a waiter never finds the pipe readable with nothing to wake it for.
+        if self._set:
+            return
+        try:
+            os.write(self._write, b"\0")
+        except (BlockingIOError, OSError):  # the pipe is full (a wake is waiting already), or it is closed
+            pass
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def clear(self) -> None:
+        self._set = False
+        try:
+            while os.read(self._read, 4096):
+                pass
+        except (BlockingIOError, OSError):  # drained, or closed
+            pass
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until set or ``timeout`` seconds have passed (None: no bound); whether it is set."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._set:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            self._poll.poll(None if left is None else max(1, int(left * 1000 + 0.999)))
+        return self._set
+
+    def close(self) -> None:
+        for fd in (self._read, self._write):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def __enter__(self) -> Wakeup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -20,13 +20,14 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable
 
 from convoy import log
 from convoy.agent.env import STEADY_MALLOC, spawn_env
 from convoy.config import WorkerConfig
 from convoy.errors import ConfigError, WorkerStartError
 from convoy.procs import die_with_parent, process_running, process_status, signal_name
+from convoy.procs import Wakeup
 
 MAX_MESSAGE = 1 << 20
 ANSWER_S = 10.0
@@ -49,8 +50,7 @@ def server_env(host: str, job_id: str, node_id: str) -> dict[str, str]:
 
 
 def start_fork_server(workers: WorkerConfig, host: str, job_id: str, node_id: str) -> ForkServer | None:
-    """Start the node's fork server, preloading ``WorkerConfig.role_preload`` (None, said on stderr, where it cannot
-    start)."""
+    """Start the node's fork server, preloading ``role_preload`` (None, said on stderr, where it cannot start)."""
     try:
         forks = ForkServer.start(workers.role_preload(), server_env(host, job_id, node_id))
     except OSError as exc:
@@ -116,10 +116,9 @@ class ForkServer:
         """The node it serves, for the lines that name it."""
         self.answer_s = answer_s
         self._pid = proc.pid if proc is not None else pid
-        self._lock = threading.Condition()
-        self._ready = False
-        self._dead = False
-        self._closing = False
+        self._lock = threading.RLock()
+        self._said = Wakeup()  # set as the server says something; the agent's main thread waits on it
+        self._ready = self._dead = self._closing = False
         self._fault = ""
         self._answers: dict[int, dict[str, Any]] = {}
         self._reported: dict[int, int] = {}
@@ -169,8 +168,8 @@ class ForkServer:
 
     def wait_ready(self, timeout: float) -> bool:
         """Wait (bounded) until the server has preloaded; False if it died or did not make it in time."""
+        self._until(lambda: self._ready or self._dead, timeout)
         with self._lock:
-            self._lock.wait_for(lambda: self._ready or self._dead, timeout)
             return self._ready and not self._dead
 
     def spawn(self, env: dict[str, str], argv: list[str], entrypoint: str, module: bool, cgroups: list[str],
@@ -198,8 +197,8 @@ class ForkServer:
             raise WorkerStartError(f"cannot reach the fork server: {exc}") from exc
         finally:
             os.close(write_end)
+        answered = self._until(lambda: order_id in self._answers or self._dead, self.answer_s)
         with self._lock:
-            answered = self._lock.wait_for(lambda: order_id in self._answers or self._dead, self.answer_s)
             answer = self._answers.pop(order_id, None)
         if answer is None:
             os.close(read_end)
@@ -301,11 +300,26 @@ class ForkServer:
                     pass
         self._reader.join(timeout=1.0)
         self.sock.close()
+        if not self._reader.is_alive():  # else its last set could write to a reused descriptor
+            self._said.close()
 
     def pause(self, seconds: float) -> None:
         """Sleep until the server says something or ``seconds`` have passed."""
-        with self._lock:
-            self._lock.wait(seconds)
+        self._said.wait(seconds)
+        self._said.clear()
+
+    def _until(self, done: Callable[[], bool], timeout: float) -> bool:
+        """Wait (bounded) until ``done()`` holds (read under the lock); whether it did. One thread waits at a time."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._said.clear()  # before the look: what the server says after it wakes the wait below
+            with self._lock:
+                if done():
+                    return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._said.wait(left)
 
     def _exited(self, pid: int, code: int) -> None:
         """The server reported a process's exit (call with the lock held)."""
@@ -349,7 +363,7 @@ class ForkServer:
                     if "pid" in message:
                         self._reported.pop(int(message["pid"]), None)  # of an earlier process with its pid
                     self._answers[int(message["id"])] = message
-                self._lock.notify_all()
+            self._said.set()
             if message is None:
                 return
 

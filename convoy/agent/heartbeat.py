@@ -12,6 +12,7 @@ from convoy.agent.agent_config import AgentConfig
 from convoy.control.protocol import messages as p
 from convoy.control.protocol.client import MasterClient
 from convoy.errors import ConvoyError
+from convoy.procs import Wakeup
 from convoy.worker.lease import LeaseWriter
 from convoy.worker.live_config import config_file, write_config
 from convoy.worker.role_env import addresses_file, write_addresses
@@ -27,7 +28,8 @@ class Heartbeat(threading.Thread):
                                    config.tls_ca)
         self.latest: p.HeartbeatResponse | None = None
         self.error: ConvoyError | None = None
-        self.changed = threading.Event()
+        self.changed = Wakeup()
+        """The agent's main thread waits on it (a stop signal may raise there: ``procs.Wakeup``)."""
         self.stopping = threading.Event()
         self.lease: LeaseWriter | None = None
         self.running: p.RoundInfo | None = None

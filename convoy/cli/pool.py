@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import threading
 import time
 import uuid
 
@@ -20,6 +19,7 @@ from convoy.control.pool.claims import Amount, Claim, describe
 from convoy.control.pool.store import PoolStore
 from convoy.errors import ConfigError
 from convoy.ray_config import parse_size
+from convoy.procs import Wakeup
 
 POLL_S = 0.02
 
@@ -57,7 +57,7 @@ def preempt(args: argparse.Namespace) -> int:
                           f"{store.capacity.describe()} ({store.path}): it could never be free; ask for at most that")
     if args.seconds is not None and not args.seconds >= 0:
         raise ConfigError(f"--seconds {args.seconds}: give 0 or more seconds")
-    stop = threading.Event()
+    stop = Wakeup()  # a handler that sets a threading.Event can deadlock on the lock its wait holds
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     job_id = f"preempt-{uuid.uuid4().hex[:8]}"
     asked = Claim(job_id, args.priority, Amount(), Amount(), need, time.time(), os.getpid(), "")
@@ -82,3 +82,4 @@ def preempt(args: argparse.Namespace) -> int:
         store.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        stop.close()

@@ -31,8 +31,10 @@ from convoy.control.token import TOKEN_FILE, new_token, read_token, write_token
 from convoy.control.training.calls import TrainCalls
 from convoy.errors import ConflictError, StateWriteError
 from convoy.sanitize import printable
+from convoy.procs import Wakeup
 
 TICK_S = 0.1
+ENDED_LOOK_S = 1.0
 STATE_RETRY_S = 0.5
 """How often the ticker tries again to write a state that could not be written."""
 STATE_WRITE_GIVE_UP_S = 20.0
@@ -106,6 +108,7 @@ class JobMaster:
         self._rejected: dict[str, tuple[float, int]] = {}  # client -> (last recorded, rejected since)
         self._event_budgets: dict[str, EventBudget] = {}  # node id -> its workers' events budget
         self._stopping = threading.Event()
+        self._ended = Wakeup()  # set once the job has ended: wait_ended waits on it in the main thread
         self._ticker = threading.Thread(target=self._tick_loop, name="convoy-ticker", daemon=True)
         self.started_at = time.time()
 
@@ -148,8 +151,12 @@ class JobMaster:
         self.train_calls.status_store.close()
 
     def wait_ended(self, timeout: float | None = None) -> bool:
-        with self._changed:
-            return self._changed.wait_for(lambda: self.ended, timeout)
+        """Whether the job ended within ``timeout`` seconds (None: no bound), safe where a stop signal raises: it
+        waits on ``_ended``, which ``_apply`` sets (the look each second is a bound, not the way it is woken)."""
+        deadline = time.monotonic() + (timeout if timeout is not None else float("inf"))
+        while not self.ended and time.monotonic() < deadline:
+            self._ended.wait(min(ENDED_LOOK_S, deadline - time.monotonic()))
+        return self.ended
 
     # --- API calls; each runs on a server thread ---
 
@@ -293,14 +300,9 @@ class JobMaster:
     def status(self) -> dict[str, Any]:
         with self._changed:
             membership = self.job.membership
-            return {
-                "job_id": self.job.job_id,
-                "status": self.job.status,
-                "round_id": self.job.round_id,
-                "restart_count": self.job.restart_count,
-                "outcome": self.job.outcome,
-                "round": self._round_info(membership).model_dump() if membership else None,
-            }
+            return {"job_id": self.job.job_id, "status": self.job.status, "round_id": self.job.round_id,
+                    "restart_count": self.job.restart_count, "outcome": self.job.outcome,
+                    "round": self._round_info(membership).model_dump() if membership else None}
 
     # --- internals ---
 
@@ -364,6 +366,8 @@ class JobMaster:
             if event.console:
                 self.console(f"convoy: {printable(event.message, keep_lines=True)}")
         self._changed.notify_all()
+        if self.ended:
+            self._ended.set()
 
     def _state_write_give_up(self, now: float) -> list[Event]:
         """Fail the job once agents have waited on an unwritten state for too long (a job that only
