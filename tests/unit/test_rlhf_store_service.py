@@ -105,3 +105,64 @@ def test_bad_input_is_refused_by_name(service: StoreService) -> None:
 def test_a_group_needs_two_responses() -> None:
     with pytest.raises(ConfigError, match=">= 2 responses"):
         StoreService(SampleStore(4, 0), PromptQueue(1.0), 1, credentials=JOB)
+
+
+@pytest.mark.parametrize("max_lag", [0, 1])
+def test_new_prompts_are_issued_only_k_steps_ahead_of_the_trainers(max_lag: int) -> None:
+    """Two groups a step: with k = 0 a version gets exactly its step's prompts (synchronous), with k = 1 the rollouts
+    may make one step more while the trainers train; a rollout whose weights are too old gets none."""
+    served = StoreService(SampleStore(capacity=64, max_lag=max_lag), PromptQueue(lease_s=30.0), GROUP, per_step=2,
+                          credentials=JOB, say=lambda line: None)
+    try:
+        rollout, trainer = caller(served, "rollout"), caller(served, "trainer")
+        assert rollout.request(Message("lease", {"count": 10, "version": 0})).meta["prompts"] == \
+            list(range(2 * (1 + max_lag)))
+        assert rollout.request(Message("lease", {"count": 10, "version": 0})).meta["prompts"] == []
+        trainer.request(Message("publish", {"version": 1}))
+        more = rollout.request(Message("lease", {"count": 10, "version": 1 - max_lag})).meta["prompts"]
+        assert more == list(range(2 * (1 + max_lag), 2 * (2 + max_lag)))
+        trainer.request(Message("publish", {"version": 3}))
+        assert rollout.request(Message("lease", {"count": 10, "version": 2 - max_lag})).meta["prompts"] == [], \
+            "weights older than k versions: take the newer ones first"
+    finally:
+        served.close()
+
+
+def test_a_dropped_prompt_is_done_counted_and_replaced_by_a_new_one() -> None:
+    served = StoreService(SampleStore(capacity=64, max_lag=0), PromptQueue(lease_s=30.0), GROUP, per_step=2,
+                          credentials=JOB, say=lambda line: None)
+    try:
+        rollout = caller(served, "rollout")
+        assert rollout.request(Message("lease", {"count": 5, "version": 0})).meta["prompts"] == [0, 1]
+        assert rollout.request(Message("drop", {"prompt": 1, "why": "reward function raised"})).op == "dropped"
+        assert rollout.request(Message("lease", {"count": 5, "version": 0})).meta["prompts"] == [2]
+        assert caller(served, "rollout", rank=1).request(Message("drop", {"prompt": 0})).op == "refused", \
+            "not its lease"
+        stats = served.stats()
+        assert stats["dropped_prompts"] == {"reward function raised": 1} and stats["issued"] == 3
+    finally:
+        served.close()
+
+
+def test_a_rollout_that_goes_silent_is_said_stopped_once_with_or_without_prompts_and_again_when_it_answers() -> None:
+    said: list[str] = []
+    served = StoreService(SampleStore(capacity=64, max_lag=1), PromptQueue(lease_s=0.6), GROUP, per_step=2,
+                          credentials=JOB, say=said.append)
+    try:
+        idle, busy = caller(served, "rollout", rank=0), caller(served, "rollout", rank=1)
+        idle.request(Message("renew", {}))
+        leased = busy.request(Message("lease", {"count": 2, "version": 0})).meta["prompts"]
+        deadline = time.monotonic() + 10
+        while len([line for line in said if "presumed stopped" in line]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stopped = sorted(line for line in said if "presumed stopped" in line)
+        assert stopped == [f"store: rollout:{rank}:1 renewed no lease for 0.6 s: presumed stopped, its prompts go to "
+                           "the other rollouts" for rank in (0, 1)]
+        assert list(served.prompts.waiting) == leased, "the silent one's prompts wait for another"
+        time.sleep(1.0)
+        assert len([line for line in said if "presumed stopped" in line]) == 2, "said once"
+        idle.request(Message("renew", {}))
+        assert said[-1] == "store: rollout:0:1 answers again; the groups it makes for prompts that went to others " \
+                           "are refused"
+    finally:
+        served.close()

@@ -43,17 +43,17 @@ def test_a_published_version_is_copied_bit_for_bit_and_only_newer_ones_are(path:
     rollout = WeightBoard.open(path)
     shadow = model(seed=2)
     assert rollout.read_into(shadow, have=0) is None, "nothing published yet"
-    sent = board.digest_of(trainer)
-    board.publish(1, trainer, sent)
+    sent = board.publish(1, trainer)
+    assert sent == board.digest_of(trainer), "the digest of what it wrote is the trainer's weights' own"
     assert rollout.read_into(shadow, have=0) == 1
     assert all(torch.equal(shadow[name], t) for name, t in trainer.items())
-    assert rollout.digest_of(shadow) == sent == rollout.current()[1]
+    assert rollout.digest_of(shadow) == sent == rollout.current()[1] == rollout.read_digest
     assert rollout.read_into(shadow, have=1) is None
     trainer["block3.w"][0, 0] += 1
-    board.publish(2, trainer)
-    assert rollout.current() == (2, "0" * 32), "a version published without its digest says none"
+    second = board.publish(2, trainer)
+    assert rollout.current() == (2, second) and second != sent
     assert rollout.read_into(shadow, have=1) == 2 and torch.equal(shadow["block3.w"], trainer["block3.w"])
-    assert rollout.digest_of(shadow) != sent
+    assert rollout.digest_of(shadow) == rollout.read_digest == second
     with pytest.raises(ConfigError, match="not newer"):
         board.publish(2, trainer)
     rollout.close()
@@ -106,6 +106,7 @@ def test_a_reader_never_keeps_a_torn_version_while_another_process_publishes(pat
             reads += 1
             for name, tensor in shadow.items():
                 assert bool((tensor == got).all()), f"version {got} torn in {name}"
+            assert board.read_digest == board.digest_of(shadow), f"version {got}'s digest is not its own"
             have = got
         assert writer.wait(60) == 0 and have == 399 and reads > 1
     finally:

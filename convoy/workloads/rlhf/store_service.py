@@ -3,10 +3,12 @@ authenticated transport. A rollout leases prompts, renews its leases while it wo
 (its responses' tokens, their log-probs under the policy that made them, their rewards, and that policy's version);
 a trainer takes groups under the staleness rule and publishes each new version (with its weights' digest).
 
-Ops: ``lease`` {count}, ``renew``, ``put`` {prompt, version} + tensors, ``take`` {count, current}, ``publish``
-{version, digest} (the trainers only), ``stats``, ``shutdown``. A rollout that stops renewing for ``lease_s`` has its
-prompts given to others; its late groups are refused and counted. A put whose tensors do not make one group of
-``group_size`` responses is refused whole, naming what is wrong.
+Ops: ``lease`` {count, version}, ``renew``, ``put`` {prompt, version} + tensors, ``drop`` {prompt, why},
+``take`` {count, current}, ``publish`` {version, digest} (the trainers only), ``stats``, ``shutdown``. A rollout that
+stops renewing for ``lease_s`` has its prompts given to others; its late groups are refused and counted. A put whose
+tensors do not make one group of ``group_size`` responses is refused whole, naming what is wrong. With ``per_step``,
+the service issues new prompt numbers itself, only as many as keep the rollouts within k trainer steps of the
+trainers; a prompt dropped (its reward function raised) is done and counted, and one more is issued in its place.
 """
 
 from __future__ import annotations
@@ -38,18 +40,30 @@ def holder(caller: Identity | None, message: Message) -> str:
 
 class StoreService:
     def __init__(self, store: SampleStore, prompts: PromptQueue, group_size: int, host: str = "127.0.0.1",
-                 port: int = 0, *, credentials: Credentials | None = None, admit: Admit | None = None,
-                 limits: Limits | None = None, say: Callable[[str], None] = print) -> None:
+                 port: int = 0, *, per_step: int = 0, credentials: Credentials | None = None,
+                 admit: Admit | None = None, limits: Limits | None = None, say: Callable[[str], None] = print) -> None:
         if group_size < 2:
             raise ConfigError(f"a group needs >= 2 responses (GRPO compares them), got {group_size}")
+        if per_step < 0:
+            raise ConfigError(f"per_step must be >= 0 groups (0: prompts are added by the caller), got {per_step}")
         self.store, self.prompts, self.group_size, self.say = store, prompts, group_size, say
+        self.per_step = per_step
+        """Groups a trainer step takes: new prompts are issued on demand up to ``per_step * (published + 1 + k)``,
+        so the rollouts run at most k steps ahead of the trainers (k = 0: one step's prompts per version)."""
+        self.issued = 0
+        self.heard: dict[str, float] = {}
+        """When each rollout last called (its leases and renewals): one silent for ``lease_s`` is presumed stopped,
+        whether or not it holds prompts."""
+        self.silent: set[str] = set()
+        self.dropped: dict[str, int] = {}
+        """Prompts a rollout could make no group of, by why (a reward function that raised): done, not asked again."""
         self.lock = threading.Lock()
         self.digests: dict[int, str] = {}
         """Each published version's weights digest, as the trainer reported it."""
         self.refused_malformed = 0
         self.stopped = threading.Event()
         self.ops: dict[str, Callable[[Message, Identity | None], Message]] = {
-            "lease": self._lease, "renew": self._renew, "put": self._put, "take": self._take,
+            "lease": self._lease, "renew": self._renew, "put": self._put, "drop": self._drop, "take": self._take,
             "publish": self._publish, "stats": self._stats, "shutdown": self._shutdown}
         self.listener = Listener(self.handle, host, port, replied=self._replied, credentials=credentials,
                                  admit=admit, limits=limits)
@@ -64,15 +78,27 @@ class StoreService:
         return op(message, caller)
 
     def _lease(self, message: Message, caller: Identity | None) -> Message:
-        count = int(message.meta.get("count", 1))
+        """Prompts for a rollout whose weights are ``version`` (none while its version is too old to be trained on:
+        it takes the newer weights first)."""
+        count, version = int(message.meta.get("count", 1)), message.meta.get("version")
         if count < 1:
             raise ConfigError(f"lease at least one prompt, got {count}")
         with self.lock:
+            self._heard(holder(caller, message))
+            published = self.store.published
+            if version is not None and int(version) < published - self.store.max_lag:
+                return Message("leased", {"prompts": [], "published": published})
+            if self.per_step:
+                allowed = self.per_step * (published + 1 + self.store.max_lag) + sum(self.dropped.values())
+                fresh = max(0, min(count - len(self.prompts.waiting), allowed - self.issued))
+                self.prompts.add(list(range(self.issued, self.issued + fresh)))
+                self.issued += fresh
             taken = self.prompts.lease(holder(caller, message), count, time.monotonic())
-            return Message("leased", {"prompts": taken, "published": self.store.published})
+            return Message("leased", {"prompts": taken, "published": published})
 
     def _renew(self, message: Message, caller: Identity | None) -> Message:
         with self.lock:
+            self._heard(holder(caller, message))
             held = self.prompts.renew(holder(caller, message), time.monotonic())
             return Message("renewed", {"held": held, "published": self.store.published})
 
@@ -92,6 +118,14 @@ class StoreService:
             if outcome != KEPT:
                 self.prompts.add([prompt])  # its group is not kept: the prompt is asked again
             return Message("put", {"outcome": outcome, "published": self.store.published})
+
+    def _drop(self, message: Message, caller: Identity | None) -> Message:
+        prompt, why = int(message.meta["prompt"]), str(message.meta.get("why", ""))[:200] or "no reason given"
+        with self.lock:
+            if not self.prompts.finish(holder(caller, message), prompt):
+                return Message("refused", {"why": f"prompt {prompt} is no longer leased to this rollout"})
+            self.dropped[why] = self.dropped.get(why, 0) + 1
+            return Message("dropped", {"published": self.store.published})
 
     def _group_of(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         missing = sorted(set(GROUP_TENSORS) - set(tensors))
@@ -133,7 +167,8 @@ class StoreService:
             queue = self.prompts
             return {**self.store.stats(), "prompts_waiting": len(queue.waiting), "prompts_leased": len(queue.leased),
                     "prompts_done": queue.done, "prompts_requeued": queue.requeued, "late_groups": queue.late,
-                    "refused_malformed": self.refused_malformed}
+                    "refused_malformed": self.refused_malformed, "dropped_prompts": dict(self.dropped),
+                    "issued": self.issued, "digests": {str(v): d for v, d in sorted(self.digests.items())}}
 
     def _stats(self, message: Message, caller: Identity | None) -> Message:
         return Message("stats", self.stats())
@@ -145,10 +180,23 @@ class StoreService:
         if reply.op == "bye":
             self.stopped.set()
 
+    def _heard(self, name: str) -> None:
+        """(With the lock held.)"""
+        self.heard[name] = time.monotonic()
+        if name in self.silent:
+            self.silent.discard(name)
+            self.say(f"store: {name} answers again; the groups it makes for prompts that went to others are refused")
+
     def _tick(self) -> None:
         while not self.stopped.wait(TICK_S):
+            now = time.monotonic()
             with self.lock:
-                stopped = self.prompts.expire(time.monotonic())
+                expired = set(self.prompts.expire(now))
+                quiet = {name for name, at in self.heard.items() if now - at > self.prompts.lease_s}
+                stopped = sorted((expired | quiet) - self.silent)
+                self.silent.update(stopped)
+                for name in stopped:
+                    self.prompts.release(name)
             for name in stopped:
                 self.say(f"store: {name} renewed no lease for {self.prompts.lease_s:g} s: presumed stopped, its "
                          "prompts go to the other rollouts")

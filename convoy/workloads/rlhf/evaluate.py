@@ -1,0 +1,74 @@
+"""The held-out evaluation: the policy's greedy answers to prompts no training prompt is (``Arithmetic.held_out``),
+scored by the task's checker, in batches left-padded as a decoder generates them; and the reward curve as a PNG."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from convoy.errors import ConfigError
+from convoy.workloads.rlhf.generate import prompt_ids
+from convoy.workloads.rlhf.task import Prompt
+
+BATCH = 32
+
+
+def scored(score: Callable[[str, int], float], text: str, answer: int) -> float | None:
+    """The reward, None where the reward function raises (the evaluation counts it as 0 and says how many)."""
+    try:
+        return float(score(text, answer))
+    except Exception:  # noqa: BLE001 (any error of the task's function)
+        return None
+
+
+@torch.no_grad()
+def held_out_reward(model: Any, tokenizer: Any, prompts: Sequence[Prompt], max_new_tokens: int,
+                    score: Callable[[str, int], float]) -> tuple[float, int]:
+    """The mean reward of the greedy answers (the task's accuracy, for its checker), and how many answers the reward
+    function raised on (each counted as 0)."""
+    was_training = model.training
+    model.eval()
+    total, failed = 0.0, 0
+    try:
+        for first in range(0, len(prompts), BATCH):
+            chunk = prompts[first:first + BATCH]
+            rows = [prompt_ids(tokenizer, prompt.text)[0] for prompt in chunk]
+            width = max(len(row) for row in rows)
+            ids = torch.full((len(rows), width), tokenizer.eos_token_id, dtype=torch.long)
+            mask = torch.zeros((len(rows), width), dtype=torch.long)
+            for i, row in enumerate(rows):  # left-padded: every prompt ends where generation starts
+                ids[i, width - len(row):] = row
+                mask[i, width - len(row):] = 1
+            out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+                                 pad_token_id=tokenizer.eos_token_id)
+            texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+            for text, prompt in zip(texts, chunk, strict=True):
+                value = scored(score, text, prompt.answer)
+                total += value or 0.0
+                failed += value is None
+    finally:
+        model.train(was_training)
+    return total / len(prompts), failed
+
+
+def plot_reward(points: Sequence[tuple[int, float]], path: Path, title: str) -> None:
+    """Held-out reward against samples trained on (``points``: (samples, reward))."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        from matplotlib import pyplot
+    except ImportError as exc:
+        raise ConfigError("plotting the reward curve needs matplotlib: pip install 'convoy[plot]'") from exc
+    figure, axes = pyplot.subplots(figsize=(7, 4))
+    axes.plot([p[0] for p in points], [100 * p[1] for p in points], marker="o", linewidth=1.5)
+    axes.set_xlabel("samples trained on (responses)")
+    axes.set_ylabel("held-out reward (% right)")
+    axes.set_title(title)
+    axes.grid(alpha=0.3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    pyplot.close(figure)

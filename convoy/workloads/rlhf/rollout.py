@@ -1,0 +1,197 @@
+"""A rollout process: it holds the policy twice (the model it generates with and a shadow), leases prompts from the
+store, makes one group per prompt with the weights of one version, and puts it with that version.
+
+Weights: a thread copies each newer version from the host's weight board into the shadow while generation goes on
+with the live model, and checks the copy's digest against the one the trainer wrote with it. Between two groups (a
+token boundary: no group mixes versions) the main loop swaps the two models; that swap is all the pause a sync costs
+generation (``pauses_ms``). Each version a rollout takes is an event of the job, ``weights_synced``, with both
+digests (the job's record keeps 20 events per node per 10 s: past that they are counted, and the process's last
+line says how many versions it took, each checked).
+
+Leases: another thread renews this process's leases every quarter of ``lease_s`` on a connection of its own. A
+process that is stopped (SIGSTOP) renews nothing, so the store gives its prompts to the others; one that dies has
+them given back when its lease runs out. A reward function that raises drops that prompt's group (``drop``, counted
+by the store and here); the process goes on.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from convoy.errors import ConfigError
+from convoy.parallel.transport import ConnectionLost
+from convoy.worker.events import emit
+from convoy.worker.report import report
+from convoy.workloads.rlhf.config import GRPOConfig
+from convoy.workloads.rlhf.generate import RewardFailed, Sampling, sample_group
+from convoy.workloads.rlhf.store_client import StoreClient
+from convoy.workloads.rlhf.task import Arithmetic, reward
+from convoy.workloads.rlhf.weight_board import WeightBoard
+
+LOOK_S = 0.05
+"""How often the weight thread looks at the board for a newer version."""
+IDLE_S = 0.05
+"""How long the main loop sleeps when the store has no prompt for it (the trainers are behind)."""
+BOARD_WAIT_S = 600.0
+"""How long a rollout waits for the trainer's first version (the trainer loads its models first)."""
+
+
+def parameters(model: Any) -> dict[str, torch.Tensor]:
+    return dict(model.named_parameters())
+
+
+class WeightFetcher(threading.Thread):
+    """Copies each newer version from the board into the shadow model; ``ready`` holds its version once the copy
+    is checked, until the main loop swaps and hands the other model back (``swapped``)."""
+
+    def __init__(self, board_path: Path, shadow: Any, say: Callable[[str], None]) -> None:
+        super().__init__(name="rollout-weights", daemon=True)
+        self.board_path, self.shadow, self.say = board_path, shadow, say
+        self.have = -1
+        self.ready: tuple[int, str, str] | None = None
+        """(version, the trainer's digest, the shadow's own digest) of a copy waiting for its swap."""
+        self.handed = threading.Event()
+        self.stopping = threading.Event()
+        self.failure: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            board = self._open()
+            while not self.stopping.is_set():
+                version = board.read_into(parameters(self.shadow), self.have)
+                if version is None:
+                    self.stopping.wait(LOOK_S)
+                    continue
+                theirs, mine = board.read_digest, board.digest_of(parameters(self.shadow))
+                self.have = version
+                self.handed.clear()
+                self.ready = (version, theirs, mine)
+                while not self.handed.wait(LOOK_S):  # the main loop swaps at its next boundary
+                    if self.stopping.is_set():
+                        return
+        except BaseException as exc:  # noqa: BLE001 (the main loop raises it: a rollout without weights stops)
+            self.failure = exc
+
+    def _open(self) -> WeightBoard:
+        deadline = time.monotonic() + BOARD_WAIT_S
+        while not self.board_path.exists():
+            if time.monotonic() > deadline or self.stopping.is_set():
+                raise ConfigError(f"no weight board at {self.board_path} after {BOARD_WAIT_S:.0f} s: the trainer "
+                                  "publishes it (rollouts on another host than trainer 0 are not supported yet)")
+            time.sleep(LOOK_S)
+        return WeightBoard.open(self.board_path)
+
+    def take(self, live: Any) -> tuple[Any, int, str, str] | None:
+        """(model, version, the trainer's digest, its own) of a checked copy, if one is ready; ``live`` becomes the
+        shadow the next version is copied into."""
+        if self.failure is not None:
+            raise ConfigError(f"the rollout's weight copy failed: {self.failure}") from self.failure
+        ready = self.ready
+        if ready is None:
+            return None
+        fresh = self.shadow
+        self.ready, self.shadow = None, live
+        self.handed.set()
+        return (fresh, *ready)
+
+
+class LeaseKeeper(threading.Thread):
+    def __init__(self, store: StoreClient, every_s: float) -> None:
+        super().__init__(name="rollout-leases", daemon=True)
+        self.store, self.every_s = store, every_s
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopping.wait(self.every_s):
+            try:
+                self.store.call("renew")
+            except (ConfigError, ConnectionLost):
+                return  # the store is gone for good, or this process stops: the main loop finds out
+
+
+class Rollout:
+    def __init__(self, cfg: GRPOConfig, store: StoreClient, renewals: StoreClient, board_path: Path,
+                 models: tuple[Any, Any, Any], name: str, say: Callable[[str], None] = print) -> None:
+        """``models``: (live, shadow, tokenizer), two loads of the same policy; ``name``: this process in lines."""
+        self.cfg, self.store, self.say, self.name = cfg, store, say, name
+        self.model, shadow, self.tokenizer = models
+        self.task = Arithmetic(cfg.seed, cfg.low, cfg.high, cfg.ops)
+        self.score = cfg.scorer() or reward
+        self.sampling = Sampling(cfg.group_size, cfg.max_new_tokens, cfg.temperature)
+        self.fetcher = WeightFetcher(board_path, shadow, say)
+        self.keeper = LeaseKeeper(renewals, cfg.lease_s / 4)
+        self.version = -1
+        self.groups = 0
+        self.reward_failures = 0
+        self.refused: dict[str, int] = {}
+        """Groups the store did not keep, by why (stale, a lease that went to another rollout, ...)."""
+        self.pauses_ms: list[float] = []
+        """Generation's pause at each swap of the weights."""
+        self.checked: list[int] = []
+        """The versions taken, each with its digest equal to the trainer's (a copy that differs stops the process)."""
+
+    def swap(self) -> bool:
+        """Take a newer version if its copy is ready and checked (between groups); whether it did."""
+        began = time.perf_counter()
+        ready = self.fetcher.take(self.model)
+        if ready is None:
+            return False
+        self.model, self.version, theirs, mine = ready
+        self.pauses_ms.append((time.perf_counter() - began) * 1000)
+        same = "equal" if theirs == mine else "DIFFERENT"
+        emit("weights_synced", f"{self.name} holds version {self.version}: digest {mine}, the trainer's {theirs} "
+                               f"({same})")
+        if theirs != mine:
+            raise ConfigError(f"{self.name}: version {self.version}'s copy has digest {mine}; the trainer wrote "
+                              f"{theirs}")
+        self.checked.append(self.version)
+        return True
+
+    def run(self, stopping: Callable[[], bool] = lambda: False) -> None:
+        """Groups until ``stopping()`` (or the job stops this process)."""
+        self.fetcher.start()
+        self.keeper.start()
+        while self.version < 0:  # nothing to generate with before the trainer's first version
+            if not self.swap():
+                if stopping():
+                    return
+                time.sleep(LOOK_S)
+        self.say(f"{self.name}: generating with version {self.version}")
+        while not stopping():
+            self.swap()
+            leased = self.store.call("lease", {"count": 1, "version": self.version}).meta["prompts"]
+            if not leased:
+                time.sleep(IDLE_S)  # the trainers have not caught up (k), or every prompt is out
+                continue
+            for number in leased:
+                self._one(int(number))
+
+    def _one(self, number: int) -> None:
+        prompt = self.task.prompt(number)
+        try:
+            made = sample_group(self.model, self.tokenizer, prompt.text,
+                                lambda text: self.score(text, prompt.answer), self.sampling)
+        except RewardFailed as exc:
+            self.reward_failures += 1
+            if self.reward_failures == 1:
+                self.say(f"{self.name}: prompt {number} dropped: {exc} (counted; the job goes on)")
+            self.store.call("drop", {"prompt": number, "why": "reward function raised"})
+            return
+        answer = self.store.call("put", {"prompt": number, "version": self.version}, made.group)
+        outcome = str(answer.meta["outcome"]) if answer.op == "put" else "late (its prompt went to another rollout)"
+        if outcome == "kept":
+            report(self.groups, reward=float(made.group["rewards"].mean()), version=self.version)
+            self.groups += 1
+        else:
+            self.refused[outcome] = self.refused.get(outcome, 0) + 1
+
+    def close(self) -> None:
+        self.fetcher.stopping.set()
+        self.keeper.stopping.set()
+        self.store.close()

@@ -1,0 +1,175 @@
+"""A trainer process, one of a role group (``group = true``): the trainers form their own torch.distributed world,
+each takes its share of a step's groups from the store (made by versions >= the step's own - k), and DDP averages
+their GRPO gradients. Trainer 0 then writes the new weights to the host's weight board (the rollouts copy them from
+there) and publishes the version, with its digest, to the store and as an event.
+
+A snapshot after every step (``Checkpointer``): a trainer that fails re-forms the group with the others from it, no
+finished step lost, while the rollouts go on generating with the last weights they hold. The restored weights are
+published again as a new version (a version the failed group published and lost is never the rollouts' last).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from convoy.errors import ConfigError
+from convoy.runtime.checkpoint import Checkpointer
+from convoy.runtime.init import init
+from convoy.worker.events import emit
+from convoy.worker.report import report
+from convoy.workloads.rlhf.buckets import Manifest
+from convoy.workloads.rlhf.config import GRPOConfig
+from convoy.workloads.rlhf.evaluate import held_out_reward
+from convoy.workloads.rlhf.store_client import StoreClient
+from convoy.workloads.rlhf.store_service import GROUP_TENSORS
+from convoy.workloads.rlhf.task import Arithmetic, reward
+from convoy.workloads.rlhf.train_step import StepSettings, grpo_step
+from convoy.workloads.rlhf.weight_board import WeightBoard
+
+TAKE_WAIT_S = 0.05
+SAY_WAITING_S = 30.0
+"""A trainer waiting this long for its groups says so (with the store's counts), and again as long as it waits."""
+
+
+@dataclass
+class Progress:
+    """What a snapshot keeps beside the model and optimizer: the newest version, the samples trained on and the
+    held-out curve."""
+
+    version: int = 0
+    samples: int = 0
+    curve: list[tuple[int, float]] = field(default_factory=list)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "samples": self.samples, "curve": [list(p) for p in self.curve]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.version, self.samples = int(state["version"]), int(state["samples"])
+        self.curve = [(int(s), float(r)) for s, r in state["curve"]]
+
+
+class Trainer:
+    def __init__(self, cfg: GRPOConfig, store: StoreClient, board_path: Path, models: tuple[Any, Any],
+                 say: Callable[[str], None] = print) -> None:
+        """``models``: (policy, tokenizer); the reference is a frozen copy of the policy as loaded."""
+        self.cfg, self.store, self.say = cfg, store, say
+        self.ctx = init()
+        world = self.ctx.world_size
+        if cfg.groups_per_step % world:
+            raise ConfigError(f"groups_per_step {cfg.groups_per_step} does not split among {world} trainers: make it "
+                              "a multiple of the trainer count")
+        self.share = cfg.groups_per_step // world
+        self.policy, self.tokenizer = models
+        self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
+        self.policy.train()
+        self.model = DistributedDataParallel(self.policy)
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr, weight_decay=0.0)
+        self.progress = Progress()
+        self.ckpt = Checkpointer(self.model, self.optimizer, state={"progress": self.progress})
+        self.start = self.ckpt.restore()
+        self.task = Arithmetic(cfg.seed, cfg.low, cfg.high, cfg.ops)
+        self.score = cfg.scorer() or reward
+        self.held_out = self.task.held_out(cfg.eval_prompts)
+        self.board = self._board(board_path) if self.ctx.rank == 0 else None
+        self.waited_s = 0.0
+        """Time spent waiting for groups (the trainers idle)."""
+
+    def _board(self, path: Path) -> WeightBoard:
+        named = dict(self.policy.named_parameters())
+        if path.exists():  # a trainer group that came back: the rollouts hold the board it wrote before
+            board = WeightBoard.open(path)
+            board.manifest.check(named)
+            return board
+        return WeightBoard.create(path, Manifest.of(named))
+
+    def _publish(self) -> None:
+        """Trainer 0: the weights as a new version on the board, then to the store with its digest."""
+        if self.board is not None:
+            version = max(self.progress.version, self.board.current()[0] + 1)
+            hashed = self.board.publish(version, dict(self.policy.named_parameters()))
+            self.store.call("publish", {"version": version, "digest": hashed})
+            emit("weights_published", f"trainer 0 published version {version}: digest {hashed}")
+        else:
+            version = self.progress.version
+        agreed = torch.tensor([version])
+        dist.broadcast(agreed, 0)  # every trainer takes groups for the version trainer 0 published
+        self.progress.version = int(agreed.item())
+
+    def _take(self) -> dict[str, torch.Tensor]:
+        """This trainer's share of groups for the current version (waiting while the rollouts make them)."""
+        parts: list[dict[str, torch.Tensor]] = []
+        have, began, said = 0, time.monotonic(), time.monotonic()
+        while have < self.share:
+            reply = self.store.call("take", {"count": self.share - have, "current": self.progress.version})
+            if reply.op == "taken":
+                parts.append(reply.tensors)
+                have += int(reply.meta["groups"])
+                continue
+            if time.monotonic() - said > SAY_WAITING_S:
+                said = time.monotonic()
+                stats = self.store.call("stats").meta
+                self.say(f"trainer {self.ctx.rank}: waited {said - began:.0f} s for groups of version >= "
+                         f"{self.progress.version - self.cfg.max_lag} (store: {stats['held']} held, "
+                         f"{stats['prompts_leased']} prompts leased, {stats['prompts_waiting']} waiting)")
+            time.sleep(TAKE_WAIT_S)
+        self.waited_s += time.monotonic() - began
+        length = max(int(part["tokens"].shape[1]) for part in parts)
+        batch = {name: torch.cat([torch.nn.functional.pad(part[name], (0, length - int(part[name].shape[1])))
+                                  for part in parts]) for name in GROUP_TENSORS[:3]}
+        batch["rewards"] = torch.cat([part["rewards"] for part in parts])
+        batch["versions"] = torch.cat([part["versions"] for part in parts])
+        return batch
+
+    def settings(self) -> StepSettings:
+        return StepSettings(self.cfg.group_size, self.cfg.temperature, self.cfg.clip, self.cfg.beta,
+                            self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf"))
+
+    def run(self) -> int:
+        """Steps until ``cfg.steps``; returns the steps done."""
+        self._publish()
+        if self.start == 0 and self.ctx.rank == 0:
+            self._evaluate()
+        for step in range(self.start, self.cfg.steps):
+            batch = self._take()
+            lag = self.progress.version - int(batch["versions"].min())
+            if lag > self.cfg.max_lag:  # the store's rule: never trained on
+                raise ConfigError(f"the store handed out a group {lag} versions old (k = {self.cfg.max_lag})")
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.cfg.lr
+            measured = grpo_step(self.model, self.reference, self.optimizer, batch, self.settings())
+            samples = torch.tensor([int(batch["rewards"].numel())])
+            dist.all_reduce(samples)
+            self.progress.samples += int(samples.item())
+            self.progress.version += 1
+            if self.ctx.rank == 0 and ((step + 1) % self.cfg.eval_every == 0 or step + 1 == self.cfg.steps):
+                self._evaluate()
+            self.ckpt.step(step)
+            self._publish()
+            report(step, measured["loss"], samples=int(batch["rewards"].numel()), grad_norm=measured["grad_norm"],
+                   reward=measured["reward"], kl=measured["kl"], lag=lag, version=self.progress.version)
+        return self.cfg.steps
+
+    def _evaluate(self) -> None:
+        began = time.monotonic()
+        value, failed = held_out_reward(self.policy, self.tokenizer, self.held_out, self.cfg.max_new_tokens,
+                                        self.score)
+        self.progress.curve.append((self.progress.samples, value))
+        raised = f", the reward function raised on {failed} (scored 0)" if failed else ""
+        self.say(f"trainer: held-out reward {100 * value:.1f}% after {self.progress.samples} samples (version "
+                 f"{self.progress.version}; {len(self.held_out)} prompts{raised}, {time.monotonic() - began:.1f} s)")
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.close()
+        self.ckpt.close()
+        self.store.close()
+        dist.destroy_process_group()
