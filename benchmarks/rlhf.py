@@ -1,12 +1,16 @@
 """RL fine-tuning of language models (issue 52): the targets measured so far, each against its peer in the same run.
 
-    python benchmarks/rlhf.py [--only sync] [--repeats N]
+    python benchmarks/rlhf.py [--only sync,learning,async] [--repeats N] [--minutes M] [--steps S]
 
 1. sync: SmolLM2-135M-Instruct's weights (540 MB fp32) from the trainer to 2 rollout processes on this host, through
    convoy's weight board (each version packed into a /dev/shm slot, each rollout copying it into its own model), and
    the same model cut into 1,200 tensors (MoE-shaped). Peer: one raw ``dist.broadcast`` (gloo) of all the bytes as a
    single flat tensor, in the same processes, alternating with the board. Targets: board / broadcast <= 1.3x;
    1,200 tensors / dense <= 1.25x; every rollout bit for bit the trainer's (digests). ``scripts/rlhf_sync.py``.
+2. learning: ``convoy run examples/grpo.toml`` for ``--minutes`` of training (``rlhf_learning.py``); target: the
+   held-out reward rises >= 30 points over the base model's within 30 minutes of wall-clock time.
+3. async: k = 1 against k = 0 for ``--steps`` steps each with long responses (``rlhf_async.py``); targets: >= 1.8x
+   the samples/s, the reward within 5 points, nothing trained beyond k.
 Exits 0 whether the targets are met or missed.
 """
 
@@ -23,6 +27,9 @@ import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from rlhf_async import bench_async  # noqa: E402
+from rlhf_learning import bench_learning  # noqa: E402
 ROLLOUTS = 2
 
 
@@ -77,8 +84,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", default="sync")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--minutes", type=float, default=25.0, help="minutes of training in the learning section")
+    parser.add_argument("--set", action="append", default=[], help="a [train] setting for the learning run")
+    parser.add_argument("--steps", type=int, default=12, help="trainer steps of each run in the async section")
     args = parser.parse_args()
-    parts = {"sync": lambda: bench_sync(args.repeats)}
+    parts = {"sync": lambda: bench_sync(args.repeats), "learning": lambda: bench_learning(args.minutes, args.set),
+             "async": lambda: bench_async(args.steps)}
     lines = []
     for name in args.only.split(","):
         lines += parts[name]()

@@ -19,12 +19,18 @@ def test_a_prompt_is_made_the_same_from_its_number_and_answered_right() -> None:
         assert made.answer == eval(f"{a} {op} {b}")  # noqa: S307 (two small integers and an operator)
 
 
-def test_held_out_prompts_are_not_training_prompts() -> None:
-    task = Arithmetic(seed=1)
-    held = task.held_out(50)
-    assert {p.number for p in held} == set(range(-50, 0))
+def test_no_held_out_problem_is_ever_a_training_prompt() -> None:
+    task = Arithmetic(seed=1, low=1, high=12, ops="+")
+    held = task.held_out(1000)
+    assert len(held) == len({p.text for p in held}) == 144 // 5, "each held-out problem once, a fifth of them"
+    assert {p.number for p in held} == set(range(-len(held), 0))
+    assert {p.text for p in held}.isdisjoint(task.prompt(number).text for number in range(5000))
+    assert len({task.prompt(number).text for number in range(5000)}) == 144 - len(held), "the rest all asked"
+    assert Arithmetic(seed=2, low=1, high=12, ops="+").held_out(1000) != held, "the split follows the seed"
     with pytest.raises(ConfigError, match="at least one"):
         task.held_out(0)
+    with pytest.raises(ConfigError, match="the task has 1 problem\\(s\\): it needs at least 5"):
+        Arithmetic(low=3, high=3, ops="+")
 
 
 @pytest.mark.parametrize("response, answer, expected", [

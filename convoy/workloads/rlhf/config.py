@@ -18,26 +18,28 @@ class GRPOConfig:
                                         "Hugging Face model directory; never downloaded")
     seed: int = restart(0, min=0, doc="seed of the task's prompts and of the sampling")
     steps: int = hot(60, min=1, doc="trainer steps (versions of the weights) the job trains for")
+    minutes: float = hot(0.0, min=0.0, doc="end after this many minutes of training, if before steps (0: no bound)")
     group_size: int = restart(8, min=2, max=256, doc="responses per prompt (GRPO compares them)")
     groups_per_step: int = restart(4, min=1, max=4096, doc="prompts' groups per trainer step, over all trainers")
     max_lag: int = restart(1, min=0, max=64, doc="k: a step trains only on groups of versions >= its own - k "
                                                  "(0: synchronous)")
     max_new_tokens: int = restart(12, min=1, max=4096, doc="tokens a response may have")
-    temperature: float = restart(1.0, min=1e-3, max=10.0, doc="sampling temperature (the loss uses the same)")
-    lr: float = hot(2e-6, min=0.0, max=1.0, doc="AdamW's learning rate")
+    temperature: float = restart(0.7, min=1e-3, max=10.0, doc="sampling temperature (the loss uses the same)")
+    lr: float = hot(1e-5, min=0.0, max=1.0, doc="AdamW's learning rate")
     beta: float = hot(0.04, min=0.0, max=10.0, doc="weight of the KL penalty to the reference model")
     clip: float = hot(0.2, min=0.0, max=1.0, doc="PPO's clip range of the probability ratio")
     max_grad_norm: float = hot(1.0, min=0.0, doc="the gradients' largest norm per step (0: not clipped)")
     lease_s: float = restart(5.0, min=0.1, max=600.0, doc="a rollout silent this long is presumed stopped: its "
                                                           "prompts go to the others")
     capacity: int = restart(256, min=1, doc="groups the store holds at most")
-    low: int = restart(2, doc="smallest operand of the arithmetic task")
-    high: int = restart(20, doc="largest operand of the arithmetic task")
-    ops: str = restart("+-", doc="the task's operations, among + - *")
+    low: int = restart(1, doc="smallest operand of the arithmetic task")
+    high: int = restart(12, doc="largest operand of the arithmetic task")
+    ops: str = restart("+", doc="the task's operations, among + - *")
     reward: str = restart("", doc="module:function scoring (response, answer) -> float; '' for the task's "
                                   "checker (1 for the right first number)")
-    eval_prompts: int = restart(64, min=1, max=100_000, doc="held-out prompts of each evaluation")
-    eval_every: int = hot(10, min=1, doc="trainer steps between held-out evaluations (greedy answers)")
+    eval_prompts: int = restart(64, min=1, max=100_000, doc="held-out prompts of each evaluation (at most the "
+                                                            "task's held-out problems: a fifth of them)")
+    eval_every: int = hot(5, min=1, doc="trainer steps between held-out evaluations (greedy answers)")
     plot: str = hot("", doc="write the held-out reward curve to this PNG (relative to the run dir)")
 
     def validate(self) -> None:

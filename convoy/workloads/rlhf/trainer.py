@@ -47,13 +47,16 @@ class Progress:
 
     version: int = 0
     samples: int = 0
+    seconds: float = 0.0
+    """Time trained (``minutes`` bounds it), across restarts."""
     curve: list[tuple[int, float]] = field(default_factory=list)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"version": self.version, "samples": self.samples, "curve": [list(p) for p in self.curve]}
+        return {"version": self.version, "samples": self.samples, "seconds": self.seconds,
+                "curve": [list(p) for p in self.curve]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.version, self.samples = int(state["version"]), int(state["samples"])
+        self.version, self.samples, self.seconds = int(state["version"]), int(state["samples"]), float(state["seconds"])
         self.curve = [(int(s), float(r)) for s, r in state["curve"]]
 
 
@@ -133,12 +136,23 @@ class Trainer:
         return StepSettings(self.cfg.group_size, self.cfg.temperature, self.cfg.clip, self.cfg.beta,
                             self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf"))
 
+    def _spent(self) -> bool:
+        return self.cfg.minutes > 0 and self.progress.seconds >= 60 * self.cfg.minutes
+
+    def _out_of_time(self) -> bool:
+        """Whether ``minutes`` have been trained (trainer 0's clock, the same answer on every trainer)."""
+        flag = torch.tensor([1 if self._spent() and self.ctx.rank == 0 else 0])
+        dist.broadcast(flag, 0)
+        return bool(flag.item())
+
     def run(self) -> int:
-        """Steps until ``cfg.steps``; returns the steps done."""
+        """Steps until ``cfg.steps`` (or ``cfg.minutes``); returns the steps done."""
         self._publish()
         if self.start == 0 and self.ctx.rank == 0:
             self._evaluate()
-        for step in range(self.start, self.cfg.steps):
+        step = self.start
+        while step < self.cfg.steps and not self._out_of_time():
+            began = time.monotonic()
             batch = self._take()
             lag = self.progress.version - int(batch["versions"].min())
             if lag > self.cfg.max_lag:  # the store's rule: never trained on
@@ -150,13 +164,16 @@ class Trainer:
             dist.all_reduce(samples)
             self.progress.samples += int(samples.item())
             self.progress.version += 1
-            if self.ctx.rank == 0 and ((step + 1) % self.cfg.eval_every == 0 or step + 1 == self.cfg.steps):
+            self.progress.seconds += time.monotonic() - began
+            if self.ctx.rank == 0 and ((step + 1) % self.cfg.eval_every == 0 or step + 1 == self.cfg.steps
+                                       or self._spent()):
                 self._evaluate()
             self.ckpt.step(step)
             self._publish()
             report(step, measured["loss"], samples=int(batch["rewards"].numel()), grad_norm=measured["grad_norm"],
                    reward=measured["reward"], kl=measured["kl"], lag=lag, version=self.progress.version)
-        return self.cfg.steps
+            step += 1
+        return step
 
     def _evaluate(self) -> None:
         began = time.monotonic()
