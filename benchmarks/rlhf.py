@@ -1,6 +1,6 @@
 """RL fine-tuning of language models (issue 52): the targets measured so far, each against its peer in the same run.
 
-    python benchmarks/rlhf.py [--only sync,learning,async] [--repeats N] [--minutes M] [--steps S]
+    python benchmarks/rlhf.py [--only sync,learning,async,faults] [--repeats N] [--minutes M] [--steps S]
 
 1. sync: SmolLM2-135M-Instruct's weights (540 MB fp32) from the trainer to 2 rollout processes on this host, through
    convoy's weight board (each version packed into a /dev/shm slot, each rollout copying it into its own model), and
@@ -11,6 +11,8 @@
    held-out reward rises >= 30 points over the base model's within 30 minutes of wall-clock time.
 3. async: k = 1 against k = 0 for ``--steps`` steps each with long responses (``rlhf_async.py``); targets: >= 1.8x
    the samples/s, the reward within 5 points, nothing trained beyond k.
+4. faults: a rollout SIGSTOPped mid-run (``rlhf_faults.py``; ``--minutes`` of training); targets: detected and its
+   prompts reassigned <= 10 s, the trainer never blocked > 10 s.
 Exits 0 whether the targets are met or missed.
 """
 
@@ -29,6 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from rlhf_async import bench_async  # noqa: E402
+from rlhf_faults import bench_faults  # noqa: E402
 from rlhf_learning import bench_learning  # noqa: E402
 ROLLOUTS = 2
 
@@ -89,7 +92,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12, help="trainer steps of each run in the async section")
     args = parser.parse_args()
     parts = {"sync": lambda: bench_sync(args.repeats), "learning": lambda: bench_learning(args.minutes, args.set),
-             "async": lambda: bench_async(args.steps)}
+             "async": lambda: bench_async(args.steps), "faults": lambda: bench_faults(args.minutes)}
     lines = []
     for name in args.only.split(","):
         lines += parts[name]()

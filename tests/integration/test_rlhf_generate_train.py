@@ -14,7 +14,7 @@ import torch
 from convoy.workloads.lookahead.model import load_model
 from convoy.workloads.rlhf.generate import RewardFailed, Sampling, prompt_ids, sample_group
 from convoy.workloads.rlhf.task import Arithmetic, reward
-from convoy.workloads.rlhf.train_step import StepSettings, grpo_step, token_logprobs
+from convoy.workloads.rlhf.train_step import StepSettings, grpo_step, response_span, token_logprobs
 
 transformers = pytest.importorskip("transformers")
 
@@ -77,3 +77,20 @@ def test_a_grpo_step_raises_the_log_probs_of_the_response_that_did_better(smollm
     assert stats["reward"] == 0.25 and stats["grad_norm"] > 0
     assert response_logprob(0) > before[0], "the rewarded response is now likelier"
     assert sum(response_logprob(row) - before[row] for row in (1, 2, 3)) < 0
+
+
+def test_log_probs_over_the_responses_positions_alone_equal_the_full_ones(smollm2: tuple[Any, Any]) -> None:
+    """A step computes the vocabulary's logits only where a response is (``response_span`` from the mask): the same
+    log-probs there, 0 before, as the whole sequence's."""
+    model, tokenizer = tiny_model(2), smollm2[1]
+    groups = [sample_group(model, tokenizer, text, lambda _: 0.0, Sampling(group_size=2, max_new_tokens=5)).group
+              for text in ("1 + 1", "What is 12 + 30? Answer with the number only.")]
+    length = max(int(g["tokens"].shape[1]) for g in groups)
+    tokens = torch.cat([torch.nn.functional.pad(g["tokens"], (0, length - int(g["tokens"].shape[1]))) for g in groups])
+    mask = torch.cat([torch.nn.functional.pad(g["mask"], (0, length - int(g["mask"].shape[1]))) for g in groups])
+    span = response_span(mask)
+    assert span == length - int(mask.any(dim=0).nonzero()[0]) and span < length, "the shorter prompt's response first"
+    with torch.no_grad():
+        full, part = token_logprobs(model, tokens, 0.8), token_logprobs(model, tokens, 0.8, span)
+    assert torch.allclose(full[mask == 1], part[mask == 1], atol=1e-6)
+    assert bool((part[:, :length - span] == 0).all())

@@ -1,4 +1,4 @@
-"""The held-out evaluation: the policy's greedy answers to prompts no training prompt is (``Arithmetic.held_out``),
+"""The held-out evaluation: the policy's greedy answers to problems no training prompt asks (``Arithmetic.held_out``),
 scored by the task's checker, in batches left-padded as a decoder generates them; and the reward curve as a PNG."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from convoy.errors import ConfigError
+from convoy.workloads.rl.plot import plot_curve
 from convoy.workloads.rlhf.generate import prompt_ids
 from convoy.workloads.rlhf.task import Prompt
 
@@ -55,20 +55,6 @@ def held_out_reward(model: Any, tokenizer: Any, prompts: Sequence[Prompt], max_n
 
 
 def plot_reward(points: Sequence[tuple[int, float]], path: Path, title: str) -> None:
-    """Held-out reward against samples trained on (``points``: (samples, reward))."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        from matplotlib import pyplot
-    except ImportError as exc:
-        raise ConfigError("plotting the reward curve needs matplotlib: pip install 'convoy[plot]'") from exc
-    figure, axes = pyplot.subplots(figsize=(7, 4))
-    axes.plot([p[0] for p in points], [100 * p[1] for p in points], marker="o", linewidth=1.5)
-    axes.set_xlabel("samples trained on (responses)")
-    axes.set_ylabel("held-out reward (% right)")
-    axes.set_title(title)
-    axes.grid(alpha=0.3)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    pyplot.close(figure)
+    """Held-out reward (in %) against samples trained on (``points``: (samples, reward in 0..1))."""
+    plot_curve([(samples, 100 * value) for samples, value in points], path, title,
+               "samples trained on (responses)", "held-out reward (% right)", marker="o")

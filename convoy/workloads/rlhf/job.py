@@ -105,9 +105,9 @@ def run_trainer(cfg: GRPOConfig, store: StoreClient) -> int:
     if rank == 0:
         stats = store.call("stats").meta
         say(f"trainer: {steps} steps, {trainer.progress.samples} samples in {time.monotonic() - began:.0f} s, last "
-            f"version {trainer.progress.version}, "
-            f"waited {trainer.waited_s:.0f} s for groups; store: {stats['taken']} groups taken, "
-            f"{stats['dropped_stale']} dropped as stale (k = {cfg.max_lag}), none trained beyond k")
+            f"version {trainer.progress.version}, waited {trainer.waited_s:.0f} s for groups (longest "
+            f"{trainer.longest_wait_s:.1f} s); store: {stats['taken']} groups taken, {stats['dropped_stale']} dropped "
+            f"as stale (k = {cfg.max_lag}), none trained beyond k")
         curve = trainer.progress.curve
         if cfg.plot:
             path = Path(cfg.plot) if Path(cfg.plot).is_absolute() else Path(os.environ["CONVOY_RUN_DIR"]) / cfg.plot

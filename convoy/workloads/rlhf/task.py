@@ -48,8 +48,8 @@ class Arithmetic:
         every = [(a, op, b) for op in self.ops for a in range(self.low, self.high + 1)
                  for b in range(self.low, self.high + 1)]
         if len(every) < HELD_OUT_EVERY:
-            raise ConfigError(f"the task has {len(every)} problem(s): it needs at least {HELD_OUT_EVERY}, one held out; "
-                              "widen low..high or add ops")
+            raise ConfigError(f"the task has {len(every)} problem(s): it needs at least {HELD_OUT_EVERY}, one held "
+                              "out; widen low..high or add ops")
         held = set(random.Random(self.seed * 7_919 + 17).sample(range(len(every)), len(every) // HELD_OUT_EVERY))
         object.__setattr__(self, "training", tuple(p for i, p in enumerate(every) if i not in held))
         object.__setattr__(self, "held", tuple(p for i, p in enumerate(every) if i in held))

@@ -85,6 +85,8 @@ class Trainer:
         self.board = self._board(board_path) if self.ctx.rank == 0 else None
         self.waited_s = 0.0
         """Time spent waiting for groups (the trainers idle)."""
+        self.longest_wait_s = 0.0
+        """The longest one step waited for its groups."""
 
     def _board(self, path: Path) -> WeightBoard:
         named = dict(self.policy.named_parameters())
@@ -125,6 +127,7 @@ class Trainer:
                          f"{stats['prompts_leased']} prompts leased, {stats['prompts_waiting']} waiting)")
             time.sleep(TAKE_WAIT_S)
         self.waited_s += time.monotonic() - began
+        self.longest_wait_s = max(self.longest_wait_s, time.monotonic() - began)
         length = max(int(part["tokens"].shape[1]) for part in parts)
         batch = {name: torch.cat([torch.nn.functional.pad(part[name], (0, length - int(part[name].shape[1])))
                                   for part in parts]) for name in GROUP_TENSORS[:3]}
