@@ -17,6 +17,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 STOPPED_S = 60.0
+LEASED_S = 1.0
 
 
 def bench_faults(minutes: float) -> list[str]:
@@ -26,7 +27,7 @@ def bench_faults(minutes: float) -> list[str]:
                "--set", f"minutes={minutes}", "--set", "steps=100000", "--set", "plot=", "--set", "eval_every=1000"]
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     assert job.stdout is not None
-    pid = stopped_at = detected = None
+    pid = stopped_at = detected = given = None
     continued = False
     tail = []
     for line in job.stdout:
@@ -34,11 +35,13 @@ def bench_faults(minutes: float) -> list[str]:
         if found:
             pid = int(found.group(1))
         if pid and stopped_at is None and re.search(r"trainer 0 published version 3:", line):
+            time.sleep(LEASED_S)  # the version's prompts are leased as it is published: stop it making one
             os.kill(pid, signal.SIGSTOP)
             stopped_at = time.monotonic()
-            print("  rollout 1 stopped after version 3", flush=True)
+            print(f"  rollout 1 stopped {LEASED_S:g} s after version 3 was published", flush=True)
         if stopped_at and detected is None and re.search(r"store: rollout:1:\d+ renewed no lease for", line):
             detected = time.monotonic() - stopped_at
+            given = re.search(r"its (\d+) prompt", line)
             print(f"  {line.strip()}  ({detected:.1f} s after the SIGSTOP)", flush=True)
         if stopped_at and not continued and time.monotonic() - stopped_at > STOPPED_S:
             os.kill(pid, signal.SIGCONT)  # type: ignore[arg-type]
@@ -53,7 +56,8 @@ def bench_faults(minutes: float) -> list[str]:
     longest = re.search(r"longest ([\d.]+) s", "\n".join(tail))
     waited = float(longest.group(1)) if longest else float("inf")
     seen = detected if detected is not None else float("inf")
-    return [f"target a SIGSTOPped rollout detected and its prompts reassigned: {seen:.1f} s (goal <= 10 s) "
+    held = given.group(1) if given else "?"
+    return [f"target a SIGSTOPped rollout detected and its prompts ({held}) reassigned: {seen:.1f} s (goal <= 10 s) "
             f"{'met' if seen <= 10 else 'missed'}",
             f"target the trainer's longest wait for a step's groups: {waited:.1f} s (goal <= 10 s) "
             f"{'met' if waited <= 10 else 'missed'}"]

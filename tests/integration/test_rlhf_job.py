@@ -119,8 +119,8 @@ def test_a_killed_rollout_is_replaced_a_stopped_one_loses_its_prompts_and_the_tr
     stopped = int(job.wait_output(r"rollout 1: pid (\d+), incarnation \d+").group(1))
     before = max(published(job.stdout()))
     psutil.Process(stopped).send_signal(signal.SIGSTOP)
-    job.wait_output(r"store: rollout:1:\d+ renewed no lease for 2 s: presumed stopped, its prompts go to the other "
-                    r"rollouts", timeout=30)
+    job.wait_output(r"store: rollout:1:\d+ renewed no lease for 2 s: presumed stopped, its \d+ prompt\(s\) go to the "
+                    r"other rollouts", timeout=30)
     wait_for(lambda: max(published(job.stdout())) >= before + 3, 60, "the trainer stepping on without rollout 1")
     psutil.Process(stopped).send_signal(signal.SIGCONT)
     job.wait_output(r"store: rollout:1:\d+ answers again", timeout=30)

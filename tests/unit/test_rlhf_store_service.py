@@ -156,8 +156,8 @@ def test_a_rollout_that_goes_silent_is_said_stopped_once_with_or_without_prompts
         while len([line for line in said if "presumed stopped" in line]) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         stopped = sorted(line for line in said if "presumed stopped" in line)
-        assert stopped == [f"store: rollout:{rank}:1 renewed no lease for 0.6 s: presumed stopped, its prompts go to "
-                           "the other rollouts" for rank in (0, 1)]
+        assert stopped == [f"store: rollout:{rank}:1 renewed no lease for 0.6 s: presumed stopped, its {held} "
+                           "prompt(s) go to the other rollouts" for rank, held in ((0, 0), (1, 2))]
         assert list(served.prompts.waiting) == leased, "the silent one's prompts wait for another"
         time.sleep(1.0)
         assert len([line for line in said if "presumed stopped" in line]) == 2, "said once"

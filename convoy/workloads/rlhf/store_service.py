@@ -191,15 +191,15 @@ class StoreService:
         while not self.stopped.wait(TICK_S):
             now = time.monotonic()
             with self.lock:
-                expired = set(self.prompts.expire(now))
                 quiet = {name for name, at in self.heard.items() if now - at > self.prompts.lease_s}
-                stopped = sorted((expired | quiet) - self.silent)
+                expiring = {lease.holder for lease in self.prompts.leased.values() if lease.until <= now}
+                stopped = sorted((quiet | expiring) - self.silent)
                 self.silent.update(stopped)
-                for name in stopped:
-                    self.prompts.release(name)
+                given = {name: len(self.prompts.release(name)) for name in stopped}
+                self.prompts.expire(now)  # a lease that ran out of a holder said stopped before
             for name in stopped:
                 self.say(f"store: {name} renewed no lease for {self.prompts.lease_s:g} s: presumed stopped, its "
-                         "prompts go to the other rollouts")
+                         f"{given[name]} prompt(s) go to the other rollouts")
 
     def close(self) -> None:
         self.stopped.set()
