@@ -51,7 +51,7 @@ def run_store(cfg: GRPOConfig) -> int:
                            credentials=Credentials.from_env(), admit=IncarnationFence(me).check, say=say)
     say(f"store: serving at {service.address}: {cfg.groups_per_step} groups of {cfg.group_size} a step, k = "
         f"{cfg.max_lag}, capacity {cfg.capacity} groups")
-    stopped = []
+    stopped: list[bool] = []
     signal.signal(signal.SIGTERM, lambda *_: stopped.append(True))  # the job's end: say the counts, then exit
     while not stopped and not service.stopped.wait(0.2):
         pass

@@ -48,11 +48,11 @@ def parameters(model: Any) -> dict[str, torch.Tensor]:
 
 class WeightFetcher(threading.Thread):
     """Copies each newer version from the board into the shadow model; ``ready`` holds its version once the copy
-    is checked, until the main loop swaps and hands the other model back (``swapped``)."""
+    is checked, until the main loop swaps and hands the other model back (``take``, which sets ``handed``)."""
 
-    def __init__(self, board_path: Path, shadow: Any, say: Callable[[str], None]) -> None:
+    def __init__(self, board_path: Path, shadow: Any) -> None:
         super().__init__(name="rollout-weights", daemon=True)
-        self.board_path, self.shadow, self.say = board_path, shadow, say
+        self.board_path, self.shadow = board_path, shadow
         self.have = -1
         self.ready: tuple[int, str, str] | None = None
         """(version, the trainer's digest, the shadow's own digest) of a copy waiting for its swap."""
@@ -124,7 +124,7 @@ class Rollout:
         self.task = Arithmetic(cfg.seed, cfg.low, cfg.high, cfg.ops)
         self.score = cfg.scorer() or reward
         self.sampling = Sampling(cfg.group_size, cfg.max_new_tokens, cfg.temperature)
-        self.fetcher = WeightFetcher(board_path, shadow, say)
+        self.fetcher = WeightFetcher(board_path, shadow)
         self.keeper = LeaseKeeper(renewals, cfg.lease_s / 4)
         self.version = -1
         self.groups = 0
