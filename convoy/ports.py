@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import random
 import socket
 from collections.abc import Iterable
+from pathlib import Path
 
 PORT_TAKEN_MARKS = ("eaddrinuse", "address already in use")
 """How torch's TCPStore (and the OS) say that a port to listen on is taken."""
@@ -15,6 +17,55 @@ def free_port(host: str = "", port: int = 0) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, port))
         return int(sock.getsockname()[1])
+
+
+OUTGOING_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+"""The kernel's range for the local ports of outgoing connections (and of binds to port 0)."""
+FIRST_UNCLAIMED = 20000
+"""The lowest port ``unclaimed_port`` picks: below are the ranges other systems take by default (Ray's workers
+10002-19999, databases, well-known services)."""
+PICKS = 64
+"""How many random ports ``unclaimed_port`` tries before it takes any free one."""
+
+
+def can_listen(port: int) -> bool:
+    """Whether a server could listen on ``port`` now on every address, as torch's TCPStore does: it binds the
+    wildcard address with SO_REUSEADDR, so a socket on any one address (the host's own, not only the loopback)
+    takes the port from it, and connections of an old process lingering in TIME_WAIT do not."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+            sock.listen(1)
+        except OSError:
+            return False
+        return True
+
+
+def outgoing_range() -> tuple[int, int]:
+    """The kernel's range of ports for outgoing connections, (32768, 60999) where it cannot be read."""
+    try:
+        low, high = (int(part) for part in OUTGOING_RANGE.read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
+
+
+def unclaimed_port(host: str = "") -> int:
+    """A port a server can listen on now, for a process that binds it later: picked outside the kernel's range
+    for outgoing connections, so that no connection made in between (by any process on the host) takes it, as
+    one may take a port that binding to 0 gave. Any free port where that leaves none."""
+    low, high = outgoing_range()
+    spans = [(FIRST_UNCLAIMED, low), (high + 1, 65536)]
+    candidates = [span for span in spans if span[1] > span[0]]
+    if candidates:
+        chooser = random.SystemRandom()
+        for _ in range(PICKS):
+            start, end = chooser.choice(candidates)
+            port = chooser.randrange(start, end)
+            if can_listen(port):
+                return port
+    return free_port(host)
 
 
 def hold_port(host: str = "", port: int = 0, listen: bool = False) -> socket.socket:

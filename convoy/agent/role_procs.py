@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -39,7 +38,7 @@ from convoy.agent.role_memory import RoleMemory
 from convoy.config import WorkerConfig
 from convoy.control.protocol import messages as p
 from convoy.errors import ConfigError, WorkerStartError
-from convoy.ports import free_port
+from convoy.ports import can_listen, unclaimed_port
 from convoy.procs import die_with_parent, signal_name
 from convoy.worker.lease import LEASE_ENV
 from convoy.worker.role_env import (ADDRESSES_FILE_ENV, INCARNATION_ENV, PREEMPT_FILE_ENV, addresses_file,
@@ -129,8 +128,8 @@ class RoleProcesses:
         self.seen.add(key)
         for older in [proc for proc in self.running.values() if proc.key[:2] == key[:2]]:
             self._stop_now([older])
-        port = assignment.port if assignment.port and _can_listen(self.context.host, assignment.port) \
-            else free_port(self.context.host)  # a rank's old port taken: a new one, which the master publishes
+        port = assignment.port if assignment.port and can_listen(assignment.port) \
+            else unclaimed_port(self.context.host)  # a rank's old port taken: a new one, which the master publishes
         name = f"{assignment.role}{assignment.rank}"
         log_path = self.context.run_dir / "logs" / "roles" / f"{name}.log"
         slot = min(set(range(len(self.running) + 1)) - {other.slot for other in self.running.values()})
@@ -380,15 +379,3 @@ class RoleProcesses:
             **(group_env(assignment.role, assignment.rank, assignment.world_size, assignment.group_round, context.host,
                          port, assignment.group_address) if assignment.group_round else {}),
         }
-
-
-def _can_listen(host: str, port: int) -> bool:
-    """Whether a server could listen on ``port`` now (as servers bind: connections of an old process that
-    linger in TIME_WAIT do not count as taking it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-        return True

@@ -20,7 +20,7 @@ from convoy.control.store import read_status
 from convoy.control.token import TOKEN_FILE, write_token
 from convoy.errors import ConfigError, ConvoyError
 from convoy.launch.schedulers.local import LocalScheduler, NodeScheduler, describe_exit
-from convoy.ports import free_port
+from convoy.ports import free_port, unclaimed_port
 from convoy.procs import Interrupted, ignore_interrupts, raise_interrupted
 from convoy.shm import remove_segments
 
@@ -145,7 +145,10 @@ def _master_ends(scheduler: NodeScheduler) -> bool:
 
 
 def _usable_port(port: int, host: str) -> int:
-    """``port`` if it is free on ``host`` (any free port for 0); a clear error if it is taken."""
+    """``port`` if it is free on ``host`` (for 0, one that no outgoing connection takes before the master binds
+    it); a clear error if it is taken."""
+    if port == 0:
+        return unclaimed_port(host)
     try:
         return free_port(host, port)
     except OSError as exc:

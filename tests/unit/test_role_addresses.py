@@ -1,17 +1,15 @@
 """The current role addresses: the master's version grows when a process's address changes (a PS down, back on a
-new port), the agent's file is replaced whole, convoy.role() and RoleInfo.refresh() read it, bad files are named,
-and the agent gives a restarted rank a new port when its old one is taken."""
+new port), the agent's file is replaced whole, convoy.role() and RoleInfo.refresh() read it, and bad files are named (which ports the agent takes:
+test_ports)."""
 
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
 from test_role_master import exited, ps_job, running_job, started
 
-from convoy.agent.role_procs import _can_listen
 from convoy.errors import ConfigError
 from convoy.worker.role_env import (ADDRESSES_FILE_ENV, INCARNATION_ENV, addresses_file, read_addresses, role, role_env,
                                     write_addresses)
@@ -73,10 +71,3 @@ def test_a_process_knows_its_incarnation_and_reads_every_ranks_current_one(tmp_p
     assert fresh.current_incarnation("worker", 2) is None and fresh.current_incarnation("chief", 0) is None
     with pytest.raises(ConfigError, match="CONVOY_ROLE_INCARNATION='x' is not a whole number"):
         role({**env, INCARNATION_ENV: "x"})
-
-
-def test_a_port_taken_by_another_listener_is_not_reused() -> None:
-    with socket.create_server(("127.0.0.1", 0)) as taken:
-        port = taken.getsockname()[1]
-        assert not _can_listen("127.0.0.1", port)
-    assert _can_listen("127.0.0.1", port), "free again once its listener closed"
