@@ -178,9 +178,9 @@ class ProcessScope:
                    timeout: float = JOB_TIMEOUT_S * 2) -> list[str]:
         """Run ``script`` as ``world_size`` ranks of one gloo job on loopback (torchrun's variables,
         one node); fail the test unless every rank exits 0. Returns each rank's stdout."""
-        from convoy.ports import free_port
+        from convoy.ports import unclaimed_port
 
-        port = str(free_port())
+        port = str(unclaimed_port())
         launched = [self.start(args, command=[sys.executable, script], env={
             "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
             "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from convoy.errors import ConfigError, ConvoyError
-from convoy.ports import free_port
+from convoy.ports import unclaimed_port
 from convoy.strategy.candidates import Hardware
 from convoy.strategy.workload import MMAP_THRESHOLD
 
@@ -44,7 +44,7 @@ def run_search(script: str, args: Sequence[str], hardware: Hardware, *, exhausti
             "nproc_per_node": hardware.nproc_per_node, "memory": hardware.memory_limit, "cores": hardware.cores,
             "keep": keep, "first_steps": first_steps, "exhaustive_steps": exhaustive_steps,
             "exhaustive_rounds": exhaustive_rounds, "out": str(out)}))
-        port = str(free_port())
+        port = str(unclaimed_port())
         procs = []
         logs = []
         for rank in range(hardware.world_size):

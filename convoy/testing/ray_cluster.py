@@ -17,7 +17,7 @@ from types import TracebackType
 
 import psutil
 
-from convoy.ports import free_port
+from convoy.ports import unclaimed_port
 
 START_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 10.0
@@ -66,7 +66,7 @@ class LocalRayCluster:
 
     def __init__(self, head_cpus: float = 1, head_resources: dict[str, float] | None = None) -> None:
         self.temp_dir = tempfile.mkdtemp(prefix="cvray-", dir="/tmp")  # short: Ray's socket paths live under it
-        self.port = free_port("127.0.0.1")
+        self.port = unclaimed_port("127.0.0.1")
         self.address = f"127.0.0.1:{self.port}"
         self.nodes: list[RayNodeProcess] = []
         token = os.path.join(self.temp_dir, "auth_token")  # the cluster's own: every daemon and driver shows it

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import ProcessScope, fixture, one_error_line
 
-from convoy.ports import free_port
+from convoy.ports import unclaimed_port
 
 pytestmark = pytest.mark.slow
 TORCHRUN = [str(Path(sys.executable).parent / "torchrun")]
@@ -28,7 +28,7 @@ def test_static_two_host_lines_give_the_variables_torchrun_gives(procs: ProcessS
     the node ranks follow --node-rank (host 1 starts first, still rank 1), and each rank's variables agree."""
     seen: dict[str, dict[int, dict[str, str]]] = {}
     for launcher in ("torchrun", "convoy"):
-        port, out = free_port(), tmp_path / launcher
+        port, out = unclaimed_port(), tmp_path / launcher
         jobs = []
         for node_rank in (1, 0):
             line = ["--nnodes=2", "--nproc-per-node=2", f"--node-rank={node_rank}", "--master-addr=127.0.0.1",
@@ -56,7 +56,7 @@ def test_static_two_host_lines_give_the_variables_torchrun_gives(procs: ProcessS
 
 def test_joiners_need_the_job_token_and_a_hand_started_master_makes_all_joiners(procs: ProcessScope,
                                                                                tmp_path: Path) -> None:
-    port = free_port()
+    port = unclaimed_port()
     line = ["--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
     claimer = procs.start(["run", *line, "--rdzv-conf", "token=the-jobs-token,join_timeout=60", "--run-dir",
                            tmp_path / "a", EXAMPLE, "--steps", 6])
@@ -75,7 +75,7 @@ def test_joiners_need_the_job_token_and_a_hand_started_master_makes_all_joiners(
     assert "the job succeeded" in results[1].stdout
 
     # a master started by hand on the endpoint: every launcher joins it, with the token file it wrote
-    port = free_port()
+    port = unclaimed_port()
     master = procs.start(["master", "--host", "127.0.0.1", "--port", port, "--nnodes", 1, "--run-dir",
                           tmp_path / "m"])
     master.wait_output(r"master of job \w+ at")

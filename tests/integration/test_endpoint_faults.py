@@ -13,7 +13,7 @@ import psutil
 import pytest
 from helpers import REPO, Launched, ProcessScope, fixture, wait_for
 
-from convoy.ports import free_port
+from convoy.ports import unclaimed_port
 
 pytestmark = pytest.mark.slow
 EXAMPLE = str(REPO / "examples" / "train_ddp.py")
@@ -49,7 +49,7 @@ def _line(port: int, *extra: object) -> list[object]:
 
 def test_a_killed_master_comes_back_on_the_endpoints_socket_and_the_joiner_trains_through(
         procs: ProcessScope, tmp_path: Path) -> None:
-    port = free_port()
+    port = unclaimed_port()
     claimer = procs.start(["run", *_line(port), "--run-dir", tmp_path / "a", "--preload", "", fixture("worker.py"),
                            "--hold", 8])
     claimer.wait_output(r"this host claimed 127\.0\.0\.1:\d+ and serves the master there")
@@ -72,7 +72,7 @@ def test_a_killed_master_comes_back_on_the_endpoints_socket_and_the_joiner_train
 
 
 def test_a_joiners_killed_agent_is_relaunched_rejoins_and_loses_no_step(procs: ProcessScope, tmp_path: Path) -> None:
-    port = free_port()
+    port = unclaimed_port()
     script = [EXAMPLE, "--steps", 300, "--step-time", 0.05, "--persist-every", 0]
     claimer = procs.start(["run", *_line(port, "--max-restarts=3"), "--run-dir", tmp_path / "a", "--stop-grace", 2,
                            *script])

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from helpers import ProcessScope, fixture, gone, wait_for
 
-from convoy.ports import free_port
+from convoy.ports import unclaimed_port
 from convoy.worker.lease import LeaseWriter
 
 pytestmark = pytest.mark.slow
@@ -27,7 +27,7 @@ def test_a_worker_blocked_in_a_collective_stops_once_its_lease_expires(procs: Pr
     lease = LeaseWriter(tmp_path / "lease")
     try:
         lease.grant(1, time.monotonic(), 600.0)
-        ranks = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port("127.0.0.1")), "WORLD_SIZE": "2",
+        ranks = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(unclaimed_port("127.0.0.1")), "WORLD_SIZE": "2",
                  "OMP_NUM_THREADS": "1"}
         peer = procs.start([fixture("lease_collective.py"), 120], command=[sys.executable],
                            env={**ranks, "RANK": "1"})  # no lease: it runs no watcher and is never stopped by one

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from helpers import ProcessScope, fixture
 
-from convoy.ports import free_port
+from convoy.ports import unclaimed_port
 
 pytestmark = pytest.mark.slow
 EARLY = fixture("early_store.py")
@@ -35,7 +35,7 @@ def test_a_standby_rank_0_binds_the_port_and_serves_the_store_before_its_script(
                                                                                tmp_path: Path) -> None:
     """The path of a node whose fork server is gone: the agent orders a warm standby, which cannot be handed a
     socket."""
-    common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
+    common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(unclaimed_port()), "WORLD_SIZE": "2",
               "TORCHELASTIC_USE_AGENT_STORE": "True", "OMP_NUM_THREADS": "1"}
     ready_read, ready_write = os.pipe()
     with open(tmp_path / "rank0.out", "wb") as out:

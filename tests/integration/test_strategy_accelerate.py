@@ -47,9 +47,9 @@ def test_two_pipelines_or_sequence_groups_of_two_ranks_and_one_of_four_train_lik
 
 
 def test_a_rank_killed_inside_a_sequence_cut_fails_its_peer_at_once_not_at_the_timeout(procs: ProcessScope) -> None:
-    from convoy.ports import free_port
+    from convoy.ports import unclaimed_port
 
-    port = str(free_port())
+    port = str(unclaimed_port())
     ranks = [procs.start([], command=[sys.executable, str(FIXTURES / "strategy_accelerate.py")], env={
         "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1", "CHECK": "kill"}) for rank in (0, 1)]

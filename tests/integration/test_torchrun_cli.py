@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from helpers import ProcessScope, fixture
 
-from convoy.ports import free_port
+from convoy.ports import unclaimed_port
 
 pytestmark = pytest.mark.slow
 TORCHRUN = [str(Path(sys.executable).parent / "torchrun")]
@@ -55,7 +55,7 @@ def case_argv(case: str, tmp: Path, port: int) -> tuple[list[str], list[str]]:
 
 def run_under(procs: ProcessScope, launcher: str, case: str, tmp: Path) -> tuple[int, dict[int, dict], str]:
     out = tmp / launcher
-    flags, script = case_argv(case, tmp, free_port())
+    flags, script = case_argv(case, tmp, unclaimed_port())
     flags = [flag.replace("LAUNCHER", launcher) for flag in flags]
     exit_code = ["--exit", "3"] if case == "fails" else []
     env = {"PYTHONPATH": str(Path(SCRIPT).parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -127,7 +127,7 @@ def test_local_addr_on_several_hosts_is_where_the_others_reach_node_rank_0(procs
                                                                              tmp_path: Path) -> None:
     """The same torchrun line on two "hosts" (two launchers on loopback), each with its own --local-addr: every
     worker's MASTER_ADDR is the address node rank 0 gave, as under torchrun."""
-    port = free_port()
+    port = unclaimed_port()
     launchers = [procs.start(["run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job7", "--rdzv-conf", "token=abc",
                               "--node-rank", node_rank, "--local-addr", f"127.0.0.{node_rank + 2}", "--preload", "",

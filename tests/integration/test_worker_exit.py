@@ -48,10 +48,10 @@ def test_a_collective_finishing_during_the_exit_aborts_the_interpreters_teardown
     free it (tests/fixtures/gloo_exit_race.py). Through Python's teardown the process aborts after its work is
     done, as the 4-rank strategy test's rank 0 did in CI (the strategy search's dry-run ranks ended that way too);
     through ``convoy.exit_without_teardown`` it exits 0."""
-    from convoy.ports import free_port
+    from convoy.ports import unclaimed_port
 
     for ending, code in (("interpreter", -signal.SIGABRT), ("convoy", 0)):
-        port = str(free_port())
+        port = str(unclaimed_port())
         race_dir = tmp_path / ending
         race_dir.mkdir()
         ranks = [procs.start([ending], command=[sys.executable, str(FIXTURES / "gloo_exit_race.py")], env={
