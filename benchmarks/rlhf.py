@@ -1,6 +1,6 @@
 """RL fine-tuning of language models (issue 52): the targets measured so far, each against its peer in the same run.
 
-    python benchmarks/rlhf.py [--only sync,learning,async,faults] [--repeats N] [--minutes M] [--steps S]
+    python benchmarks/rlhf.py [--only sync,learning,async,faults,trl] [--repeats N] [--minutes M] [--steps S]
 
 1. sync: SmolLM2-135M-Instruct's weights (540 MB fp32) from the trainer to 2 rollout processes on this host, through
    convoy's weight board (each version packed into a /dev/shm slot, each rollout copying it into its own model), and
@@ -13,6 +13,8 @@
    the samples/s, the reward within 5 points, nothing trained beyond k.
 4. faults: a rollout SIGSTOPped mid-run (``rlhf_faults.py``; ``--minutes`` of training); targets: detected and its
    prompts reassigned <= 10 s, the trainer never blocked > 10 s.
+5. trl: the job (k = 1) against TRL's ``GRPOTrainer`` for ``--steps`` steps each (``rlhf_trl.py``; TRL from
+   ``pip install trl torch==2.13.0``); targets: >= 1.5x the samples/s, the held-out reward not lower.
 Exits 0 whether the targets are met or missed.
 """
 
@@ -33,6 +35,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from rlhf_async import bench_async  # noqa: E402
 from rlhf_faults import bench_faults  # noqa: E402
 from rlhf_learning import bench_learning  # noqa: E402
+from rlhf_trl import bench_trl  # noqa: E402
 ROLLOUTS = 2
 
 
@@ -88,11 +91,12 @@ def main() -> None:
     parser.add_argument("--only", default="sync")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--minutes", type=float, default=25.0, help="minutes of training in the learning section")
-    parser.add_argument("--set", action="append", default=[], help="a [train] setting for the learning run")
+    parser.add_argument("--set", action="append", default=[], help="a [train] setting for the learning and TRL runs")
     parser.add_argument("--steps", type=int, default=12, help="trainer steps of each run in the async section")
     args = parser.parse_args()
     parts = {"sync": lambda: bench_sync(args.repeats), "learning": lambda: bench_learning(args.minutes, args.set),
-             "async": lambda: bench_async(args.steps), "faults": lambda: bench_faults(args.minutes)}
+             "async": lambda: bench_async(args.steps), "faults": lambda: bench_faults(args.minutes),
+             "trl": lambda: bench_trl(args.steps, args.set)}
     lines = []
     for name in args.only.split(","):
         lines += parts[name]()

@@ -80,17 +80,23 @@ def load_model(name: str = DEFAULT_MODEL, threads: int | None = None,
     hf_logging.disable_progress_bar()  # no per-tensor progress bars on the console
     if threads is not None:
         torch.set_num_threads(threads)
-    if name == DEFAULT_MODEL:
-        path = _converted_smollm2()
-    else:
-        path = Path(name)
-        if not (path / "config.json").is_file():
-            raise DecodingError(f"model {name!r}: not 'smollm2' and not a directory with a config.json (a saved "
-                                "Hugging Face causal LM); models are never downloaded")
+    path = model_dir(name)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     if target.type != "cpu":
         model = model.to(target)
     return model, AutoTokenizer.from_pretrained(path)
+
+
+def model_dir(name: str = DEFAULT_MODEL) -> Path:
+    """The Hugging Face directory of ``name``: SmolLM2 converted once from its GGUF for ``smollm2``, else ``name``
+    itself, which must hold a saved causal LM (what another trainer is given to load the same model)."""
+    if name == DEFAULT_MODEL:
+        return _converted_smollm2()
+    path = Path(name)
+    if not (path / "config.json").is_file():
+        raise DecodingError(f"model {name!r}: not 'smollm2' and not a directory with a config.json (a saved "
+                            "Hugging Face causal LM); models are never downloaded")
+    return path
 
 
 def _converted_smollm2() -> Path:
