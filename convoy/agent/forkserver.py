@@ -24,6 +24,7 @@ server kills the children left and exits.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import os
@@ -39,6 +40,8 @@ from convoy.agent.round_store import STORE_FD, serve_if_asked
 from convoy.agent.standby import keep_process_groups, preload, run_script
 from convoy.procs import die_with_parent, exit_without_teardown
 
+M_MMAP_THRESHOLD = -3
+"""glibc's ``mallopt`` parameter for the size from which a block is mapped on its own."""
 MAX_MESSAGE = 1 << 20
 
 
@@ -136,6 +139,7 @@ def _become(order: dict[str, Any], output: int, server: int, server_fds: list[in
         if numpy is not None:
             numpy.random.seed()  # a fresh process seeds numpy's global generator afresh (``random`` reseeds itself)
         _take_threads(os.environ.get("OMP_NUM_THREADS", ""))
+        _take_mmap_threshold(os.environ.get("MALLOC_MMAP_THRESHOLD_", ""))
         serve_if_asked()
         code = run_script(str(order["entrypoint"]), bool(order["module"]))
     except BaseException:  # noqa: BLE001 (a child must end here, whatever happened)
@@ -151,6 +155,13 @@ def _take_threads(value: str) -> None:
     torch = sys.modules.get("torch")
     if torch is not None and value.strip().isdigit() and int(value) > 0:
         torch.set_num_threads(int(value))
+
+
+def _take_mmap_threshold(value: str) -> None:
+    """glibc's mmap threshold as a fresh process would take it from ``MALLOC_MMAP_THRESHOLD_``: the server's
+    malloc read the server's environment at its start, so a child's own value is set by hand."""
+    if value.strip().isdigit():
+        ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, int(value))
 
 
 def _join(path: str) -> None:

@@ -133,10 +133,11 @@ class RoleProcesses:
         name = f"{assignment.role}{assignment.rank}"
         log_path = self.context.run_dir / "logs" / "roles" / f"{name}.log"
         slot = min(set(range(len(self.running) + 1)) - {other.slot for other in self.running.values()})
-        env = {**STEADY_MALLOC, **self._env, **self._job_env(assignment, port, log_path), **self._devices(assignment, slot)}
+        limit = self.memory.limit_for(assignment) if self.memory is not None else None
+        steady = STEADY_MALLOC if limit is not None or assignment.measure else {}
+        env = {**steady, **self._env, **self._job_env(assignment, port, log_path), **self._devices(assignment, slot)}
         if assignment.threads or "OMP_NUM_THREADS" not in env:  # several processes share a node's cores
             env["OMP_NUM_THREADS"] = str(assignment.threads or 1)
-        limit = self.memory.limit_for(assignment) if self.memory is not None else None
         cpu = self._cpu_limit(name, assignment, limit)
         try:
             proc = self._spawn(name, assignment, env, limit, cpu)

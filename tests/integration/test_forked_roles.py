@@ -145,6 +145,28 @@ def test_a_forked_role_process_runs_the_threads_its_role_declares(tmp_path: Path
     assert "threads 2 omp 2" in logs[1], logs[1]
 
 
+@pytest.mark.parametrize("forked", [True, False], ids=["forked", "started"])
+def test_only_a_measured_or_limited_role_process_hands_large_blocks_back_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, forked: bool) -> None:
+    """STEADY_MALLOC keeps a measured (or limited) process's memory flat, at the cost of mapping each large block
+    afresh; the other role processes keep glibc's own threshold, forked from a server or started on their own."""
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)  # a value in the job's environment would win
+    forks = ForkServer.start(("torch",), dict(os.environ)) if forked else None
+    try:
+        context = JobContext("j-malloc", "n0", "127.0.0.1", tmp_path, "127.0.0.1:1")
+        processes = RoleProcesses(WorkerConfig(entrypoint=PROBE, stop_grace_s=1), context, forks=forks)
+        processes.start(assignment(0, "malloc"))
+        processes.start(assignment(1, "malloc", measure=True))
+        reports = run_until_reported(processes, 2)
+    finally:
+        if forks is not None:
+            forks.close()
+    logs = {rank: (tmp_path / "logs" / "roles" / f"worker{rank}.log").read_text() for rank in (0, 1)}
+    assert all(reports[rank].exitcode == 0 for rank in (0, 1)), logs
+    assert "malloc heap" in logs[0], logs[0]
+    assert "malloc mapped" in logs[1], logs[1]
+
+
 def test_a_forked_child_owns_the_pages_it_shared_with_its_parent() -> None:
     held = bytearray(b"\x01") * (32 << 20)
     read_end, write_end = os.pipe()
