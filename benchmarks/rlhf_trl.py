@@ -2,12 +2,16 @@
 roles) against TRL's ``GRPOTrainer`` (``scripts/rlhf_trl.py``: one process, generation then training in turn) on the
 same model, task, group size and number of samples. Measured on each: samples trained per second from the first
 training step to the end of the held-out evaluation after the last (the convoy job's trainer evaluates the base model
-first: its clock starts when that ends; TRL's when ``train()`` begins), and that held-out reward. TRL runs twice, with its defaults and without gradient checkpointing (a CPU's memory
-spares it); the faster is the peer. Targets: convoy's
-samples/s >= 1.5x TRL's; its reward after the same samples not lower."""
+first: its clock starts when that ends; TRL's when ``train()`` begins), and that held-out reward.
+
+TRL runs twice: with its defaults (bf16 autocast, gradient checkpointing) and in float32 without checkpointing (as
+the convoy job trains); the faster is the peer. The job runs with its defaults (float32) and with ``precision =
+bf16`` (shown, not the target's). Targets: convoy's samples/s >= 1.5x TRL's; its reward after the same samples not
+lower."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -17,7 +21,8 @@ from rlhf_async import rate
 from rlhf_learning import run_job
 
 REPO = Path(__file__).resolve().parents[1]
-TRL_RUNS = {"TRL (its defaults)": [], "TRL, no gradient checkpointing": ["--no-gradient-checkpointing"]}
+TRL_RUNS = {"TRL (its defaults: bf16)": [], "TRL, fp32, no checkpointing": ["--float32", "--no-gradient-checkpointing"]}
+CONVOY_RUNS = {"convoy (its defaults: fp32)": [], "convoy, precision = bf16": ["precision=bf16"]}
 DONE = re.compile(r"trl: (\d+) samples in ([\d.]+) s \(training ([\d.]+) s, evaluation ([\d.]+) s\), held-out reward "
                   r"([\d.]+)%")
 
@@ -40,13 +45,18 @@ def run_trl(steps: int, settings: list[str], flags: list[str]) -> tuple[float, f
 
 def bench_trl(steps: int, settings: list[str]) -> list[str]:
     print(f"\n## TRL: convoy's GRPO job (k = 1) against TRL's GRPOTrainer, {steps} steps each (the same samples)")
+    if importlib.util.find_spec("trl") is None:
+        return ["target convoy / TRL samples/s: not measured: trl is not installed here (pip install trl "
+                "torch==2.13.0)"]
     shared = ["eval_every=1000", *settings]
     peers = {name: run_trl(steps, shared, flags) for name, flags in TRL_RUNS.items()}
-    points, _ = run_job([f"steps={steps}", *shared])
-    convoy_rate, convoy_reward = rate(points), points[-1][2]
-    print(f"  convoy: {convoy_rate:.2f} samples/s, held-out reward {convoy_reward:.1f}% after {points[-1][1]} samples")
-    for name, (peer_rate, peer_reward) in peers.items():
-        print(f"  {name}: {peer_rate:.2f} samples/s, held-out reward {peer_reward:.1f}%", flush=True)
+    ours = {}
+    for name, extra in CONVOY_RUNS.items():
+        points, _ = run_job([f"steps={steps}", *shared, *extra])
+        ours[name] = (rate(points), points[-1][2])
+    for name, (speed, reward) in {**ours, **peers}.items():
+        print(f"  {name:<32} {speed:.2f} samples/s, held-out reward {reward:5.1f}% after {steps} steps", flush=True)
+    convoy_rate, convoy_reward = ours["convoy (its defaults: fp32)"]
     trl_rate, trl_reward = max(peers.values())  # the faster of TRL's two configurations is the peer
     speedup = convoy_rate / trl_rate
     gap = convoy_reward - trl_reward

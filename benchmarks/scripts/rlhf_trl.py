@@ -1,14 +1,14 @@
 """TRL's ``GRPOTrainer`` on the GRPO job's task: the peer of ``benchmarks/rlhf.py``'s TRL section.
 
-    python benchmarks/scripts/rlhf_trl.py --steps S [--set key=value ...] [--no-gradient-checkpointing]
+    python benchmarks/scripts/rlhf_trl.py --steps S [--set key=value ...] [--no-gradient-checkpointing] [--float32]
 
 The same model (SmolLM2-135M-Instruct, the float32 directory convoy converts it to), the same task and checker, group
 size, prompts per step, response length, temperature, learning rate (constant), KL weight, clip and gradient bound as
-``examples/grpo.toml`` with the same ``--set`` overrides; everything else as TRL's ``GRPOConfig`` has it (its loss,
-its reward scaling, gradient checkpointing on: ``--no-gradient-checkpointing`` turns it off, as a user
-after speed with memory to spare would). On a CPU, as TRL's users run it there: ``use_cpu``, no vLLM, float32 (``bf16=False``: the
-default bf16 needs a GPU's autocast), one process on every core. Held out: the same problems, answered greedily and
-scored by the same function as the convoy job's trainer does.
+``examples/grpo.toml`` with the same ``--set`` overrides; everything else as TRL's ``GRPOConfig`` has it: its loss,
+its reward scaling, bf16 autocast over float32 weights (``--float32`` turns it off) and gradient checkpointing
+(``--no-gradient-checkpointing``). On a CPU as TRL's users run it there: ``use_cpu``, no vLLM, one process on every
+core. Held out: the same problems, answered greedily and scored by the same function as the convoy job's trainer
+does.
 
 Prints ``trl: step N reward R`` as TRL logs each step, then
 ``trl: S samples in T s (training A s, evaluation E s), held-out reward H%``.
