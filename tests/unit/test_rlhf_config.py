@@ -26,14 +26,3 @@ def test_a_reward_function_is_found_by_its_module_and_name() -> None:
     assert GRPOConfig().scorer() is None, "the task's checker by default"
     with pytest.raises(ConfigError, match="is not a function"):
         reward_function("convoy.workloads.rlhf.task:HELD_OUT_EVERY")
-
-
-def test_a_precision_other_than_fp32_or_bf16_is_refused_naming_the_choices() -> None:
-    from convoy.control.training.versions import FieldSpec, Schema
-    from convoy.worker.live_config import declared_fields
-
-    schema = Schema(tuple(FieldSpec(d.name, d.type, d.kind, d.default, d.minimum, d.maximum, tuple(d.choices), d.doc)
-                          for d in declared_fields(GRPOConfig)))
-    assert schema.parse({"precision": "bf16"}) == {"precision": "bf16"}
-    with pytest.raises(ConfigError, match=r"precision.*not one of \['fp32', 'bf16'\]"):
-        schema.parse({"precision": "fp16"})

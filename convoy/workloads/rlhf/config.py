@@ -25,10 +25,6 @@ class GRPOConfig:
                                                  "(0: synchronous)")
     max_new_tokens: int = restart(12, min=1, max=4096, doc="tokens a response may have")
     temperature: float = restart(0.7, min=1e-3, max=10.0, doc="sampling temperature (the loss uses the same)")
-    precision: str = restart("fp32", choices=("fp32", "bf16"), doc="bf16: the forward passes of generation and "
-                             "training under bfloat16 autocast (the weights, their updates and the held-out "
-                             "evaluation stay float32): 1.6x the samples/s on a CPU with AMX, but it learned "
-                             "less in its first steps; fp32: everything in float32")
     lr: float = hot(1e-5, min=0.0, max=1.0, doc="AdamW's learning rate")
     beta: float = hot(0.04, min=0.0, max=10.0, doc="weight of the KL penalty to the reference model")
     clip: float = hot(0.2, min=0.0, max=1.0, doc="PPO's clip range of the probability ratio")

@@ -25,8 +25,6 @@ class Sampling:
     group_size: int = 4
     max_new_tokens: int = 16
     temperature: float = 1.0
-    bf16: bool = False
-    """Generation under bfloat16 autocast (the log-probs it keeps are taken in float32 from its logits)."""
 
     def __post_init__(self) -> None:
         if self.group_size < 2 or self.max_new_tokens < 1 or self.temperature <= 0:
@@ -53,11 +51,10 @@ def sample_group(model: Any, tokenizer: Any, text: str, score: Callable[[str], f
                  sampling: Sampling) -> Generated:
     """One group for the prompt ``text``; ``score``: a response's reward (``RewardFailed`` if it raises)."""
     prompt = prompt_ids(tokenizer, text).repeat(sampling.group_size, 1)
-    with torch.autocast(prompt.device.type, dtype=torch.bfloat16, enabled=sampling.bf16):
-        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True,
-                             temperature=sampling.temperature, top_k=0, top_p=1.0,
-                             max_new_tokens=sampling.max_new_tokens, return_dict_in_generate=True,
-                             output_scores=True, pad_token_id=tokenizer.eos_token_id)
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True,
+                         temperature=sampling.temperature, top_k=0, top_p=1.0,
+                         max_new_tokens=sampling.max_new_tokens, return_dict_in_generate=True, output_scores=True,
+                         pad_token_id=tokenizer.eos_token_id)
     tokens = out.sequences
     start = prompt.shape[1]
     chosen = tokens[:, start:]

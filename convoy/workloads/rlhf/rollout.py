@@ -123,7 +123,7 @@ class Rollout:
         self.model, shadow, self.tokenizer = models
         self.task = Arithmetic(cfg.seed, cfg.low, cfg.high, cfg.ops)
         self.score = cfg.scorer() or reward
-        self.sampling = Sampling(cfg.group_size, cfg.max_new_tokens, cfg.temperature, cfg.precision == "bf16")
+        self.sampling = Sampling(cfg.group_size, cfg.max_new_tokens, cfg.temperature)
         self.fetcher = WeightFetcher(board_path, shadow)
         self.keeper = LeaseKeeper(renewals, cfg.lease_s / 4)
         self.version = -1

@@ -21,8 +21,6 @@ class StepSettings:
     clip: float = 0.2
     beta: float = 0.04
     max_grad_norm: float = 1.0
-    bf16: bool = False
-    """The forward passes under bfloat16 autocast (float32 weights and updates)."""
 
 
 def token_logprobs(model: Any, tokens: torch.Tensor, temperature: float, last: int = 0) -> torch.Tensor:
@@ -49,11 +47,10 @@ def grpo_step(model: Any, reference: Any, optimizer: torch.optim.Optimizer, batc
     tokens, mask, old = batch["tokens"], batch["mask"], batch["logprobs"]
     advantages = group_advantages(batch["rewards"], settings.group_size)
     span = response_span(mask)
-    with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=settings.bf16):
-        with torch.no_grad():
-            ref = token_logprobs(reference, tokens, settings.temperature, span)
-        model.train()
-        logp = token_logprobs(model, tokens, settings.temperature, span)
+    with torch.no_grad():
+        ref = token_logprobs(reference, tokens, settings.temperature, span)
+    model.train()
+    logp = token_logprobs(model, tokens, settings.temperature, span)
     parts = grpo_loss(logp, old, ref, advantages, mask, settings.clip, settings.beta)
     optimizer.zero_grad(set_to_none=True)
     parts.loss.backward()

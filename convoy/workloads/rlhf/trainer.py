@@ -137,8 +137,7 @@ class Trainer:
 
     def settings(self) -> StepSettings:
         return StepSettings(self.cfg.group_size, self.cfg.temperature, self.cfg.clip, self.cfg.beta,
-                            self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf"),
-                            self.cfg.precision == "bf16")
+                            self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf"))
 
     def _spent(self) -> bool:
         return self.cfg.minutes > 0 and self.progress.seconds >= 60 * self.cfg.minutes
