@@ -5,9 +5,8 @@ training step to the end of the held-out evaluation after the last (the convoy j
 first: its clock starts when that ends; TRL's when ``train()`` begins), and that held-out reward.
 
 TRL runs twice: with its defaults (bf16 autocast, gradient checkpointing) and in float32 without checkpointing (as
-the convoy job trains); the faster is the peer. The job runs with its defaults (float32) and with ``precision =
-bf16`` (shown, not the target's). Targets: convoy's samples/s >= 1.5x TRL's; its reward after the same samples not
-lower."""
+the convoy job trains); the faster is the peer. The job runs with its defaults (float32). Targets: convoy's
+samples/s >= 1.5x TRL's; its reward after the same samples not lower."""
 
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ from rlhf_learning import run_job
 
 REPO = Path(__file__).resolve().parents[1]
 TRL_RUNS = {"TRL (its defaults: bf16)": [], "TRL, fp32, no checkpointing": ["--float32", "--no-gradient-checkpointing"]}
-CONVOY_RUNS = {"convoy (its defaults: fp32)": [], "convoy, precision = bf16": ["precision=bf16"]}
+CONVOY_RUNS = {"convoy (its defaults: fp32)": []}
 DONE = re.compile(r"trl: (\d+) samples in ([\d.]+) s \(training ([\d.]+) s, evaluation ([\d.]+) s\), held-out reward "
                   r"([\d.]+)%")
 
