@@ -35,6 +35,18 @@ def test_packed_and_unpacked_weights_are_bit_for_bit_the_same() -> None:
     assert digest(sent.pack(rollout)) != digest(buckets), "one ulp of one weight changes the digest"
 
 
+def test_a_models_digest_taken_tensor_by_tensor_is_that_of_its_buckets() -> None:
+    """Without packing (a rollout's check of each version): the same digest, and one ulp still changes it."""
+    weights = model(3)
+    manifest = Manifest.of(weights, bucket_bytes=4096)
+    assert manifest.digest_of(weights) == digest(manifest.pack(weights))
+    experts = {f"expert{i}.w": torch.randn(8, 8) for i in range(300)}
+    many = Manifest.of(experts, bucket_bytes=1 << 12)
+    assert len(many.buckets) > 1 and many.digest_of(experts) == digest(many.pack(experts))
+    weights["head"][0, 0] = torch.nextafter(weights["head"][0, 0], torch.tensor(1e9))
+    assert manifest.digest_of(weights) != digest(Manifest.of(model(3), bucket_bytes=4096).pack(model(3)))
+
+
 def test_a_model_of_many_small_tensors_makes_few_buckets() -> None:
     experts = {f"layer{i // 64}.expert{i % 64}.w": torch.randn(32, 32) for i in range(1200)}
     manifest = Manifest.of(experts, bucket_bytes=1 << 20)
