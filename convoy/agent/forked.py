@@ -23,7 +23,7 @@ import time
 from typing import Any, BinaryIO, Callable
 
 from convoy import log
-from convoy.agent.env import spawn_env
+from convoy.agent.env import role_spawn_env
 from convoy.config import WorkerConfig
 from convoy.errors import ConfigError, WorkerStartError
 from convoy.procs import die_with_parent, process_running, process_status, signal_name
@@ -46,7 +46,7 @@ left to the node's reap)."""
 def server_env(host: str, job_id: str, node_id: str) -> dict[str, str]:
     """A node's fork server starts with the environment a role process starts with (settings read at import
     time), tagged with the job and the node, so a scan of ``/proc`` finds what it forked (``reap.py``)."""
-    return {**spawn_env(1, host=host), "CONVOY_JOB_ID": job_id, "CONVOY_NODE_ID": node_id}
+    return {**role_spawn_env(host), "CONVOY_JOB_ID": job_id, "CONVOY_NODE_ID": node_id}
 
 
 def start_fork_server(workers: WorkerConfig, host: str, job_id: str, node_id: str) -> ForkServer | None:

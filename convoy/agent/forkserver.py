@@ -24,7 +24,6 @@ server kills the children left and exits.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import json
 import os
@@ -39,9 +38,8 @@ from convoy.agent.inherited import own_inherited_pages
 from convoy.agent.round_store import STORE_FD, serve_if_asked
 from convoy.agent.standby import keep_process_groups, preload, run_script
 from convoy.procs import die_with_parent, exit_without_teardown
+from convoy.worker.allocator import set_mmap_threshold
 
-M_MMAP_THRESHOLD = -3
-"""glibc's ``mallopt`` parameter for the size from which a block is mapped on its own."""
 MAX_MESSAGE = 1 << 20
 
 
@@ -161,7 +159,7 @@ def _take_mmap_threshold(value: str) -> None:
     """glibc's mmap threshold as a fresh process would take it from ``MALLOC_MMAP_THRESHOLD_``: the server's
     malloc read the server's environment at its start, so a child's own value is set by hand."""
     if value.strip().isdigit():
-        ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, int(value))
+        set_mmap_threshold(int(value))
 
 
 def _join(path: str) -> None:

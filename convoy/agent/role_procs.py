@@ -28,7 +28,7 @@ from typing import BinaryIO, Callable
 
 from convoy import log
 from convoy.agent.cpu_limits import AFFINITY, CpuLimit, CpuLimiter
-from convoy.agent.env import STEADY_MALLOC, spawn_env
+from convoy.agent.env import STEADY_MALLOC, role_spawn_env
 from convoy.agent.forked import KILL_WAIT_S, ForkedProcess, ForkServer, fault_of, wait_bounded
 from convoy.agent.gpus import node_gpus, visible_devices
 from convoy.agent.log_pump import LogPump
@@ -113,7 +113,7 @@ class RoleProcesses:
         """Processes ended outside ``poll`` (stopped to make room), their reports not yet handed out."""
         self._console = console or sys.stdout.buffer
         self._console_lock = threading.Lock()
-        self._env = spawn_env(1, host=context.host)
+        self._env = role_spawn_env(context.host)
         self.cpus = CpuLimiter()
         self.gpus = node_gpus()
         """The node's devices as CUDA names them: an assignment's ``gpus`` index into this list."""

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from helpers import ProcessScope, fixture, gone
 
-from convoy.agent.forked import ForkServer, launch_server
+from convoy.agent.forked import ForkServer, launch_server, server_env
 from convoy.agent.inherited import own_inherited_pages
 from convoy.agent.memory_limits import WATCHDOG, MemoryLimiter
 from convoy.agent.role_memory import RoleMemory
@@ -123,12 +123,15 @@ def test_a_forked_process_is_measured_as_one_that_imported_its_preload_itself(tm
 def test_a_forked_role_process_runs_the_threads_its_role_declares(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                   job_omp: str | None) -> None:
     """torch's OpenMP runtime took the server's thread count at import; each child takes its own: its role's
-    cpus, else the job's OMP_NUM_THREADS, else 1 (as torchrun for several workers a node)."""
+    cpus, else the job's OMP_NUM_THREADS, else 1 (as torchrun for several workers a node). Their waiting threads
+    sleep (OMP_WAIT_POLICY, which the runtime read from the server's environment), unless the job says otherwise."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     if job_omp is None:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     else:
         monkeypatch.setenv("OMP_NUM_THREADS", job_omp)
-    forks = ForkServer.start(("torch",), dict(os.environ))
+        monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    forks = ForkServer.start(("torch",), server_env("127.0.0.1", "j-threads", "n0"))
     try:
         context = JobContext("j-threads", "n0", "127.0.0.1", tmp_path, "127.0.0.1:1")
         processes = RoleProcesses(WorkerConfig(entrypoint=PROBE, stop_grace_s=1), context, forks=forks)
@@ -141,8 +144,9 @@ def test_a_forked_role_process_runs_the_threads_its_role_declares(tmp_path: Path
         forks.close()
     logs = {rank: (tmp_path / "logs" / "roles" / f"worker{rank}.log").read_text() for rank in (0, 1)}
     assert all(reports[rank].exitcode == 0 for rank in (0, 1)), logs
-    assert f"threads {job_omp or 1} omp {job_omp or 1}" in logs[0], logs[0]
-    assert "threads 2 omp 2" in logs[1], logs[1]
+    wait = "ACTIVE" if job_omp else "PASSIVE"
+    assert f"threads {job_omp or 1} omp {job_omp or 1} wait {wait}" in logs[0], logs[0]
+    assert f"threads 2 omp 2 wait {wait}" in logs[1], logs[1]
 
 
 @pytest.mark.parametrize("forked", [True, False], ids=["forked", "started"])
