@@ -115,15 +115,48 @@ def test_new_prompts_are_issued_only_k_steps_ahead_of_the_trainers(max_lag: int)
                           credentials=JOB, say=lambda line: None)
     try:
         rollout, trainer = caller(served, "rollout"), caller(served, "trainer")
-        assert rollout.request(Message("lease", {"count": 10, "version": 0})).meta["prompts"] == \
-            list(range(2 * (1 + max_lag)))
+        first = rollout.request(Message("lease", {"count": 10, "version": 0})).meta["prompts"]
+        assert first == list(range(2 * (1 + max_lag)))
         assert rollout.request(Message("lease", {"count": 10, "version": 0})).meta["prompts"] == []
+        for prompt in first:
+            rollout.request(Message("put", {"prompt": prompt, "version": 0}, group(5)))
+        assert trainer.request(Message("take", {"count": 2, "current": 0})).meta["groups"] == 2
         trainer.request(Message("publish", {"version": 1}))
-        more = rollout.request(Message("lease", {"count": 10, "version": 1 - max_lag})).meta["prompts"]
+        assert rollout.request(Message("lease", {"count": 10, "version": 0})).meta["prompts"] == [], \
+            "step 1's groups are made: a group of version 0 would be taken at step 2, beyond k"
+        more = rollout.request(Message("lease", {"count": 10, "version": 1})).meta["prompts"]
         assert more == list(range(2 * (1 + max_lag), 2 * (2 + max_lag)))
         trainer.request(Message("publish", {"version": 3}))
         assert rollout.request(Message("lease", {"count": 10, "version": 2 - max_lag})).meta["prompts"] == [], \
             "weights older than k versions: take the newer ones first"
+    finally:
+        served.close()
+
+
+def test_a_rollout_a_version_behind_makes_only_what_is_taken_before_its_version_falls_out_of_k() -> None:
+    """k = 1, two groups a step: at version 1 with nothing made yet, a rollout still holding version 0 may make
+    step 1's two groups (taken at version 1, within k) but not step 2's (taken at version 2: dropped as stale);
+    one holding version 1 may make step 2's but, once step 1 has taken its groups, not step 3's. Prompts held by a
+    rollout count as groups in the making."""
+    served = StoreService(SampleStore(capacity=64, max_lag=1), PromptQueue(lease_s=30.0), GROUP, per_step=2,
+                          credentials=JOB, say=lambda line: None)
+    try:
+        old, new, trainer = caller(served, "rollout", 0), caller(served, "rollout", 1), caller(served, "trainer")
+        trainer.request(Message("publish", {"version": 1}))
+        assert old.request(Message("lease", {"count": 10, "version": 0})).meta["prompts"] == [0, 1]
+        assert old.request(Message("lease", {"count": 10, "version": 0})).meta["prompts"] == []
+        assert new.request(Message("lease", {"count": 10, "version": 1})).meta["prompts"] == [2, 3]
+        for prompt in (0, 1):
+            assert old.request(Message("put", {"prompt": prompt, "version": 0}, group(5))).meta["outcome"] == "kept"
+        assert old.request(Message("lease", {"count": 1, "version": 0})).meta["prompts"] == []
+        assert trainer.request(Message("take", {"count": 2, "current": 1})).meta["groups"] == 2
+        assert new.request(Message("lease", {"count": 10, "version": 1})).meta["prompts"] == [], \
+            "step 1 took its groups and step 2's are in the making: one more of version 1 would be taken at step 3"
+        for prompt in (2, 3):
+            assert new.request(Message("put", {"prompt": prompt, "version": 1}, group(5))).meta["outcome"] == "kept"
+        trainer.request(Message("publish", {"version": 2}))
+        assert trainer.request(Message("take", {"count": 2, "current": 2})).meta["groups"] == 2
+        assert served.stats()["dropped_stale"] == 0
     finally:
         served.close()
 

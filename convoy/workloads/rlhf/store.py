@@ -49,6 +49,8 @@ class SampleStore:
     groups: deque[Stored] = field(default_factory=deque)
     by_version: dict[int, VersionCounts] = field(default_factory=dict)
     refused_unknown: int = 0
+    taken_for: dict[int, int] = field(default_factory=dict)
+    """Groups taken by the trainers' steps at each version (a step at version v takes its groups with current = v)."""
 
     def __post_init__(self) -> None:
         if self.capacity < 1:
@@ -97,7 +99,12 @@ class SampleStore:
             group = self.groups.popleft()
             self._counts(group.version).taken += 1
             taken.append(group)
+        self.taken_for[current] = self.taken_for.get(current, 0) + len(taken)
         return taken
+
+    def fresh(self) -> int:
+        """Groups held that a trainer at the published version may still take."""
+        return sum(1 for group in self.groups if group.version >= self.published - self.max_lag)
 
     def _drop_stale(self, current: int) -> None:
         fresh: deque[Stored] = deque()

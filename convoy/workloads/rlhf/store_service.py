@@ -8,7 +8,9 @@ Ops: ``lease`` {count, version}, ``renew``, ``put`` {prompt, version} + tensors,
 stops renewing for ``lease_s`` has its prompts given to others; its late groups are refused and counted. A put whose
 tensors do not make one group of ``group_size`` responses is refused whole, naming what is wrong. With ``per_step``,
 the service issues new prompt numbers itself, only as many as keep the rollouts within k trainer steps of the
-trainers; a prompt dropped (its reward function raised) is done and counted, and one more is issued in its place.
+trainers, and leases a rollout only as many as it can make before its weights fall out of k (a group made by
+version v for a later step than v + k would be dropped as stale: work thrown away); a prompt dropped (its reward
+function raised) is done and counted, and one more is issued in its place.
 """
 
 from __future__ import annotations
@@ -89,12 +91,26 @@ class StoreService:
             if version is not None and int(version) < published - self.store.max_lag:
                 return Message("leased", {"prompts": [], "published": published})
             if self.per_step:
+                count = min(count, self._room(int(version))) if version is not None else count
+                if count < 1:  # its group would be taken after its version fell out of k: newer weights first
+                    return Message("leased", {"prompts": [], "published": published})
                 allowed = self.per_step * (published + 1 + self.store.max_lag) + sum(self.dropped.values())
                 fresh = max(0, min(count - len(self.prompts.waiting), allowed - self.issued))
                 self.prompts.add(list(range(self.issued, self.issued + fresh)))
                 self.issued += fresh
             taken = self.prompts.lease(holder(caller, message), count, time.monotonic())
             return Message("leased", {"prompts": taken, "published": published})
+
+    def _room(self, version: int) -> int:
+        """(With the lock held.) How many more groups a rollout holding ``version`` can make that a trainer will
+        take while that version is within k. The trainers take ``per_step`` groups a version, oldest first, so a new
+        group comes after the groups the current step took, those held and those in the making: it is taken at
+        version ``published + (taken + held + leased) // per_step``, which must be <= ``version + k``. A rollout
+        with the newest weights always has room while the current step lacks groups, so none waits on this for
+        ever; with k = 0 it waits for the next version once the step has all its groups."""
+        taken = self.store.taken_for.get(self.store.published, 0)
+        ahead = taken + self.store.fresh() + len(self.prompts.leased)
+        return self.per_step * (version + self.store.max_lag + 1 - self.store.published) - ahead
 
     def _renew(self, message: Message, caller: Identity | None) -> Message:
         with self.lock:
