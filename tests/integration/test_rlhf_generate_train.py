@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from convoy.workloads.lookahead.model import load_model
-from convoy.workloads.rlhf.generate import RewardFailed, Sampling, prompt_ids, sample_group
+from convoy.workloads.rlhf.generate import RewardFailed, Sampling, prompt_ids, sample_group, sample_groups
 from convoy.workloads.rlhf.task import Arithmetic, reward
 from convoy.workloads.rlhf.train_step import StepSettings, grpo_step, response_span, token_logprobs
 
@@ -50,6 +50,31 @@ def test_a_group_is_laid_out_as_the_store_takes_it_with_the_sampling_policys_log
     assert torch.allclose(mine[mask == 1], logprobs[mask == 1], atol=1e-4), "the rollout's log-probs are the model's"
     assert len(got.texts) == 4
     assert group["rewards"].tolist() == [reward(text, prompt.answer) for text in got.texts]
+
+
+def test_groups_made_together_are_laid_out_and_scored_as_if_each_were_made_alone(smollm2: tuple[Any, Any]) -> None:
+    """Prompts of different lengths in one call: each group comes back without the padding, its prompt's tokens as
+    the chat template makes them, its log-probs the model's own for the group alone; a reward function that raises
+    drops only its own prompt's group."""
+    model, tokenizer = smollm2
+    texts = ["1 + 1", "What is 12 + 30? Answer with the number only."]
+
+    def broken(text: str) -> float:
+        raise ValueError("no answer in it")
+
+    torch.manual_seed(0)
+    made = sample_groups(model, tokenizer, [*texts, "2 + 2"], [lambda _: 1.0, lambda _: 0.5, broken],
+                         Sampling(group_size=3, max_new_tokens=6, temperature=0.7))
+    assert isinstance(made[2], RewardFailed) and "no answer in it" in str(made[2])
+    for text, got, scored in zip(texts, made[:2], (1.0, 0.5), strict=True):
+        assert not isinstance(got, RewardFailed)
+        group, prompt = got.group, prompt_ids(tokenizer, text)[0]
+        tokens, mask = group["tokens"], group["mask"]
+        assert torch.equal(tokens[:, :len(prompt)], prompt.repeat(3, 1)), "no padding before the prompt"
+        assert not bool(mask[:, :len(prompt)].any()) and bool(mask[:, len(prompt)].all())
+        alone = token_logprobs(model, tokens, 0.7)
+        assert torch.allclose(alone[mask == 1], group["logprobs"][mask == 1], atol=1e-4)
+        assert group["rewards"].tolist() == [scored] * 3
 
 
 def test_a_reward_function_that_raises_drops_the_group_by_name(smollm2: tuple[Any, Any]) -> None:

@@ -23,6 +23,8 @@ class GRPOConfig:
     groups_per_step: int = restart(4, min=1, max=4096, doc="prompts' groups per trainer step, over all trainers")
     max_lag: int = restart(1, min=0, max=64, doc="k: a step trains only on groups of versions >= its own - k "
                                                  "(0: synchronous)")
+    rollout_batch: int = restart(4, min=1, max=1024, doc="prompts a rollout generates for in one batched call "
+                                                         "(their groups all of one version)")
     max_new_tokens: int = restart(12, min=1, max=4096, doc="tokens a response may have")
     temperature: float = restart(0.7, min=1e-3, max=10.0, doc="sampling temperature (the loss uses the same)")
     lr: float = hot(1e-5, min=0.0, max=1.0, doc="AdamW's learning rate")

