@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 import torch
 
+from convoy.workloads.lookahead.generator import LookaheadGenerator
 from convoy.workloads.lookahead.model import load_model
+from convoy.workloads.rlhf.evaluate import held_out_reward
 from convoy.workloads.rlhf.generate import RewardFailed, Sampling, prompt_ids, sample_group, sample_groups
 from convoy.workloads.rlhf.task import Arithmetic, reward
 from convoy.workloads.rlhf.train_step import StepSettings, grpo_step, response_span, token_logprobs
@@ -75,6 +77,26 @@ def test_groups_made_together_are_laid_out_and_scored_as_if_each_were_made_alone
         alone = token_logprobs(model, tokens, 0.7)
         assert torch.allclose(alone[mask == 1], group["logprobs"][mask == 1], atol=1e-4)
         assert group["rewards"].tolist() == [scored] * 3
+
+
+def test_held_out_answers_through_the_lookahead_decoder_are_generates_greedy_answers(smollm2: tuple[Any, Any]) -> None:
+    """The trainer's evaluation decodes through convoy's lookahead decoder: the same answers, token for token, as
+    Hugging Face's greedy ``generate`` on left-padded batches, so the same held-out reward; its memory of the first
+    evaluation's answers drafts the second's, which are again the same."""
+    model, tokenizer = smollm2
+    prompts = Arithmetic(seed=5).held_out(6)
+
+    def answers(decoder: LookaheadGenerator | None) -> tuple[list[str], float]:
+        said: list[str] = []
+        value, failed = held_out_reward(model, tokenizer, prompts, 8,
+                                        lambda text, answer: said.append(text) or reward(text, answer), decoder)
+        assert failed == 0
+        return said, value
+
+    plain = answers(None)
+    decoder = LookaheadGenerator(model, tokenizer, pack_weights=False)
+    assert answers(decoder) == plain
+    assert answers(decoder) == plain and decoder.memory.num_nodes > 0
 
 
 def test_a_reward_function_that_raises_drops_the_group_by_name(smollm2: tuple[Any, Any]) -> None:

@@ -41,6 +41,9 @@ class GRPOConfig:
                                   "checker (1 for the right first number)")
     eval_prompts: int = restart(64, min=1, max=100_000, doc="held-out prompts of each evaluation (at most the "
                                                             "task's held-out problems: a fifth of them)")
+    lookahead: bool = hot(False, doc="held-out answers through convoy's lookahead decoder (token for token the "
+                                     "greedy answers of generate; it pays on long answers that repeat: on this "
+                                     "task's 12 tokens, 28 prompts took 5.95 s against generate's 5.1 s)")
     eval_every: int = hot(5, min=1, doc="trainer steps between held-out evaluations (greedy answers)")
     plot: str = hot("", doc="write the held-out reward curve to this PNG (relative to the run dir)")
 

@@ -1,5 +1,6 @@
 """The held-out evaluation: the policy's greedy answers to problems no training prompt asks (``Arithmetic.held_out``),
-scored by the task's checker, in batches left-padded as a decoder generates them; and the reward curve as a PNG."""
+scored by the task's checker, in batches, through convoy's lookahead decoder (the trainer's: its memory of earlier
+answers drafts the next evaluation's) or Hugging Face ``generate`` left-padded; and the reward curve as a PNG."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import torch
 
+from convoy.workloads.lookahead.generator import LookaheadGenerator
 from convoy.workloads.rl.plot import plot_curve
 from convoy.workloads.rlhf.generate import prompt_ids
 from convoy.workloads.rlhf.task import Prompt
@@ -26,9 +28,10 @@ def scored(score: Callable[[str, int], float], text: str, answer: int) -> float 
 
 @torch.no_grad()
 def held_out_reward(model: Any, tokenizer: Any, prompts: Sequence[Prompt], max_new_tokens: int,
-                    score: Callable[[str, int], float]) -> tuple[float, int]:
+                    score: Callable[[str, int], float], decoder: LookaheadGenerator | None = None) -> tuple[float, int]:
     """The mean reward of the greedy answers (the task's accuracy, for its checker), and how many answers the reward
-    function raised on (each counted as 0)."""
+    function raised on (each counted as 0). ``decoder``: convoy's lookahead decoder over ``model`` (the same
+    answers, token for token, in fewer passes where its drafts are accepted), else Hugging Face ``generate``."""
     was_training = model.training
     model.eval()
     total, failed = 0.0, 0
@@ -36,15 +39,7 @@ def held_out_reward(model: Any, tokenizer: Any, prompts: Sequence[Prompt], max_n
         for first in range(0, len(prompts), BATCH):
             chunk = prompts[first:first + BATCH]
             rows = [prompt_ids(tokenizer, prompt.text)[0] for prompt in chunk]
-            width = max(len(row) for row in rows)
-            ids = torch.full((len(rows), width), tokenizer.eos_token_id, dtype=torch.long)
-            mask = torch.zeros((len(rows), width), dtype=torch.long)
-            for i, row in enumerate(rows):  # left-padded: every prompt ends where generation starts
-                ids[i, width - len(row):] = row
-                mask[i, width - len(row):] = 1
-            out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
-                                 pad_token_id=tokenizer.eos_token_id)
-            texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+            texts = _greedy(model, tokenizer, rows, max_new_tokens, decoder)
             for text, prompt in zip(texts, chunk, strict=True):
                 value = scored(score, text, prompt.answer)
                 total += value or 0.0
@@ -52,6 +47,23 @@ def held_out_reward(model: Any, tokenizer: Any, prompts: Sequence[Prompt], max_n
     finally:
         model.train(was_training)
     return total / len(prompts), failed
+
+
+def _greedy(model: Any, tokenizer: Any, rows: list[torch.Tensor], max_new_tokens: int,
+            decoder: LookaheadGenerator | None) -> list[str]:
+    if decoder is not None:
+        texts = decoder.generate([row.tolist() for row in rows], max_new_tokens).texts
+        assert texts is not None  # the decoder holds the tokenizer
+        return texts
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), tokenizer.eos_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):  # left-padded: every prompt ends where generation starts
+        ids[i, width - len(row):] = row
+        mask[i, width - len(row):] = 1
+    out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+                         pad_token_id=tokenizer.eos_token_id)
+    return list(tokenizer.batch_decode(out[:, width:], skip_special_tokens=True))
 
 
 def plot_reward(points: Sequence[tuple[int, float]], path: Path, title: str) -> None:

@@ -26,6 +26,7 @@ from convoy.runtime.checkpoint import Checkpointer
 from convoy.runtime.init import init
 from convoy.worker.events import emit
 from convoy.worker.report import report
+from convoy.workloads.lookahead.generator import LookaheadGenerator
 from convoy.workloads.rlhf.buckets import Manifest
 from convoy.workloads.rlhf.config import GRPOConfig
 from convoy.workloads.rlhf.evaluate import held_out_reward
@@ -83,6 +84,10 @@ class Trainer:
         self.score = cfg.scorer() or reward
         self.held_out = self.task.held_out(cfg.eval_prompts)
         self.board = self._board(board_path) if self.ctx.rank == 0 else None
+        self.decoder = LookaheadGenerator(self.policy, self.tokenizer, pack_weights=False) \
+            if self.ctx.rank == 0 else None
+        """Trainer 0's evaluations' decoder (over the policy itself, weights unpacked: they change every step); its
+        memory of earlier answers drafts the next evaluation's."""
         self.waited_s = 0.0
         """Time spent waiting for groups (the trainers idle)."""
         self.longest_wait_s = 0.0
@@ -181,7 +186,7 @@ class Trainer:
     def _evaluate(self) -> None:
         began = time.monotonic()
         value, failed = held_out_reward(self.policy, self.tokenizer, self.held_out, self.cfg.max_new_tokens,
-                                        self.score)
+                                        self.score, self.decoder if self.cfg.lookahead else None)
         self.progress.curve.append((self.progress.samples, value))
         raised = f", the reward function raised on {failed} (scored 0)" if failed else ""
         self.say(f"trainer: held-out reward {100 * value:.1f}% after {self.progress.samples} samples (version "
