@@ -11,7 +11,7 @@ import sys
 import pytest
 
 BLOCK_PAGES = (64 << 20) // os.sysconf("SC_PAGE_SIZE")
-STEP = f'''
+STEP = '''
 import resource, sys
 from convoy.worker.allocator import keep_freed_memory
 
