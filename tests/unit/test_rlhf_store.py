@@ -25,6 +25,22 @@ def test_synchronous_k0_takes_only_the_current_version() -> None:
     assert stats["by_version"]["2"]["taken"] == 1 and stats["held"] == 0
 
 
+def test_the_groups_taken_at_the_published_version_are_counted_until_the_next_version() -> None:
+    """What the store's lease rule reads: the current step's groups already taken, from 0 again at each version (a
+    trainer taking at a newer version publishes it; one taking at an older version does not count)."""
+    store = SampleStore(capacity=10, max_lag=1)
+    for i in range(5):
+        store.put(0, f"a{i}")
+    assert len(store.take(2, current=0)) == 2 and store.taken_now == 2
+    store.publish(0)
+    assert store.taken_now == 2, "the same version again: still its step"
+    assert len(store.take(1, current=1)) == 1 and (store.published, store.taken_now) == (1, 1)
+    store.take(1, current=0)
+    assert store.taken_now == 1, "a take at an older version is not this step's"
+    store.publish(2)
+    assert store.taken_now == 0
+
+
 def test_asynchronous_k1_takes_one_version_back_and_drops_two_back() -> None:
     store = SampleStore(capacity=10, max_lag=1)
     for version in (1, 2, 3):

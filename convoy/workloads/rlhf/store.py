@@ -49,8 +49,8 @@ class SampleStore:
     groups: deque[Stored] = field(default_factory=deque)
     by_version: dict[int, VersionCounts] = field(default_factory=dict)
     refused_unknown: int = 0
-    taken_for: dict[int, int] = field(default_factory=dict)
-    """Groups taken by the trainers' steps at each version (a step at version v takes its groups with current = v)."""
+    taken_now: int = 0
+    """Groups the trainers' step at the published version has taken (a step at version v takes with current = v)."""
 
     def __post_init__(self) -> None:
         if self.capacity < 1:
@@ -65,6 +65,8 @@ class SampleStore:
         """The trainers' weights reached ``version`` (versions only grow)."""
         if version < self.published:
             raise ConfigError(f"version {version} is older than the published {self.published}: versions only grow")
+        if version > self.published:
+            self.taken_now = 0
         self.published = version
 
     def put(self, version: int, payload: Any, source: str = "") -> str:
@@ -99,7 +101,8 @@ class SampleStore:
             group = self.groups.popleft()
             self._counts(group.version).taken += 1
             taken.append(group)
-        self.taken_for[current] = self.taken_for.get(current, 0) + len(taken)
+        if current == self.published:
+            self.taken_now += len(taken)
         return taken
 
     def fresh(self) -> int:

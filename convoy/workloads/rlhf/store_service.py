@@ -108,8 +108,7 @@ class StoreService:
         version ``published + (taken + held + leased) // per_step``, which must be <= ``version + k``. A rollout
         with the newest weights always has room while the current step lacks groups, so none waits on this for
         ever; with k = 0 it waits for the next version once the step has all its groups."""
-        taken = self.store.taken_for.get(self.store.published, 0)
-        ahead = taken + self.store.fresh() + len(self.prompts.leased)
+        ahead = self.store.taken_now + self.store.fresh() + len(self.prompts.leased)
         return self.per_step * (version + self.store.max_lag + 1 - self.store.published) - ahead
 
     def _renew(self, message: Message, caller: Identity | None) -> Message:
