@@ -12,7 +12,7 @@ import torch
 
 from convoy.workloads.lookahead.generator import LookaheadGenerator
 from convoy.workloads.rl.plot import plot_curve
-from convoy.workloads.rlhf.generate import prompt_ids
+from convoy.workloads.rlhf.generate import left_padded, prompt_ids
 from convoy.workloads.rlhf.task import Prompt
 
 BATCH = 32
@@ -55,15 +55,10 @@ def _greedy(model: Any, tokenizer: Any, rows: list[torch.Tensor], max_new_tokens
         texts = decoder.generate([row.tolist() for row in rows], max_new_tokens).texts
         assert texts is not None  # the decoder holds the tokenizer
         return texts
-    width = max(len(row) for row in rows)
-    ids = torch.full((len(rows), width), tokenizer.eos_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):  # left-padded: every prompt ends where generation starts
-        ids[i, width - len(row):] = row
-        mask[i, width - len(row):] = 1
+    ids, mask = left_padded(rows, tokenizer.eos_token_id)
     out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
                          pad_token_id=tokenizer.eos_token_id)
-    return list(tokenizer.batch_decode(out[:, width:], skip_special_tokens=True))
+    return list(tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True))
 
 
 def plot_reward(points: Sequence[tuple[int, float]], path: Path, title: str) -> None:

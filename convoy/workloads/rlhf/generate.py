@@ -39,6 +39,18 @@ def prompt_ids(tokenizer: Any, text: str) -> torch.Tensor:
     return ids if isinstance(ids, torch.Tensor) else torch.tensor([ids])
 
 
+def left_padded(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` of token ids as one batch, left-padded with ``pad_id`` so every prompt ends where generation starts,
+    and its attention mask (0 on the padding)."""
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for index, row in enumerate(rows):
+        ids[index, width - len(row):] = row
+        mask[index, width - len(row):] = 1
+    return ids, mask
+
+
 @dataclass(frozen=True)
 class Generated:
     group: dict[str, torch.Tensor]
@@ -63,13 +75,9 @@ def sample_groups(model: Any, tokenizer: Any, texts: list[str], scores: list[Cal
     and each group comes back without its padding, as if made alone. A group whose ``score`` raised is its
     ``RewardFailed`` (the others stand)."""
     prompts = [prompt_ids(tokenizer, text)[0] for text in texts]
-    width, size = max(len(prompt) for prompt in prompts), sampling.group_size
-    ids = torch.full((len(prompts) * size, width), tokenizer.eos_token_id, dtype=prompts[0].dtype)
-    attention = torch.zeros_like(ids)
-    for index, prompt in enumerate(prompts):
-        rows = slice(index * size, (index + 1) * size)
-        ids[rows, width - len(prompt):] = prompt
-        attention[rows, width - len(prompt):] = 1
+    size = sampling.group_size
+    ids, attention = left_padded([prompt for prompt in prompts for _ in range(size)], tokenizer.eos_token_id)
+    width = int(ids.shape[1])
     out = model.generate(ids, attention_mask=attention, do_sample=True, temperature=sampling.temperature, top_k=0,
                          top_p=1.0, max_new_tokens=sampling.max_new_tokens, return_dict_in_generate=True,
                          output_scores=True, pad_token_id=tokenizer.eos_token_id)

@@ -15,9 +15,9 @@ from convoy.errors import ConfigError
 from convoy.parallel.transport import ConnectionLost, Credentials, IncarnationFence
 from convoy.parallel.transport.errors import StaleIncarnation
 from convoy.shm import segment_path
+from convoy.worker.allocator import keep_freed_memory
 from convoy.worker.live_config import train_config
 from convoy.worker.role_env import SERVICE_HOST_ENV, role
-from convoy.worker.allocator import keep_freed_memory
 from convoy.workloads.lookahead.model import load_model
 from convoy.workloads.rlhf.config import GRPOConfig
 from convoy.workloads.rlhf.evaluate import plot_reward
