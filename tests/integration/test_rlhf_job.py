@@ -133,11 +133,18 @@ def test_a_killed_rollout_is_replaced_a_stopped_one_loses_its_prompts_and_the_tr
     assert procs.wait_no_leftovers() == []
 
 
+@pytest.mark.parametrize("weights", ["auto", "transport"])
 def test_a_killed_trainer_comes_back_from_its_snapshot_while_the_rollouts_go_on(
-        procs: ProcessScope, run_dir: Path, tiny: Path) -> None:
-    job = procs.start(["run", JOB, "--run-dir", run_dir, *settings(tiny, "steps=20")],
+        procs: ProcessScope, run_dir: Path, tiny: Path, weights: str) -> None:
+    """With ``weights = transport`` the rollouts pull each version from trainer 0's weight service, as rollouts on
+    another host do; the restarted trainer serves at a new address, which they find through the store."""
+    job = procs.start(["run", JOB, "--run-dir", run_dir, *settings(tiny, "steps=20", f"weights={weights}")],
                       env={"PYTHONPATH": str(tiny)})
     rollouts = {int(job.wait_output(rf"rollout {rank}: pid (\d+)", timeout=90).group(1)) for rank in (0, 1)}
+    source = {"auto": r"board /dev/shm/\S+ \(this host's shared memory\)",
+              "transport": r"weight service at 127\.0\.0\.1:\d+ \(weights = transport\)"}[weights]
+    for rank in (0, 1):
+        job.wait_output(rf"rollout {rank}: weights from trainer 0's {source}", timeout=90)
     trainer = int(job.wait_output(r"trainer 0: world size 1, from step 0, 2 groups a step \(pid (\d+)\)").group(1))
     job.wait_output(r"trainer 0 published version 6:", timeout=90)
     psutil.Process(trainer).send_signal(signal.SIGKILL)
@@ -155,11 +162,15 @@ def test_a_killed_trainer_comes_back_from_its_snapshot_while_the_rollouts_go_on(
     # 21 when the killed trainer had published the step of its snapshot (its weights go out again as a newer version),
     # 20 when it died between the snapshot and the publication
     assert last is not None and int(last.group(1)) in (20, 21), out
+    taken = [int(n) for n in re.findall(r"rollout \d: .* (\d+) versions taken \(versions \d+\.\.\d+\), each bit for "
+                                        r"bit the trainer's", out)]
+    assert len(taken) == 2 and min(taken) >= 10, "the rollouts took versions from the restarted trainer too"
     assert procs.wait_no_leftovers() == []
 
 
 @pytest.mark.parametrize(("setting", "named"), [("max_lag=-1", "max_lag"), ("eval_prompts=0", "eval_prompts"),
-                                                ("reward=nowhere:score", "reward 'nowhere:score' cannot be imported")])
+                                                ("reward=nowhere:score", "reward 'nowhere:score' cannot be imported"),
+                                                ("weights=shm", "weights 'shm': one of auto, transport")])
 def test_bad_settings_end_the_job_naming_what_is_wrong(procs: ProcessScope, run_dir: Path, tiny: Path,
                                                         setting: str, named: str) -> None:
     job = procs.start(["run", JOB, "--run-dir", run_dir, *settings(tiny, "steps=2", setting)],

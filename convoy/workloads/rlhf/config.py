@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from convoy.errors import ConfigError
 from convoy.worker.live_config import hot, restart
 
+WEIGHT_PATHS = ("auto", "transport")
+
 
 @dataclass
 class GRPOConfig:
@@ -33,6 +35,9 @@ class GRPOConfig:
     max_grad_norm: float = hot(1.0, min=0.0, doc="the gradients' largest norm per step (0: not clipped)")
     lease_s: float = restart(5.0, min=0.1, max=600.0, doc="a rollout silent this long is presumed stopped: its "
                                                           "prompts go to the others")
+    weights: str = restart("auto", doc="how rollouts take each version: auto (trainer 0's shared-memory board where "
+                                       "they share its host, its weight service on the role transport elsewhere) "
+                                       "or transport (always the service: hosts that share a path, not its memory)")
     capacity: int = restart(256, min=1, doc="groups the store holds at most")
     low: int = restart(1, doc="smallest operand of the arithmetic task")
     high: int = restart(12, doc="largest operand of the arithmetic task")
@@ -55,6 +60,8 @@ class GRPOConfig:
         if self.capacity < self.groups_per_step:
             raise ConfigError(f"capacity {self.capacity} < groups_per_step {self.groups_per_step}: the store could "
                               "never hold one step's groups; raise capacity")
+        if self.weights not in WEIGHT_PATHS:
+            raise ConfigError(f"weights {self.weights!r}: one of {', '.join(WEIGHT_PATHS)}")
         if self.reward:
             reward_function(self.reward)
 

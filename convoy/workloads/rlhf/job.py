@@ -76,9 +76,10 @@ def run_rollout(cfg: GRPOConfig, store: StoreClient) -> int:
     stopped: list[bool] = []
     signal.signal(signal.SIGTERM, lambda *_: stopped.append(True))  # the job's end: finish the group, then exit
     store.stopping = lambda: bool(stopped) or me.preempted
-    renewals = StoreClient(store_address, stopping=store.stopping)
-    rollout = Rollout(cfg, store, renewals, board_path(), models(cfg, 2), name, say)
-    say(f"{name}: pid {os.getpid()}, incarnation {me.incarnation}; weights from {board_path()}")
+    links = (store, StoreClient(store_address, stopping=store.stopping),
+             StoreClient(store_address, stopping=store.stopping))
+    rollout = Rollout(cfg, links, board_path(), models(cfg, 2), name, say)
+    say(f"{name}: pid {os.getpid()}, incarnation {me.incarnation}")
     try:
         rollout.run(store.stopping)
     except ConnectionLost:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from convoy.errors import ConfigError
-from convoy.parallel.transport import ConnectionLost
+from convoy.parallel.transport import ConnectionLost, Credentials
 from convoy.worker.events import emit
 from convoy.worker.report import report
 from convoy.workloads.rlhf.config import GRPOConfig
@@ -34,6 +34,7 @@ from convoy.workloads.rlhf.generate import RewardFailed, Sampling, sample_groups
 from convoy.workloads.rlhf.store_client import StoreClient
 from convoy.workloads.rlhf.task import Arithmetic, reward
 from convoy.workloads.rlhf.weight_board import WeightBoard
+from convoy.workloads.rlhf.weight_service import RemoteBoard
 
 LOOK_S = 0.05
 """How often the weight thread looks at the board for a newer version."""
@@ -41,35 +42,55 @@ IDLE_S = 0.05
 """How long the main loop sleeps when the store has no prompt for it (the trainers are behind)."""
 BOARD_WAIT_S = 600.0
 """How long a rollout waits for the trainer's first version (the trainer loads its models first)."""
+CLOSE_JOIN_S = 10.0
+RELOCATE_S = 1.0
+"""While no newer version comes, how often the weight thread asks the store whether trainer 0's board moved."""
 
 
 def parameters(model: Any) -> dict[str, torch.Tensor]:
     return dict(model.named_parameters())
 
 
-class WeightFetcher(threading.Thread):
-    """Copies each newer version from the board into the shadow model; ``ready`` holds its version once the copy
-    is checked, until the main loop swaps and hands the other model back (``take``, which sets ``handed``)."""
+Locate = Callable[[], dict[str, Any]]
+"""Where trainer 0's newest weights are, as the store heard it: ``board`` (its path), ``board_id``, ``weights_at``
+(its weight service's address); empty before the first publication."""
 
-    def __init__(self, board_path: Path, shadow: Any) -> None:
+
+class WeightFetcher(threading.Thread):
+    """Copies each newer version into the shadow model, from trainer 0's board where this process can map it (the
+    same host), else through trainer 0's weight service; ``ready`` holds its version once the copy is checked,
+    until the main loop swaps and hands the other model back (``take``, which sets ``handed``). ``transport``: never
+    the board (hosts whose processes share a path but not the memory behind it)."""
+
+    def __init__(self, board_path: Path, shadow: Any, locate: Locate, transport: bool = False,
+                 say: Callable[[str], None] = print, credentials: Credentials | None = None) -> None:
         super().__init__(name="rollout-weights", daemon=True)
-        self.board_path, self.shadow = board_path, shadow
+        self.board_path, self.shadow, self.locate, self.transport, self.say = board_path, shadow, locate, transport, say
         self.have = -1
         self.ready: tuple[int, str, str] | None = None
         """(version, the trainer's digest, the shadow's own digest) of a copy waiting for its swap."""
         self.handed = threading.Event()
         self.stopping = threading.Event()
         self.failure: BaseException | None = None
+        self.source: WeightBoard | RemoteBoard | None = None
+        self.credentials = credentials
+        """For the weight service (the process's own by default)."""
 
     def run(self) -> None:
         try:
-            board = self._open()
+            board_id = self._open()
+            looked = time.monotonic()
             while not self.stopping.is_set():
-                version = board.read_into(parameters(self.shadow), self.have)
+                assert self.source is not None
+                version = self.source.read_into(parameters(self.shadow), self.have)
                 if version is None:
+                    if time.monotonic() - looked > RELOCATE_S:  # a trainer group that came back on another node
+                        looked = time.monotonic()
+                        if self.locate().get("board_id", board_id) != board_id:
+                            board_id = self._open()
                     self.stopping.wait(LOOK_S)
                     continue
-                theirs, mine = board.read_digest, board.digest_of(parameters(self.shadow))
+                theirs, mine = self.source.read_digest, self.source.digest_of(parameters(self.shadow))
                 self.have = version
                 self.handed.clear()
                 self.ready = (version, theirs, mine)
@@ -79,14 +100,37 @@ class WeightFetcher(threading.Thread):
         except BaseException as exc:  # noqa: BLE001 (the main loop raises it: a rollout without weights stops)
             self.failure = exc
 
-    def _open(self) -> WeightBoard:
+    def _open(self) -> str:
+        """The source of the weights trainer 0 publishes now (waiting for its first publication); its board's id."""
         deadline = time.monotonic() + BOARD_WAIT_S
-        while not self.board_path.exists():
+        where = self.locate()
+        while not where.get("board_id"):
             if time.monotonic() > deadline or self.stopping.is_set():
-                raise ConfigError(f"no weight board at {self.board_path} after {BOARD_WAIT_S:.0f} s: the trainer "
-                                  "publishes it (rollouts on another host than trainer 0 are not supported yet)")
+                raise ConfigError(f"trainer 0 published no weights in {BOARD_WAIT_S:.0f} s")
             time.sleep(LOOK_S)
-        return WeightBoard.open(self.board_path)
+            where = self.locate()
+        if self.source is not None:
+            self.source.close()
+        self.source = None if self.transport else self._board_if_mine(where["board_id"])
+        if self.source is not None:
+            self.say(f"weights from trainer 0's board {self.board_path} (this host's shared memory)")
+        else:
+            self.source = RemoteBoard(lambda: str(self.locate().get("weights_at", "")), self.credentials,
+                                      stopping=self.stopping.is_set)
+            why = "weights = transport" if self.transport else "its board is not on this host"
+            self.say(f"weights from trainer 0's weight service at {where.get('weights_at')} ({why})")
+        return str(where["board_id"])
+
+    def _board_if_mine(self, board_id: str) -> WeightBoard | None:
+        """Trainer 0's board if this host maps it (the path holds the board of that id), else None."""
+        try:
+            board = WeightBoard.open(self.board_path)
+        except ConfigError:
+            return None  # no board at that path here: another host
+        if board.board_id == board_id:
+            return board
+        board.close()
+        return None
 
     def take(self, live: Any) -> tuple[Any, int, str, str] | None:
         """(model, version, the trainer's digest, its own) of a checked copy, if one is ready; ``live`` becomes the
@@ -117,15 +161,19 @@ class LeaseKeeper(threading.Thread):
 
 
 class Rollout:
-    def __init__(self, cfg: GRPOConfig, store: StoreClient, renewals: StoreClient, board_path: Path,
+    def __init__(self, cfg: GRPOConfig, links: tuple[StoreClient, StoreClient, StoreClient], board_path: Path,
                  models: tuple[Any, Any, Any], name: str, say: Callable[[str], None] = print) -> None:
-        """``models``: (live, shadow, tokenizer), two loads of the same policy; ``name``: this process in lines."""
+        """``links``: three connections to the store (the main loop's, the lease renewals', the weight thread's:
+        one per thread); ``models``: (live, shadow, tokenizer), two loads of the same policy; ``name``: this
+        process in lines."""
+        store, renewals, weights = links
         self.cfg, self.store, self.say, self.name = cfg, store, say, name
         self.model, shadow, self.tokenizer = models
         self.task = Arithmetic(cfg.seed, cfg.low, cfg.high, cfg.ops)
         self.score = cfg.scorer() or reward
         self.sampling = Sampling(cfg.group_size, cfg.max_new_tokens, cfg.temperature)
-        self.fetcher = WeightFetcher(board_path, shadow)
+        self.fetcher = WeightFetcher(board_path, shadow, lambda: dict(weights.call("weights").meta),
+                                     cfg.weights == "transport", lambda line: say(f"{name}: {line}"))
         self.keeper = LeaseKeeper(renewals, cfg.lease_s / 4)
         self.version = -1
         self.groups = 0
@@ -197,3 +245,7 @@ class Rollout:
         self.fetcher.stopping.set()
         self.keeper.stopping.set()
         self.store.close()
+        if self.fetcher.is_alive():
+            self.fetcher.join(CLOSE_JOIN_S)  # a copy under way ends first: its source is closed under it otherwise
+        if self.fetcher.source is not None:
+            self.fetcher.source.close()

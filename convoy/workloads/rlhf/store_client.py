@@ -21,10 +21,12 @@ REQUEST_S = 30.0
 
 class StoreClient:
     def __init__(self, find: Callable[[], str], credentials: Credentials | None = None, find_s: float = FIND_S,
-                 request_s: float = REQUEST_S, stopping: Callable[[], bool] = lambda: False) -> None:
+                 request_s: float = REQUEST_S, stopping: Callable[[], bool] = lambda: False,
+                 service: str = "sample store") -> None:
         """``stopping``: this process is ending (the job stops its services together): a lost store is not looked
-        for again."""
+        for again. ``service``: what the lines call it (the same link serves trainer 0's weights)."""
         self.find, self.credentials, self.find_s, self.request_s = find, credentials, find_s, request_s
+        self.service = service
         self.stopping = stopping
         self.conn: Connection | None = None
 
@@ -37,16 +39,16 @@ class StoreClient:
                 if self.conn is None:
                     address = self.find()
                     if not address:
-                        raise ConnectionLost("the store has published no address yet")
+                        raise ConnectionLost(f"the {self.service} has published no address yet")
                     self.conn = Connection(address, self.request_s, credentials=self.credentials,
-                                           service="sample store")
+                                           service=self.service)
                 return self.conn.request(Message(op, meta or {}, tensors or {}))
             except (ConnectionLost, OSError) as exc:
                 self.close()
                 if self.stopping():
-                    raise ConnectionLost(f"the sample store went away as this process stops: {exc}") from exc
+                    raise ConnectionLost(f"the {self.service} went away as this process stops: {exc}") from exc
                 if time.monotonic() > deadline:
-                    raise ConfigError(f"the sample store could not be reached for {self.find_s:.0f} s: {exc}") \
+                    raise ConfigError(f"the {self.service} could not be reached for {self.find_s:.0f} s: {exc}") \
                         from exc
                 time.sleep(0.2)
 

@@ -62,11 +62,13 @@ class StoreService:
         self.lock = threading.Lock()
         self.digests: dict[int, str] = {}
         """Each published version's weights digest, as the trainer reported it."""
+        self.weights: dict[str, str] = {}
+        """Where the newest version is: trainer 0's board (its path and id) and its weight service's address."""
         self.refused_malformed = 0
         self.stopped = threading.Event()
         self.ops: dict[str, Callable[[Message, Identity | None], Message]] = {
             "lease": self._lease, "renew": self._renew, "put": self._put, "drop": self._drop, "take": self._take,
-            "publish": self._publish, "stats": self._stats, "shutdown": self._shutdown}
+            "publish": self._publish, "weights": self._weights, "stats": self._stats, "shutdown": self._shutdown}
         self.listener = Listener(self.handle, host, port, replied=self._replied, credentials=credentials,
                                  admit=admit, limits=limits)
         self.address = self.listener.address
@@ -175,7 +177,14 @@ class StoreService:
         with self.lock:
             self.store.publish(version)
             self.digests[version] = str(message.meta.get("digest", ""))
+            where = {key: str(message.meta[key]) for key in ("board", "board_id", "weights_at") if key in message.meta}
+            if where:
+                self.weights = where
         return Message("published", {"version": version})
+
+    def _weights(self, message: Message, caller: Identity | None) -> Message:
+        with self.lock:
+            return Message("weights", {**self.weights, "version": self.store.published})
 
     def stats(self) -> dict[str, Any]:
         with self.lock:

@@ -11,6 +11,7 @@ published again as a new version (a version the failed group published and lost 
 from __future__ import annotations
 
 import copy
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,10 +23,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from convoy.errors import ConfigError
+from convoy.parallel.transport import IncarnationFence
 from convoy.runtime.checkpoint import Checkpointer
 from convoy.runtime.init import init
 from convoy.worker.events import emit
 from convoy.worker.report import report
+from convoy.worker.role_env import SERVICE_HOST_ENV, role
 from convoy.workloads.lookahead.generator import LookaheadGenerator
 from convoy.workloads.rlhf.buckets import Manifest
 from convoy.workloads.rlhf.config import GRPOConfig
@@ -35,6 +38,7 @@ from convoy.workloads.rlhf.store_service import GROUP_TENSORS
 from convoy.workloads.rlhf.task import Arithmetic, reward
 from convoy.workloads.rlhf.train_step import StepSettings, grpo_step
 from convoy.workloads.rlhf.weight_board import WeightBoard
+from convoy.workloads.rlhf.weight_service import WeightService
 
 TAKE_WAIT_S = 0.05
 SAY_WAITING_S = 30.0
@@ -84,6 +88,9 @@ class Trainer:
         self.score = cfg.scorer() or reward
         self.held_out = self.task.held_out(cfg.eval_prompts)
         self.board = self._board(board_path) if self.ctx.rank == 0 else None
+        self.weights = WeightService(self.board, os.environ.get(SERVICE_HOST_ENV, "127.0.0.1"),
+                                     admit=IncarnationFence(role()).check) if self.board is not None else None
+        """Trainer 0's board on the transport, for rollouts that cannot map it (another host)."""
         self.decoder = LookaheadGenerator(self.policy, self.tokenizer, pack_weights=False) \
             if self.ctx.rank == 0 else None
         """Trainer 0's evaluations' decoder (over the policy itself, weights unpacked: they change every step); its
@@ -106,7 +113,9 @@ class Trainer:
         if self.board is not None:
             version = max(self.progress.version, self.board.current()[0] + 1)
             hashed = self.board.publish(version, dict(self.policy.named_parameters()))
-            self.store.call("publish", {"version": version, "digest": hashed})
+            assert self.weights is not None
+            self.store.call("publish", {"version": version, "digest": hashed, "board": str(self.board.path),
+                                        "board_id": self.board.board_id, "weights_at": self.weights.address})
             emit("weights_published", f"trainer 0 published version {version}: digest {hashed}")
         else:
             version = self.progress.version
@@ -193,6 +202,8 @@ class Trainer:
                  f"{self.progress.version}; {len(self.held_out)} prompts{raised}, {time.monotonic() - began:.1f} s)")
 
     def close(self) -> None:
+        if self.weights is not None:
+            self.weights.close()
         if self.board is not None:
             self.board.close()
         self.ckpt.close()

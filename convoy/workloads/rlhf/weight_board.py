@@ -19,6 +19,7 @@ import struct
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -36,7 +37,20 @@ VERSION_AT = SEQ_AT + 16
 DIGEST_AT = VERSION_AT + 16
 """Each slot's version and digest, written while its sequence is odd (a reader keeps what it read under an even
 sequence that did not change)."""
+ID_AT = DIGEST_AT + 32
+"""16 random bytes written once at creation: a process that finds a board by its path knows it is the one the
+trainer named (a rollout on another host than trainer 0 finds none, or another, and reads over the transport)."""
 READ_TRIES = 100
+
+
+class SlotView(NamedTuple):
+    version: int
+    digest: str
+    buckets: list[torch.Tensor]
+    """Views of the board's slot."""
+    slot: int
+    seq: int
+    """The slot's sequence when the views were taken (even)."""
 
 
 class WeightBoardNoSpace(ConfigError):
@@ -79,6 +93,7 @@ class WeightBoard:
                     from exc
             raise
         _HEADER.pack_into(mm, 0, MAGIC, len(described), slot_bytes, -1, bytes(16))
+        mm[ID_AT:ID_AT + 16] = os.urandom(16)
         mm[HEADER_BYTES:HEADER_BYTES + len(described)] = described
         os.replace(tmp, path)
         return WeightBoard(path, mm, manifest, data_at, slot_bytes)
@@ -110,6 +125,10 @@ class WeightBoard:
     def _set_seq(self, slot: int, value: int) -> None:
         _SEQ.pack_into(self.mm, SEQ_AT + 8 * slot, value)
 
+    @property
+    def board_id(self) -> str:
+        return bytes(self.mm[ID_AT:ID_AT + 16]).hex()
+
     def current(self) -> tuple[int, str]:
         """The current version (-1: none yet) and its digest."""
         _, _, _, version, hashed = _HEADER.unpack_from(self.mm, 0)
@@ -137,6 +156,28 @@ class WeightBoard:
         self._set_seq(slot, self._seq(slot) + 1)  # even: whole
         _HEADER.pack_into(self.mm, 0, MAGIC, *_HEADER.unpack_from(self.mm, 0)[1:3], version, raw)
         return said
+
+    def current_view(self) -> SlotView | None:
+        """The current version's slot as views of the board (None before the first version), for a copy made
+        elsewhere: the writer comes round to that slot two versions on, so whoever copies the views asks
+        ``unchanged`` once the copy is made, and keeps it only if so."""
+        for _ in range(READ_TRIES):
+            version, _ = self.current()
+            if version < 0:
+                return None
+            slot = version % 2
+            before = self._seq(slot)
+            if before % 2 == 0:
+                held = _SEQ.unpack_from(self.mm, VERSION_AT + 8 * slot)[0]
+                hashed = bytes(self.mm[DIGEST_AT + 16 * slot:DIGEST_AT + 16 * slot + 16]).hex()
+                if self._seq(slot) == before:
+                    return SlotView(int(held), hashed, self._buckets(slot), slot, before)
+            time.sleep(0.001)
+        raise ConfigError(f"the weight board at {self.path} changed under {READ_TRIES} reads in a row")
+
+    def unchanged(self, slot: int, seq: int) -> bool:
+        """Whether ``slot`` was not written since its sequence was ``seq`` (what a ``current_view`` copy asks)."""
+        return self._seq(slot) == seq
 
     def read_into(self, named: Mapping[str, torch.Tensor], have: int) -> int | None:
         """If a version newer than ``have`` is current: copy it into ``named`` (checked against the manifest first)
