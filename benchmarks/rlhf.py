@@ -7,6 +7,8 @@
    the same model cut into 1,200 tensors (MoE-shaped). Peer: one raw ``dist.broadcast`` (gloo) of all the bytes as a
    single flat tensor, in the same processes, alternating with the board. Targets: board / broadcast <= 1.3x;
    1,200 tensors / dense <= 1.25x; every rollout bit for bit the trainer's (digests). ``scripts/rlhf_sync.py``.
+   Also timed, in turn with both: the transport (trainer 0's weight service on the role transport, the path of
+   rollouts on another host), here over loopback TCP.
 2. learning: ``convoy run examples/grpo.toml`` for ``--minutes`` of training (``rlhf_learning.py``); target: the
    held-out reward rises >= 30 points over the base model's within 30 minutes of wall-clock time.
 3. async: k = 1 against k = 0 for ``--steps`` steps each with long responses (``rlhf_async.py``); targets: >= 1.8x
@@ -49,8 +51,9 @@ def run_sync(shape: str, repeats: int) -> dict[str, object]:
     script = REPO / "benchmarks" / "scripts" / "rlhf_sync.py"
     port, world = free_port(), ROLLOUTS + 1
     board = f"/dev/shm/convoy-bench{uuid.uuid4().hex[:8]}-weights"
+    secret = os.urandom(32).hex()
     procs = [subprocess.Popen([sys.executable, str(script), str(rank), str(world), str(port), shape, str(repeats),
-                               board], stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL, text=True,
+                               board, secret], stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL, text=True,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
              for rank in range(world)]
     out, _ = procs[0].communicate(timeout=900)
@@ -60,6 +63,7 @@ def run_sync(shape: str, repeats: int) -> dict[str, object]:
         raise RuntimeError(f"the sync ranks failed (exit {procs[0].returncode}):\n{out}")
     return {"broadcast": [float(x) for x in re.findall(r"broadcast ([\d.]+)", out)],
             "board": [float(x) for x in re.findall(r"board ([\d.]+)", out)],
+            "transport": [float(x) for x in re.findall(r"transport ([\d.]+)", out)],
             "exact": "bit for bit True" in out, "described": re.search(r"tensors (\d+) bytes (\d+)", out).groups()}
 
 
@@ -71,16 +75,22 @@ def bench_sync(repeats: int) -> list[str]:
         results[shape] = got
         tensors, size = got["described"]
         board, cast = statistics.median(got["board"]), statistics.median(got["broadcast"])
+        wire = statistics.median(got["transport"])
         print(f"  {shape:<6} {tensors} tensors, {int(size) / 2**20:.0f} MiB: board {board:.3f} s, "
-              f"dist.broadcast {cast:.3f} s ({board / cast:.2f}x); bit for bit: {got['exact']}")
+              f"dist.broadcast {cast:.3f} s ({board / cast:.2f}x); transport {wire:.3f} s ({wire / cast:.2f}x); "
+              f"bit for bit: {got['exact']}")
         print(f"         board runs {', '.join(f'{x:.3f}' for x in got['board'])}; broadcast runs "
-              f"{', '.join(f'{x:.3f}' for x in got['broadcast'])}")
+              f"{', '.join(f'{x:.3f}' for x in got['broadcast'])}; transport runs "
+              f"{', '.join(f'{x:.3f}' for x in got['transport'])}")
     dense = results["dense"]
     ratio = statistics.median(dense["board"]) / statistics.median(dense["broadcast"])
     shaped = statistics.median(results["moe"]["board"]) / statistics.median(dense["board"])
     exact = all(r["exact"] for r in results.values())
+    wire = statistics.median(dense["transport"]) / statistics.median(dense["broadcast"])
     return [f"target weight sync to {ROLLOUTS} rollouts, board / one dist.broadcast: {ratio:.2f}x (goal <= 1.3x) "
             f"{'met' if ratio <= 1.3 else 'missed'}",
+            f"target weight sync to {ROLLOUTS} rollouts over the transport (another host's path) / one "
+            f"dist.broadcast: {wire:.2f}x (goal <= 1.3x) {'met' if wire <= 1.3 else 'missed'}",
             f"target 1,200 tensors / dense, same bytes: {shaped:.2f}x (goal <= 1.25x) "
             f"{'met' if shaped <= 1.25 else 'missed'}",
             f"target rollouts bit for bit the trainer's after each sync: {exact} {'met' if exact else 'missed'}"]
