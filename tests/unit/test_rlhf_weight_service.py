@@ -75,6 +75,9 @@ def test_each_newer_version_arrives_bit_for_bit_and_nothing_is_sent_twice(board:
     assert remote.pulled_bytes == pulled, "a caller holding the newest version is sent nothing"
     board.publish(4, model(seed=4))
     assert remote.read_into(shadow, 3) == 4 and same(shadow, model(seed=4)) and service.served == 2
+    packed = board.manifest.pack(model(seed=4))
+    assert all(torch.equal(landed, bucket) for landed, bucket in zip(remote.landing.values(), packed, strict=True)), \
+        "each version is received into the same buffers"
     remote.close()
 
 

@@ -24,7 +24,7 @@ from convoy.parallel.ps.placement import DenseSpec, TableSpec, place
 from convoy.parallel.ps.service import ServerProcess
 from convoy.parallel.transport import (BadMessage, Connection, Credentials, Identity, Limits, Message, OutsideRunDir,
                                        Refused)
-from convoy.parallel.transport.wire import recv_message
+from convoy.parallel.transport.wire import recv_message, send_message
 from convoy.worker.role_env import service_env, service_secret
 
 JOB = Credentials.fresh(Identity("worker", 0, 0))
@@ -185,3 +185,21 @@ def test_the_role_env_secret_reaches_both_sides(job: Job) -> None:
     assert "the-job-token" not in json.dumps(env) and os.environ.get("CONVOY_ROLE_SECRET") is None
     assert service_secret("the-job-token") != service_secret("another-job-token")
     assert "CONVOY_ROLE_SECRET" not in service_env("", "127.0.0.1", tls=False)
+
+
+def test_a_reply_is_received_into_the_callers_tensors_where_they_fit() -> None:
+    """``into``: a tensor of the same name, dtype and size is filled in place (its pages faulted in once, whatever
+    the number of replies); one that does not fit is left alone and a tensor of its own is made."""
+    sent = Message("weights", {}, {"fits": torch.arange(12, dtype=torch.float32).view(3, 4),
+                                   "other_dtype": torch.ones(4, dtype=torch.float64), "other_size": torch.ones(5)})
+    given = {"fits": torch.zeros(12), "other_dtype": torch.zeros(4), "other_size": torch.zeros(4)}
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        send_message(theirs, sent)
+        got = recv_message(ours, Limits(), into=given)
+    assert got.tensors["fits"].data_ptr() == given["fits"].data_ptr() and got.tensors["fits"].shape == (3, 4)
+    assert torch.equal(given["fits"], torch.arange(12, dtype=torch.float32))
+    for name in ("other_dtype", "other_size"):
+        assert got.tensors[name].data_ptr() != given[name].data_ptr() and torch.equal(got.tensors[name],
+                                                                                      sent.tensors[name])
+        assert not given[name].any(), f"{name}: the caller's tensor that does not fit is not written"

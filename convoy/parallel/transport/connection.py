@@ -8,6 +8,9 @@ import os
 import socket
 import ssl
 import threading
+from collections.abc import Mapping
+
+import torch
 
 from convoy.errors import ConfigError
 from convoy.parallel.transport.errors import REFUSALS, ConnectionLost, Refused, TransportError
@@ -69,13 +72,14 @@ class Connection:
             self.sock.close()
             raise ConnectionLost(f"the {service} at {address} went away during the handshake: {exc}") from exc
 
-    def request(self, message: Message) -> Message:
+    def request(self, message: Message, into: Mapping[str, torch.Tensor] | None = None) -> Message:
+        """The service's reply to ``message``; its tensors go into ``into``'s where they fit (``recv_message``)."""
         with self.lock:
             try:
                 self._fit_lane(span(message.tensors))
                 sent = lane_out(self.lane, message)
                 send_message(self.sock, sent)
-                reply = recv_message(self.sock, self.limits)
+                reply = recv_message(self.sock, self.limits, into)
                 self.laned += (sent is not message) + (LANE_META in reply.meta)
                 reply = lane_in(self.lane, reply, self.limits)
                 if self.lane is not None and reply.tensors and span(reply.tensors) > self.lane.size:

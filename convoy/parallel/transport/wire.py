@@ -9,6 +9,7 @@ import math
 import os
 import socket
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,9 +78,11 @@ class Header:
     entries: list[tuple[str, str, list[int]]]
 
 
-def recv_message(sock: socket.socket, limits: Limits) -> Message:
-    """The next message, its lengths checked against ``limits`` before each is read or allocated."""
-    return recv_tensors(sock, recv_header(sock, limits), limits)
+def recv_message(sock: socket.socket, limits: Limits, into: Mapping[str, torch.Tensor] | None = None) -> Message:
+    """The next message, its lengths checked against ``limits`` before each is read or allocated; a tensor that
+    ``into`` holds under its name, of its dtype and size and contiguous, is received into that one (a caller that
+    takes the same large tensors again and again faults their pages in once)."""
+    return recv_tensors(sock, recv_header(sock, limits), limits, into)
 
 
 def recv_header(sock: socket.socket, limits: Limits) -> Header:
@@ -91,14 +94,19 @@ def recv_header(sock: socket.socket, limits: Limits) -> Header:
     return parse_header(bytes(_recv_exact(sock, length)), limits)
 
 
-def recv_tensors(sock: socket.socket, header: Header, limits: Limits) -> Message:
+def recv_tensors(sock: socket.socket, header: Header, limits: Limits,
+                 into: Mapping[str, torch.Tensor] | None = None) -> Message:
     """The tensors ``header`` announced, their sizes checked (``check_sizes``) before any is allocated."""
     entries = header.entries
     sizes = struct.unpack(f"!{len(entries)}Q", _recv_exact(sock, SIZE.size * len(entries))) if entries else ()
     check_sizes(entries, sizes, limits)
     tensors = {}
     for (name, dtype, shape), size in zip(entries, sizes, strict=True):
-        raw = torch.empty(size, dtype=torch.uint8)  # received in place: no zero-filled buffer, no copy after
+        given = (into or {}).get(name)
+        if given is not None and given.dtype == DTYPES[dtype] and given.is_contiguous() and given.nbytes == size:
+            raw = given.reshape(-1).view(torch.uint8)
+        else:
+            raw = torch.empty(size, dtype=torch.uint8)  # received in place: no zero-filled buffer, no copy after
         if size:
             _recv_into(sock, memoryview(raw.numpy()))
         tensors[name] = raw.view(DTYPES[dtype]).reshape(shape)

@@ -30,9 +30,10 @@ class StoreClient:
         self.stopping = stopping
         self.conn: Connection | None = None
 
-    def call(self, op: str, meta: dict[str, Any] | None = None,
-             tensors: dict[str, torch.Tensor] | None = None) -> Message:
-        """One request, reconnecting (to the address ``find`` gives now) until ``find_s`` has passed."""
+    def call(self, op: str, meta: dict[str, Any] | None = None, tensors: dict[str, torch.Tensor] | None = None,
+             into: dict[str, torch.Tensor] | None = None) -> Message:
+        """One request, reconnecting (to the address ``find`` gives now) until ``find_s`` has passed; the reply's
+        tensors received into ``into``'s where they fit."""
         deadline = time.monotonic() + self.find_s
         while True:
             try:
@@ -42,7 +43,7 @@ class StoreClient:
                         raise ConnectionLost(f"the {self.service} has published no address yet")
                     self.conn = Connection(address, self.request_s, credentials=self.credentials,
                                            service=self.service)
-                return self.conn.request(Message(op, meta or {}, tensors or {}))
+                return self.conn.request(Message(op, meta or {}, tensors or {}), into)
             except (ConnectionLost, OSError) as exc:
                 self.close()
                 if self.stopping():

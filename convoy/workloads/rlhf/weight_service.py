@@ -76,6 +76,8 @@ class RemoteBoard:
                  stopping: Callable[[], bool] = lambda: False) -> None:
         self.link = StoreClient(find, credentials, request_s=PULL_S, stopping=stopping, service="weight service")
         self.manifest = Manifest.from_description(self.link.call("manifest").meta["manifest"])
+        self.landing = {f"bucket{index}": bucket for index, bucket in enumerate(self.manifest.empty())}
+        """Where each version's buckets are received: the same pages every version (fresh ones cost a fault each)."""
         self.read_digest = ""
         self.pulled_bytes = 0
         self.torn = 0
@@ -86,7 +88,7 @@ class RemoteBoard:
         digest in ``read_digest``), None when the trainer has none newer."""
         self.manifest.check(named)
         for _ in range(PULL_TRIES):
-            reply = self.link.call("newer", {"have": have})
+            reply = self.link.call("newer", {"have": have}, into=self.landing)
             if reply.op == "none":
                 return None
             buckets = [reply.tensors[f"bucket{index}"] for index in range(len(self.manifest.buckets))]
