@@ -14,6 +14,7 @@ This is the face; the protocols behind it are ``snapshot.py`` (taking in-memory 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable
@@ -29,6 +30,7 @@ from convoy.runtime.fence import RoundFence
 from convoy.runtime.peers import SnapshotRestore
 from convoy.runtime.slots import SnapshotFile
 from convoy.runtime.snapshot import RankSnapshots
+from convoy.runtime.snapshot_budget import SnapshotBudget
 from convoy.runtime.stop_copy import ExitAfterCopy
 from convoy.shm import segment_path
 from convoy.worker.role_env import GROUP_ENV
@@ -62,6 +64,9 @@ class Checkpointer:
     saves go on; under a convoy agent nothing is committed for a round that is no longer current.
     A SIGTERM (the agent stopping the round) lets a copy in flight land before the worker exits, where
     the script left SIGTERM at its default (``stop_copy.py``).
+    ``max_overhead`` (e.g. 0.02) snapshots every k-th step instead, with the smallest k whose measured cost stays
+    within that share of the training's time (``snapshot_budget.py``); k and the steps a failure may then cost
+    (k - 1 at most) are said in an event and ``convoy status``. None (the default) snapshots every step.
     """
 
     def __init__(
@@ -69,11 +74,18 @@ class Checkpointer:
         state: dict[str, Any] | None = None, every: int = 1, persist_every: int = 0, keep: int = 2,
         directory: str | Path | None = None, async_snapshot: bool = True,
         replicated: bool | Sequence[Sequence[int]] | None = None, model_state: dict[str, Any] | None = None,
-        log: Callable[[str], None] | None = None,
+        log: Callable[[str], None] | None = None, max_overhead: float | None = None,
     ) -> None:
         if every < 1 or persist_every < 0 or keep < 1:
             raise CheckpointError(
                 f"need every >= 1, persist_every >= 0, keep >= 1 (got {every}, {persist_every}, {keep})")
+        if max_overhead is not None and every != 1:
+            raise CheckpointError(f"give every ({every}) or max_overhead ({max_overhead}), not both: max_overhead "
+                                  "chooses how often to snapshot from what a snapshot costs")
+        budget = SnapshotBudget(max_overhead) if max_overhead is not None else None
+        self.budget: SnapshotBudget | None = None
+        self._last_call: tuple[float, bool] | None = None
+        """When the last ``step()`` was called and whether it took a snapshot (what the budget measures)."""
         if not dist.is_initialized():
             raise CheckpointError("call convoy.init() (or init_process_group) before creating a Checkpointer")
         self.model, self.optimizer, self.extra = model, optimizer, dict(state or {})
@@ -98,6 +110,7 @@ class Checkpointer:
         worker = f"{node}-{role_group}{self.rank}" if role_group else \
             f"{node}-local{os.environ.get('LOCAL_RANK', self.rank)}"
         slot_file = SnapshotFile(segment_path(job_id, worker)) if job_id else None
+        self.budget = budget if slot_file is not None else None  # outside a job there are no snapshots to budget
         group, peer_group = self._new_groups()
         peers = next(peers for peers in self.peer_sets if self.rank in peers)
         self._closed = False
@@ -140,14 +153,34 @@ class Checkpointer:
         return group, peer_group
 
     def step(self, step: int) -> None:
-        """Record that ``step`` finished: snapshot it, and persist it when due."""
+        """Record that ``step`` finished: snapshot it (every ``every``-th step, or as ``max_overhead`` allows), and
+        persist it when due."""
         self._check_open("step")
+        called = time.perf_counter()
         self._wait_copy()
-        if self._snapshots.enabled and step % self.every == 0:
+        due = self._budget_due(called) if self.budget is not None else step % self.every == 0
+        if self._snapshots.enabled and due:
             self._snapshots.take(step)
         if self.persist_every and (step + 1) % self.persist_every == 0:
             stable = self.state.stable_storage() if self.async_snapshot else set()
             self._saver.save_async(persist.dcp_state(self.state, step, self.rank), step, stable)
+
+    def _budget_due(self, called: float) -> bool:
+        """Whether this step is snapshotted under ``max_overhead``; where the budget chooses k again, the ranks
+        agree on the largest any of them proposes, and a new k is said (an event, and ``convoy status``)."""
+        budget = self.budget
+        assert budget is not None
+        if self._last_call is not None:
+            budget.observe(called - self._last_call[0], self._last_call[1])
+        due = budget.due()
+        self._last_call = (called, due)
+        if budget.deciding():
+            agreed = torch.tensor([budget.propose()])
+            dist.all_reduce(agreed, dist.ReduceOp.MAX, group=self._groups[0])
+            decision = budget.settle(int(agreed.item()))
+            if decision is not None and self.rank == 0:
+                self._snapshots.say_event("snapshot_interval", decision.describe())
+        return due
 
     def restore(self) -> int:
         """Load the newest state every rank has; return the step to start from (0: fresh).

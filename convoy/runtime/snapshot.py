@@ -154,10 +154,14 @@ class RankSnapshots:
         assert self.file is not None
         self.file.remove()
         self.file = None
-        message = f"in-memory snapshots turned off on rank {self.rank}: {why}; {self.fallback}"
+        self.say_event("snapshot_disabled", f"in-memory snapshots turned off on rank {self.rank}: {why}; "
+                                            f"{self.fallback}")
+
+    def say_event(self, kind: str, message: str) -> None:
+        """An event of the job (the master prints it), said here too where no master does."""
         if self.say_events:
             self._say(message)
-        worker_events.emit("snapshot_disabled", message)
+        worker_events.emit(kind, message)
 
     def held(self) -> tuple[list[int], list[int]]:
         """Steps held whole and steps held at least partially, newest first; unreadable slots are said."""

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import convoy
 from convoy.errors import CheckpointError
+from convoy.runtime import snapshot_budget
 from convoy.runtime.persist import complete_checkpoints
 from convoy.runtime.slots import HEADER_SIZE, SnapshotFile, free_bytes
 from convoy.runtime.snapshot import SLACK
@@ -365,3 +366,41 @@ def test_save_whose_lease_lapses_while_writing_is_not_sealed(job: str, tmp_path:
     assert fence.asked == ["persistent checkpoint of step 1"] * 2
     assert complete_checkpoints(tmp_path / "checkpoints") == []
     assert not list((tmp_path / "checkpoints").glob("step-*")), "the unsealed save was left behind"
+
+
+def test_a_checkpointer_with_a_budget_says_its_k_and_loses_at_most_k_minus_1_steps(
+        job: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step of ~2 ms and a snapshot of a model whose state is ~16 MiB: a snapshot every step would be far over 1%.
+    The intervals are real, so k is whatever this machine measures; what is checked is what k implies."""
+    monkeypatch.setattr(snapshot_budget, "RECHECK", 10)
+    events: list[tuple[str, str]] = []
+    monkeypatch.setattr("convoy.worker.events.emit", lambda kind, message: events.append((kind, message)))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 2048)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ckpt = convoy.Checkpointer(model, optimizer, max_overhead=0.01)
+    steps = 40
+    for step in range(steps):
+        optimizer.zero_grad()
+        model(torch.randn(4, 1024)).sum().backward()
+        optimizer.step()
+        time.sleep(0.002)
+        ckpt.step(step)
+    ckpt.close()
+    budget = ckpt.budget
+    assert budget is not None and budget.decision is not None
+    said = [message for kind, message in events if kind == "snapshot_interval"]
+    assert said and said[-1] == budget.decision.describe(), events
+    assert f"snapshots every {budget.every} step(s)" in said[-1]
+    again = convoy.Checkpointer(model, optimizer, max_overhead=0.01)
+    resumed = again.restore()
+    again.close()
+    assert steps - budget.every <= resumed <= steps, "a failure after the last step loses at most k - 1 of them"
+
+
+def test_a_budget_and_an_interval_together_are_refused(job: str) -> None:
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(CheckpointError, match=r"give every \(3\) or max_overhead \(0.02\), not both"):
+        convoy.Checkpointer(model, torch.optim.SGD(model.parameters(), lr=0.1), every=3, max_overhead=0.02)
+    with pytest.raises(CheckpointError, match="max_overhead is the share"):
+        convoy.Checkpointer(model, torch.optim.SGD(model.parameters(), lr=0.1), max_overhead=5)
