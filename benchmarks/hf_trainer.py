@@ -14,6 +14,10 @@
    (snapshots on, off, on, ...), so both are measured in the same run; a step's time is the interval between
    two ``on_step_end`` calls, and the first step of each block is left out (it carries the previous block's
    background copy or lack of it).
+3. Overhead budget. The small overhead job again with ``ConvoyCallback(max_overhead=0.02)``, against the same job
+   with no callback at all, in turn (plain, budget, plain, budget): the mean step time of each side (the budget's
+   cost falls on every k-th step, so the mean, not the median), over the whole run and after the budget's first
+   11 steps (its warm-up and measuring); k and the steps a failure may cost, as the callback said them.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SAVE_STEPS = 50
 BLOCK = 4
+BUDGET = 0.02
+MEASURING = 11
+"""The budget's warm-up and measuring calls (``convoy.runtime.snapshot_budget``: WARMUP + MEASURE)."""
 
 
 def tiny_setup(samples: int, seed: int = 7):  # noqa: ANN201
@@ -90,9 +97,11 @@ def worker(args: argparse.Namespace) -> None:
                 super().on_step_end(targs, state, control, **kwargs)
 
     overhead = args.worker == "overhead"
-    batch = args.batch if overhead else 2
-    model, data = large_setup(args.steps * batch, args.sequence) if overhead else tiny_setup(args.steps * 4)
-    callbacks: list = [Blocks()] if overhead else [ConvoyCallback()] if args.worker == "callback" else []
+    large = args.worker in ("overhead", "plain", "budget")
+    batch = args.batch if large else 2
+    model, data = large_setup(args.steps * batch, args.sequence) if large else tiny_setup(args.steps * 4)
+    callbacks: list = {"overhead": [Blocks()], "callback": [ConvoyCallback()],
+                       "budget": [ConvoyCallback(max_overhead=BUDGET)]}.get(args.worker, [])
     checkpoints = out / "trainer"
     training = TrainingArguments(
         output_dir=str(checkpoints), use_cpu=True, ddp_backend="gloo", per_device_train_batch_size=batch,
@@ -105,6 +114,45 @@ def worker(args: argparse.Namespace) -> None:
         torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, out / "weights.pt")
     if overhead:
         write_overhead(out, ends, sum(p.numel() for p in model.parameters()))
+    if args.worker in ("plain", "budget"):
+        write_times(out, ends, callbacks[0] if callbacks else None)
+
+
+def write_times(out: Path, ends: list[float], callback: object) -> None:
+    """A budget job's step intervals, and what its callback's budget decided last (None without one)."""
+    budget = getattr(callback, "budget", None)
+    decision = budget.decision if budget is not None else None
+    (out / "times.json").write_text(json.dumps({
+        "intervals": [later - earlier for earlier, later in zip(ends, ends[1:], strict=False)],
+        "decision": decision.describe() if decision else None}))
+
+
+def budget_runs(script: str, root: Path, steps: int, extra: list[str], what: str, rounds: int = 2) -> None:
+    """Jobs with ``ConvoyCallback(max_overhead=BUDGET)`` and with no callback, in turn: the budget's measured
+    overhead (mean step times) over the whole run and after its measuring steps; prints the target."""
+    got: dict[str, list[list[float]]] = {"plain": [], "budget": []}
+    said = []
+    for index in range(rounds):
+        for mode in got:
+            out = root / f"{mode}-{index}"
+            launch(mode, out, steps, -1, 1, *extra, script=script)
+            timed = json.loads((out / "times.json").read_text())
+            got[mode].append(timed["intervals"])
+            said += [timed["decision"]] if timed["decision"] else []
+    print(f"# overhead budget: {what}, {steps} steps a job; ConvoyCallback(max_overhead={BUDGET}) against no "
+          f"callback, {rounds} jobs each in turn; mean step time")
+    shares = {}
+    for span, first in (("whole run", 1), (f"after the budget's first {MEASURING} steps", MEASURING)):
+        means = {mode: statistics.mean(x for run in runs for x in run[first:]) for mode, runs in got.items()}
+        shares[span] = means["budget"] / means["plain"] - 1
+        print(f"{span}: budget {means['budget'] * 1000:.1f} ms, no callback {means['plain'] * 1000:.1f} ms "
+              f"({shares[span] * 100:+.2f}%)")
+    for line in said:
+        print(f"the callback said: {line}")
+    steady = shares[f"after the budget's first {MEASURING} steps"]
+    print(f"target budget_overhead ({what}): {steady * 100:+.2f}% <= {BUDGET * 100:.0f}% "
+          f"{'met' if steady <= BUDGET else 'missed'} (whole run, its measuring included: "
+          f"{shares['whole run'] * 100:+.2f}%)")
 
 
 def write_overhead(out: Path, ends: list[float], parameters: int) -> None:
@@ -205,6 +253,8 @@ def main() -> None:
         print(f"step time: with snapshots median {on * 1000:.1f} ms, without {off * 1000:.1f} ms")
         print(f"target snapshot_overhead ({batch * sequence} tokens a step): {share * 100:+.1f}% < 5% "
               f"{'met' if share < 0.05 else 'missed'}")
+    budget_runs(__file__, root, args.overhead_steps, ["--batch", "2", "--sequence", "64"],
+                "GPT-2 of 23M parameters, batch 2 x 64 tokens")
 
 if __name__ == "__main__":
     main()

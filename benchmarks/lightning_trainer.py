@@ -14,6 +14,9 @@
    ConvoyCallback taking a snapshot after the steps of every other block of 4 (snapshots on, off, on, ...), so
    both are measured in the same run; a step's time is the interval between two ``on_train_batch_end`` calls,
    and the first step of each block is left out (it carries the previous block's background copy or lack of it).
+3. Overhead budget. The batch-256 overhead job again with ``ConvoyCallback(max_overhead=0.02)``, against the same
+   job with no callback at all, in turn (``hf_trainer.budget_runs``): the mean step time of each side, over the
+   whole run and after the budget's measuring steps; k and the steps a failure may cost, as the callback said them.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_trainer import BLOCK, SAVE_STEPS, kill_runs, launch, write_overhead  # noqa: E402  (the same jobs and reports)
+from hf_trainer import (BLOCK, BUDGET, SAVE_STEPS, budget_runs, kill_runs, launch, write_overhead,  # noqa: E402
+                        write_times)  # (the same jobs and reports)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -92,9 +96,10 @@ def worker(args: argparse.Namespace) -> None:
                 super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     overhead = args.worker == "overhead"
+    large = args.worker in ("overhead", "plain", "budget")
     pl.seed_everything(0, verbose=False)
-    model = module(2048, 6) if overhead else module(32, 2)
-    batch = args.batch if overhead else 2
+    model = module(2048, 6) if large else module(32, 2)
+    batch = args.batch if large else 2
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     nodes = int(os.environ.get("WORLD_SIZE", "1")) // devices
     samples = args.steps * batch * devices * nodes
@@ -102,7 +107,8 @@ def worker(args: argparse.Namespace) -> None:
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(features, features.sum(1, keepdim=True).sin()),
                                        batch_size=batch, shuffle=True)
     checkpoints = out / "lightning"
-    callbacks: list = [Blocks()] if overhead else [ConvoyCallback()] if args.worker == "callback" else []
+    callbacks: list = {"overhead": [Blocks()], "callback": [ConvoyCallback()],
+                       "budget": [ConvoyCallback(max_overhead=BUDGET)]}.get(args.worker, [])
     if args.worker == "checkpoint":
         callbacks.append(ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=SAVE_STEPS, save_last=True))
     trainer = pl.Trainer(
@@ -114,6 +120,8 @@ def worker(args: argparse.Namespace) -> None:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / "weights.pt")
     if overhead:
         write_overhead(out, ends, sum(p.numel() for p in model.parameters()))
+    if args.worker in ("plain", "budget"):
+        write_times(out, ends, callbacks[0] if callbacks else None)
 
 
 def main() -> None:
@@ -150,6 +158,8 @@ def main() -> None:
         print(f"step time: with snapshots median {on * 1000:.1f} ms, without {off * 1000:.1f} ms")
         verdict = "met" if share < 0.05 else "missed"
         print(f"target snapshot_overhead (batch {batch}): {share * 100:+.1f}% < 5% {verdict}")
+    budget_runs(__file__, root, args.overhead_steps * 2, ["--batch", str(args.batch)],
+                f"MLP of 21M parameters (AdamW), batch {args.batch}")
 
 
 if __name__ == "__main__":

@@ -106,6 +106,9 @@ def format_status(state: dict[str, Any], memory: dict[str, Any] | None = None,
                      f"{_line(node['state']):<6} last seen {_clock(node['last_seen'])}")
     lines += format_memory(memory)
     lines += training or []
+    interval = state.get("snapshot_interval")
+    if interval:  # Checkpointer(max_overhead=...): how often it snapshots, and the steps a failure may cost
+        lines.append(f"{_line(interval['message'])} (said {_clock(interval['ts'])})")
     lines.append("recent events:")
     for event in state["events"]:
         lines.append(f"  {_clock(event['ts'])} {_line(event['kind']):<14} {_line(event['message'])}")

@@ -250,6 +250,8 @@ def read_status(run_dir: Path, recent: int = 15) -> dict[str, Any]:
         nodes = db.execute("SELECT * FROM nodes ORDER BY node_rank IS NULL, node_rank, node_id").fetchall()
         last_round = db.execute("SELECT * FROM rounds ORDER BY round_id DESC LIMIT 1").fetchone()
         events = db.execute("SELECT * FROM events ORDER BY id DESC LIMIT ?", (recent,)).fetchall() if recent else []
+        interval = db.execute("SELECT * FROM events WHERE kind = 'snapshot_interval' ORDER BY id DESC LIMIT 1"
+                              ).fetchone()
     finally:
         db.close()
     return {
@@ -257,6 +259,7 @@ def read_status(run_dir: Path, recent: int = 15) -> dict[str, Any]:
         "nodes": [dict(n) for n in nodes],
         "round": dict(last_round) if last_round else None,
         "events": [dict(e) for e in reversed(events)],
+        "snapshot_interval": dict(interval) if interval else None,
     }
 
 

@@ -29,6 +29,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from convoy.errors import CheckpointError
 from convoy.runtime.checkpoint import Checkpointer
+from convoy.runtime.snapshot_budget import SnapshotBudget
 from convoy.runtime.checkpoint_state import rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
@@ -122,11 +123,18 @@ class ConvoyCallback(pl.Callback):
 
     ``persist_every`` (0: never) also writes a persistent checkpoint every that many steps to
     ``$CONVOY_RUN_DIR/checkpoints``; ``async_snapshot`` copies while the next step computes (turned off when
-    the module has several optimizers: the copy is awaited before the first one's step only)."""
+    the module has several optimizers: the copy is awaited before the first one's step only); ``max_overhead``
+    (e.g. 0.02) snapshots every k-th step instead, the smallest k whose measured cost stays within that share of
+    the training's time, and says k and the steps a failure may cost (``Checkpointer``)."""
 
-    def __init__(self, persist_every: int = 0, async_snapshot: bool = True) -> None:
-        self.persist_every, self.async_snapshot = persist_every, async_snapshot
+    def __init__(self, persist_every: int = 0, async_snapshot: bool = True,
+                 max_overhead: float | None = None) -> None:
+        if max_overhead is not None:
+            SnapshotBudget(max_overhead)  # a bad budget is refused where it is given, not at fit()
+        self.persist_every, self.async_snapshot, self.max_overhead = persist_every, async_snapshot, max_overhead
         self.checkpointer: Checkpointer | None = None
+        self.budget: SnapshotBudget | None = None
+        """With ``max_overhead``: its budget once training ended (``budget.decision``: the last k chosen)."""
         self.resumed_at = 0
         """The global step this ``fit()`` started from (0: from the beginning)."""
         self._own_group = False
@@ -156,7 +164,8 @@ class ConvoyCallback(pl.Callback):
             own["datamodule"] = StateOf(trainer.datamodule.state_dict, trainer.datamodule.load_state_dict)
         self.checkpointer = Checkpointer(
             pl_module, first, state=own, model_state=shared, persist_every=self.persist_every,
-            async_snapshot=self.async_snapshot and not others, replicated=dist.get_world_size() > 1)
+            async_snapshot=self.async_snapshot and not others, replicated=dist.get_world_size() > 1,
+            max_overhead=self.max_overhead)
         seeded = rng_state()  # the streams a first fit() builds its dataloaders from, after setup() drew its own
         self.resumed_at = self.checkpointer.restore()
         self._last_step = trainer.global_step
@@ -244,6 +253,7 @@ class ConvoyCallback(pl.Callback):
     def _close(self) -> None:
         if self.checkpointer is not None:
             self.checkpointer.close()
+            self.budget = self.checkpointer.budget
             self.checkpointer = None
         if self._own_group:
             dist.destroy_process_group()

@@ -26,6 +26,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from convoy.errors import CheckpointError
 from convoy.runtime.checkpoint import Checkpointer
+from convoy.runtime.snapshot_budget import SnapshotBudget
 from convoy.runtime.checkpoint_state import rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
@@ -133,11 +134,18 @@ class ConvoyCallback(TrainerCallback):
     from its own checkpoint, it warns once and does nothing.
 
     ``persist_every`` (0: never) also writes a persistent checkpoint every that many steps to
-    ``$CONVOY_RUN_DIR/checkpoints``; ``async_snapshot`` copies while the next step computes."""
+    ``$CONVOY_RUN_DIR/checkpoints``; ``async_snapshot`` copies while the next step computes; ``max_overhead``
+    (e.g. 0.02) snapshots every k-th step instead, the smallest k whose measured cost stays within that share of
+    the training's time, and says k and the steps a failure may cost (``Checkpointer``)."""
 
-    def __init__(self, persist_every: int = 0, async_snapshot: bool = True) -> None:
-        self.persist_every, self.async_snapshot = persist_every, async_snapshot
+    def __init__(self, persist_every: int = 0, async_snapshot: bool = True,
+                 max_overhead: float | None = None) -> None:
+        if max_overhead is not None:
+            SnapshotBudget(max_overhead)  # a bad budget is refused where it is given, not at train()
+        self.persist_every, self.async_snapshot, self.max_overhead = persist_every, async_snapshot, max_overhead
         self.checkpointer: Checkpointer | None = None
+        self.budget: SnapshotBudget | None = None
+        """With ``max_overhead``: its budget once training ended (``budget.decision``: the last k chosen)."""
         self.resumed_at = 0
         """The global step this ``train()`` started from (0: from the beginning)."""
         self._own_group = False
@@ -174,7 +182,7 @@ class ConvoyCallback(TrainerCallback):
         self.checkpointer = Checkpointer(
             model, inner, state={"trainer_state": self.progress, "data": self.position}, model_state=shared,
             persist_every=self.persist_every, async_snapshot=self.async_snapshot,
-            replicated=dist.get_world_size() > 1)
+            replicated=dist.get_world_size() > 1, max_overhead=self.max_overhead)
         self.resumed_at = self.checkpointer.restore()
         if self.resumed_at:
             self._plan = ResumePlan(self.position.saved, len(loader))
@@ -235,6 +243,7 @@ class ConvoyCallback(TrainerCallback):
         if self.checkpointer is None:
             return
         self.checkpointer.close()
+        self.budget = self.checkpointer.budget
         self.checkpointer = None
         if self._own_group:
             dist.destroy_process_group()

@@ -68,6 +68,33 @@ def test_a_killed_rank_resumes_the_trainer_with_no_step_redone_bit_identical(pro
         assert not list(SHM_DIR.glob(f"convoy-{job_id.group(1)}-*")), "the job's shared memory outlived it"
 
 
+def test_with_an_overhead_budget_the_ranks_snapshot_every_kth_step_and_a_kill_redoes_fewer_than_k(
+        procs: ProcessScope, tmp_path: Path) -> None:
+    """``ConvoyCallback(max_overhead=0.05)``: k is what this machine measures; the job says it (an event, and
+    ``convoy status``), both ranks snapshot the same steps, and a rank killed at step 27 costs at most k - 1
+    finished steps, redone from the same data, so the final weights are still the uninterrupted run's."""
+    _, clean = _train(procs, tmp_path, "clean", "--max-overhead", 0.05)
+    kill_at = KILL_POINTS[0]
+    stdout, killed = _train(procs, tmp_path, "killed", "--max-overhead", 0.05, "--kill-rank", 1, "--kill-at-step",
+                            kill_at)
+    said = re.findall(r"snapshots every (\d+) step\(s\): one costs [\d.]+ ms of a [\d.]+ ms step \([\d.]+%\), so "
+                      r"[\d.]+% of the training's time \(budget 5\.00%\); a failure may cost up to (\d+) finished "
+                      r"step\(s\)", stdout)
+    assert said and all(int(k) - 1 == int(risk) for k, risk in said), stdout
+    resumed = int(re.search(r"resuming at global step (\d+)", stdout).group(1))
+    every = max(int(k) for k, _ in said)
+    assert kill_at - every < resumed <= kill_at, f"k = {every}: the resume lost {kill_at - resumed} steps"
+    for rank in (0, 1):
+        counts = Counter(step for step, _ in _steps(killed, rank))
+        assert sorted(counts) == list(range(1, STEPS + 1))
+        assert sorted(step for step, count in counts.items() if count > 1) == list(range(resumed + 1, kill_at + 1))
+    uninterrupted, again = _weights(clean), _weights(killed)
+    assert [name for name in uninterrupted if not torch.equal(uninterrupted[name], again[name])] == []
+    status = procs.run(["status", "--run-dir", tmp_path / "killed-run"])
+    assert status.returncode == 0 and re.search(r"^rank 0: snapshots every \d+ step\(s\): .* finished step\(s\) \(said "
+                                                r"\d\d:\d\d:\d\d\)$", status.stdout, re.MULTILINE), status.explain()
+
+
 def test_outside_convoy_the_callback_warns_and_training_is_unchanged(procs: ProcessScope, tmp_path: Path) -> None:
     out = tmp_path / "plain"
     result = procs.run([fixture("hf_train.py"), "--out", out, "--epochs", 1, "--samples", 40],

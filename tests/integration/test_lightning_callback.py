@@ -40,6 +40,26 @@ def _steps(out: Path, rank: int) -> list[tuple[int, str]]:
     return [(int(step), round_id) for step, round_id in (line.split() for line in lines if line)]
 
 
+def test_with_an_overhead_budget_a_killed_rank_redoes_fewer_than_k_steps_bit_identical(procs: ProcessScope,
+                                                                                        tmp_path: Path) -> None:
+    """``ConvoyCallback(max_overhead=0.05)``: the job says k (k is what this machine measures), and a rank killed
+    mid-way through the third epoch costs at most k - 1 finished steps, redone from the same data."""
+    _, clean = _train(procs, tmp_path, "clean", "--max-overhead", 0.05)
+    rank, kill_at = KILLS[1]
+    stdout, killed = _train(procs, tmp_path, "killed", "--max-overhead", 0.05, "--kill", f"{rank}:{kill_at}")
+    said = [int(k) for k in re.findall(r"snapshots every (\d+) step\(s\): .* \(budget 5\.00%\); a failure may cost up "
+                                       r"to \d+ finished step\(s\)", stdout)]
+    assert said, stdout
+    resumed = int(re.search(r"resuming at global step (\d+)", stdout).group(1))
+    assert kill_at - max(said) < resumed <= kill_at, f"k = {max(said)}: the resume lost {kill_at - resumed} steps"
+    for each in (0, 1):
+        counts = Counter(step for step, _ in _steps(killed, each))
+        assert sorted(counts) == list(range(1, STEPS + 1))
+        assert sorted(step for step, count in counts.items() if count > 1) == list(range(resumed + 1, kill_at + 1))
+    first, again = torch.load(clean / "weights.pt"), torch.load(killed / "weights.pt")
+    assert [name for name in first if not torch.equal(first[name], again[name])] == []
+
+
 def test_killed_ranks_resume_lightning_with_no_step_redone_bit_identical(procs: ProcessScope,
                                                                           tmp_path: Path) -> None:
     _, clean = _train(procs, tmp_path, "clean")

@@ -160,3 +160,17 @@ def test_each_part_is_written_with_the_job_and_read_back_as_last_written(tmp_pat
     older.mkdir()
     sqlite3.connect(older / "state.db").execute("CREATE TABLE job (job_id TEXT)").connection.close()
     assert read_part(older, "roles") is None, "a state file written before parts existed holds none"
+
+
+def test_status_says_the_newest_snapshot_interval_even_once_it_left_the_recent_events(store: Store,
+                                                                                       tmp_path: Path) -> None:
+    job = Job("j", Rendezvous(1, 1, 0.0, opened_at=0.0), 0, 1.0)
+    said = "rank 0: snapshots every {} step(s): ...; a failure may cost up to {} finished step(s)"
+    store.save(job, [Event("snapshot_interval", said.format(3, 2)), Event("snapshot_interval", said.format(5, 4)),
+                     *[Event("note", f"event {i}") for i in range(30)]], "u", [])
+    state = read_status(tmp_path, recent=5)
+    assert all(e["kind"] == "note" for e in state["events"])
+    lines = format_status(state).splitlines()
+    newest = [line for line in lines if "snapshots every" in line]
+    assert len(newest) == 1 and newest[0].startswith(said.format(5, 4) + " (said "), lines
+    assert "snapshots every" not in format_status({**state, "snapshot_interval": None}), "no budget: no line"
