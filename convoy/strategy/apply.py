@@ -6,7 +6,7 @@ followed by local SGD's averaging over all ranks every ``sync_every`` of them; `
 stages, ``strategy/pipelined.py``; ``sequence``: DDP over parts of each sequence, ``strategy/sequenced.py``);
 ``train_step`` splits
 a rank's batch into micro-batches (gradients synchronised on the last only, for DDP), runs them under
-autocast where the strategy says, and steps the optimizer.
+autocast where the strategy says (on the model's device: ``strategy/device.py``), and steps the optimizer.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from convoy.errors import ConfigError
+from convoy.strategy.device import autocast, ddp_options, model_device
 from convoy.strategy.plan import Strategy, StrategyFile
 from convoy.strategy.workload import find_blocks, model_identity
 
@@ -117,6 +118,7 @@ def accelerate(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: Str
     ``comm``: a ``HierarchicalAllreduce`` to reuse for the ``leader`` and ``reduce_scatter`` allreduces
     (one is made otherwise). Returns the wrapped model and its optimizer."""
     chosen = resolve(strategy, model)
+    device = model_device(model)
     torch.set_num_threads(chosen.threads)
     if chosen.checkpointing:
         _checkpoint_blocks(model)
@@ -144,7 +146,8 @@ def accelerate(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: Str
     else:
         from torch.nn.parallel import DistributedDataParallel
 
-        wrapped = DistributedDataParallel(model, bucket_cap_mb=chosen.bucket_mb, gradient_as_bucket_view=True)
+        wrapped = DistributedDataParallel(model, bucket_cap_mb=chosen.bucket_mb, gradient_as_bucket_view=True,
+                                          **ddp_options(device))
         if chosen.allreduce != "gloo":
             if comm is None:
                 from convoy.parallel.allreduce.collectives import HierarchicalAllreduce
@@ -200,6 +203,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any,
         if isinstance(model, (Pipelined, SequenceParallel)):
             return model.train_step(optimizer, loss_fn, inputs, targets)
     parts = chosen.accumulation
+    device = model_device(model)
     total = 0.0
     for index, (micro_in, micro_target) in enumerate(zip(_split(inputs, parts), _split(targets, parts),
                                                          strict=True)):
@@ -207,9 +211,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any,
         sync = contextlib.nullcontext()
         if not last and hasattr(model, "no_sync"):
             sync = model.no_sync()
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if chosen.bf16 else contextlib.nullcontext()
         with sync:
-            with autocast:
+            with autocast(device, chosen.bf16):
                 loss = loss_fn(_forward(model, micro_in), micro_target)
             (loss / parts).backward()
         total += float(loss.detach())

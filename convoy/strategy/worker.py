@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -37,9 +38,13 @@ from convoy.strategy.links import shared as _shared
 from convoy.strategy.memory import ModelFeatures, activation_bytes, predict
 from convoy.strategy.plan import Strategy
 from convoy.strategy.search import CommCosts, predict_time, successive_halving
-from convoy.strategy.workload import Workload, load_workload, peak_rss, release_free, reset_peak, rss
+from convoy.runtime.devices import choose_backend
+from convoy.strategy.device import PeakMemory, autocast, memory_limit, on_device, timed_on
+from convoy.strategy.workload import Workload, load_workload
 
 WARMUP = 1
+DEVICE = torch.device("cpu")
+"""Where this rank's candidates train: its own GPU on a CUDA node (``main``), else the CPU."""
 
 
 def run_candidate(workload: Workload, strategy: Strategy, steps: int, comm: Any,
@@ -54,23 +59,24 @@ def run_candidate(workload: Workload, strategy: Strategy, steps: int, comm: Any,
     # is one of its times
     window = strategy.sync_every if strategy.kind == "local" else 1
     gc.collect()
-    release_free()
-    before = rss()
-    model = workload.model()
+    memory = PeakMemory(DEVICE)
+    memory.baseline()
+    model = workload.model().to(DEVICE)
     model, optimizer = accelerate(model, workload.optimizer(model.parameters()), strategy, comm=comm)
-    inputs, targets = workload.batch(strategy.batch, 100 + rank)
+    inputs, targets = on_device(workload.batch(strategy.batch, 100 + rank), DEVICE)
     for _ in range(warmup):
         train_step(model, optimizer, workload.loss, inputs, targets)
     gc.collect()
     dist.barrier()
-    reset_peak()
+    memory.reset()
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        for _ in range(window):
-            train_step(model, optimizer, workload.loss, inputs, targets)
+        with timed_on(DEVICE):
+            for _ in range(window):
+                train_step(model, optimizer, workload.loss, inputs, targets)
         times.append((time.perf_counter() - start) / window)
-    peak = float(peak_rss() - before)
+    peak = float(memory.peak())
     per_step = torch.tensor([*times, peak], dtype=torch.float64)
     dist.all_reduce(per_step, op=dist.ReduceOp.MAX)
     del model, optimizer, inputs, targets
@@ -105,9 +111,9 @@ def prime(workload: Workload, strategies: list[Strategy], comm: Any, primed: set
     for samples in sorted({_bf16_samples(s) for s in strategies if s.bf16}):
         if ("bf16", str(samples), "") not in primed:
             primed.add(("bf16", str(samples), ""))
-            model = workload.model()
-            inputs, targets = workload.batch(samples, 100 + dist.get_rank())
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            model = workload.model().to(DEVICE)
+            inputs, targets = on_device(workload.batch(samples, 100 + dist.get_rank()), DEVICE)
+            with autocast(DEVICE, bf16=True):
                 loss = workload.loss(call(model, inputs), targets)
             loss.backward()
             del model, loss
@@ -247,13 +253,20 @@ def _grid(workload: Any, spec: dict[str, Any], result: dict[str, Any], notes: li
 def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     _preload()
-    dist.init_process_group("gloo")
+    global DEVICE
+    choice = choose_backend(None, torch.cuda.device_count(), int(os.environ.get("LOCAL_RANK", "0")),
+                            os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if choice.device_index is not None:
+        torch.cuda.set_device(choice.device_index)
+    DEVICE = torch.device(choice.device)
+    dist.init_process_group(choice.backend)
     rank = dist.get_rank()
     torch.set_num_threads(1)
     started = time.perf_counter()
     sys.argv = [spec["script"], *spec["args"]]
     workload = load_workload(spec["script"])
-    hardware = cands.Hardware(spec["nodes"], spec["nproc_per_node"], spec["memory"], spec["cores"])
+    hardware = cands.Hardware(spec["nodes"], spec["nproc_per_node"], memory_limit(DEVICE, spec["memory"]),
+                              spec["cores"])
     phases: dict[str, float] = {}
     mark = [started]
 
