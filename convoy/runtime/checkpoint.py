@@ -228,6 +228,7 @@ class Checkpointer:
         if self._closed:
             return
         self.wait()
+        self._copies.close()
         if self._stop_copy is not None:
             self._stop_copy.uninstall()
             self._stop_copy = None

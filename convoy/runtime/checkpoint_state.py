@@ -176,53 +176,84 @@ class TrainingState:
 
 class BackgroundCopy:
     """A copy into or out of shared memory that runs while the next step computes; ``wait`` (before
-    ``optimizer.step()`` changes what it reads or fills) joins it and raises its error in the training thread.
+    ``optimizer.step()`` changes what it reads or fills) waits for it and raises its error in the training thread.
     A copy whose reads of live tensors are all CUDA copies on a side stream gives a ``guard`` instead: ``before_change``
-    then only makes the compute stream wait for them, and the thread is joined at the next ``wait``."""
+    then only makes the compute stream wait for them, and the host waits at the next ``wait``.
+
+    The copies run one at a time on one thread that lives as long as this object (``close`` ends it): starting a
+    thread per snapshot cost the training thread 0.3-0.5 ms a step, a fifth of its work in ``step()``."""
 
     def __init__(self) -> None:
-        self._thread: threading.Thread | None = None
+        self._cond = threading.Condition()
+        self._job: Callable[[], None] | None = None
+        """The copy queued or running (None: idle)."""
+        self._unwaited = False
+        """A copy was started and no ``wait`` has followed it yet."""
         self._error: BaseException | None = None
         self._guard: Callable[[], None] | None = None
-        self._started = threading.Lock()
-        """Held while a copy's thread starts: ``settle`` (from the SIGTERM watcher's thread) sees a started one."""
+        self._worker: threading.Thread | None = None
+        self._closing = False
 
     def start(self, copy: Callable[[], None], name: str, guard: Callable[[], None] | None = None) -> None:
-        def run() -> None:
-            try:
-                copy()
-            except BaseException as exc:  # noqa: BLE001 (re-raised in the training thread)
-                self._error = exc
+        with self._cond:
+            self._cond.wait_for(lambda: self._job is None)  # the last copy first (callers wait before they start)
+            self._guard, self._job, self._unwaited = guard, copy, True
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._run, name=name, daemon=True)
+                self._worker.start()
+            else:
+                self._worker.name = name
+            self._cond.notify_all()
 
-        self._guard = guard
-        thread = threading.Thread(target=run, name=name, daemon=True)
-        with self._started:
-            thread.start()
-            self._thread = thread
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._job is not None or self._closing)
+                job = self._job
+                if job is None:
+                    return
+            failed: BaseException | None = None
+            try:
+                job()
+            except BaseException as exc:  # noqa: BLE001 (re-raised in the training thread)
+                failed = exc
+            with self._cond:
+                self._job = None
+                if failed is not None:
+                    self._error = failed
+                self._cond.notify_all()
 
     def settle(self, timeout_s: float) -> bool:
         """Let a copy in flight finish, from any thread, for at most ``timeout_s``; whether none is left."""
-        with self._started:
-            thread = self._thread
-        if thread is not None:
-            thread.join(timeout_s)
-            return not thread.is_alive()
-        return True
+        with self._cond:
+            return self._cond.wait_for(lambda: self._job is None, timeout_s)
 
     def before_change(self) -> None:
         """Before the live tensors the copy reads or fills may change: the GPU waits where a guard says so,
         else the host waits for the copy."""
-        if self._guard is not None and self._thread is not None and self._error is None:
+        if self._guard is not None and self._unwaited and self._error is None:
             guard, self._guard = self._guard, None
             guard()
             return
         self.wait()
 
     def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        self._guard = None
-        if self._error is not None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._job is None)
+            self._unwaited = False
             error, self._error = self._error, None
+        self._guard = None
+        if error is not None:
             raise CheckpointError(f"in-memory snapshot failed: {error}") from error
+
+    def close(self) -> None:
+        """Wait for the copy in flight (its error is raised), then end the copies' thread."""
+        try:
+            self.wait()
+        finally:
+            with self._cond:
+                self._closing = True
+                self._cond.notify_all()
+            if self._worker is not None:
+                self._worker.join()
+                self._worker = None

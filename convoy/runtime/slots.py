@@ -63,14 +63,21 @@ class TensorRef:
         return TensorRef, (self.index, self.dtype, self.shape, self.nbytes, self.offset, self.pending)
 
 
+_NESTED = (dict, list, tuple)
+
+
 def map_leaves(obj: Any, leaf_type: type, fn: Callable[[Any], Any]) -> Any:
-    """Rebuild a nested dict/list/tuple with ``fn`` applied to every leaf of ``leaf_type``."""
+    """Rebuild a nested dict/list/tuple with ``fn`` applied to every leaf of ``leaf_type``. (Each item is looked at
+    in place, a call only for a leaf or a nested container: a snapshot walks its state every step.)"""
     if isinstance(obj, leaf_type):
         return fn(obj)
     if isinstance(obj, dict):
-        return {key: map_leaves(value, leaf_type, fn) for key, value in obj.items()}
+        return {key: fn(value) if isinstance(value, leaf_type) else
+                map_leaves(value, leaf_type, fn) if isinstance(value, _NESTED) else value
+                for key, value in obj.items()}
     if isinstance(obj, (list, tuple)):
-        items = [map_leaves(value, leaf_type, fn) for value in obj]
+        items = [fn(value) if isinstance(value, leaf_type) else
+                 map_leaves(value, leaf_type, fn) if isinstance(value, _NESTED) else value for value in obj]
         return items if isinstance(obj, list) else tuple(items)
     return obj
 
@@ -84,6 +91,51 @@ def flatten(state: Any, tensors: list[torch.Tensor]) -> Any:
         return TensorRef(len(tensors) - 1, dtype, tuple(tensor.shape), tensor.numel() * tensor.element_size())
 
     return map_leaves(state, torch.Tensor, ref)
+
+
+@dataclass
+class Placed:
+    """A state laid out for a slot in one walk (``place``): each tensor a ``TensorRef`` at its aligned offset."""
+
+    skeleton: Any
+    tensors: list[torch.Tensor]
+    offsets: list[int]
+    data_len: int
+    pending: frozenset[int]
+    """The tensors ``place`` was told are written after the commit (the slot is partial until then)."""
+
+    def meta(self) -> bytes:
+        """The pickled skeleton a slot stores after its tensors (what ``encode_meta`` gives for the same state)."""
+        return pickle.dumps(self.skeleton, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def place(state: Any, later: Callable[[torch.Tensor], bool] | None = None) -> Placed:
+    """``flatten``, ``layout`` and ``encode_meta``'s placing in one walk of ``state`` (a snapshot's host work
+    per step is this walk and one pickle); ``later`` says which tensors are written after the commit."""
+    tensors: list[torch.Tensor] = []
+    offsets: list[int] = []
+    pending: list[int] = []
+    cursor = 0
+
+    def ref(tensor: torch.Tensor) -> TensorRef:
+        nonlocal cursor
+        index, offset = len(tensors), cursor
+        nbytes = tensor.numel() * tensor.element_size()
+        dtype = _DTYPE_NAMES.get(tensor.dtype) or _DTYPE_NAMES.setdefault(
+            tensor.dtype, str(tensor.dtype).removeprefix("torch."))
+        waits = later is not None and later(tensor)
+        tensors.append(tensor)
+        offsets.append(offset)
+        if waits:
+            pending.append(index)
+        cursor += -(-nbytes // ALIGN) * ALIGN
+        return TensorRef(index, dtype, tuple(tensor.shape), nbytes, offset, waits)
+
+    skeleton = map_leaves(state, torch.Tensor, ref)
+    return Placed(skeleton, tensors, offsets, cursor, frozenset(pending))
 
 
 def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:

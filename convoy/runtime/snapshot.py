@@ -21,7 +21,7 @@ from convoy.errors import CheckpointError
 from convoy.runtime.checkpoint_state import BackgroundCopy
 from convoy.runtime.cuda_copy import CudaCopies, split_by_device
 from convoy.runtime.fence import Fence
-from convoy.runtime.slots import HEADER_SIZE, SnapshotFile, SnapshotNoSpace, encode_meta, flatten, free_bytes, layout
+from convoy.runtime.slots import HEADER_SIZE, SnapshotFile, SnapshotNoSpace, free_bytes, place
 from convoy.worker import events as worker_events
 
 SLACK = 1 << 16
@@ -64,16 +64,16 @@ class RankSnapshots:
         """Snapshot the finished ``step`` if the round fence allows it (else the previous one stays the newest)."""
         if self.file is None or not self._fence.allows(f"snapshot of step {step}"):
             return
-        tensors: list[torch.Tensor] = []
-        skeleton = flatten(self._capture(step), tensors)
-        offsets, data_len = layout(tensors)
-        stable = self._stable()
-        later = [i for i, t in enumerate(tensors) if self.background and t.data_ptr() in stable]
+        stable = self._stable() if self.background else set()
+        # in the background: what only optimizer.step() changes, and every CUDA tensor (copied on a side stream)
+        placed = place(self._capture(step), (lambda t: t.is_cuda or t.data_ptr() in stable) if self.background
+                       else None)
+        tensors, offsets, data_len, pending = placed.tensors, placed.offsets, placed.data_len, placed.pending
+        later = [i for i, t in enumerate(tensors) if t.data_ptr() in stable]
         later_set = set(later)
         host_now, cuda_now = split_by_device(tensors, [i for i in range(len(tensors)) if i not in later_set])
         host_later, cuda_later = split_by_device(tensors, later)
-        pending = frozenset(later) | (frozenset(cuda_now) if self.background else frozenset())
-        meta = encode_meta(skeleton, offsets, pending)
+        meta = placed.meta()
         if not self.file.fits(data_len, len(meta)) and not self._grow(data_len + 2 * len(meta) + SLACK):
             return
         file = self.file
