@@ -73,14 +73,14 @@ def measure_snapshots(trainer: Trainer, job_id: str, root: Path, peer_file: Path
     shared = SharedCopy(trainer)  # its buffers are made here, once
     first = [trainer.step(ckpt, step) for step in range(3)]  # the first one allocates the segment
     samples["first_save"] = [first[0].in_ckpt + first[1].wait]
-    ckpt.close()
+    ckpt.wait()  # (close() would end the Checkpointer: the blocks below go on with it)
     step = 3
     for _ in range(sizes.reps):
         samples["base_step"] += [trainer.step(None, 0).total for _ in range(sizes.block)][1:]
         timed = [trainer.step(ckpt, step + k) for k in range(sizes.block)]
         step += sizes.block
         started = time.perf_counter()
-        ckpt.close()  # right after the last ckpt.step(): the whole copy, overlapping nothing
+        ckpt.wait()  # right after the last ckpt.step(): the whole copy, overlapping nothing
         samples["copy_alone"].append(time.perf_counter() - started)
         samples["snap_step"] += [s.total for s in timed[1:]]
         samples["snap_in_ckpt"] += [s.in_ckpt for s in timed[:-1]]  # the saves whose next step is timed
@@ -96,6 +96,7 @@ def measure_snapshots(trainer: Trainer, job_id: str, root: Path, peer_file: Path
         samples["torch_save"].append(peer_save(trainer, peer_file, fsync=False))
         samples["torch_save_fsync"].append(peer_save(trainer, peer_file, fsync=True))
     samples["torch_save"].append(peer_save(trainer, peer_file, fsync=False))  # leaves the file for `load`
+    ckpt.close()
 
 
 def _watch(path: Path, started: float, found: list[float], stop: threading.Event) -> None:
