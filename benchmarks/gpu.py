@@ -1,6 +1,7 @@
 """The GPU path (issue 31) as one prepared script: in-memory snapshots of CUDA state every step against no
-snapshots and against ``dcp.async_save``, restore from shared memory after a SIGKILL, and lookahead decoding
-against HF greedy and HF prompt lookup, all on one CUDA device.
+snapshots and against ``dcp.async_save``, restore from shared memory after a SIGKILL, lookahead decoding
+against HF greedy and HF prompt lookup, and the strategy search's pick against its exhaustive grid
+(``scripts/gpu_strategy.py``), all on one CUDA device.
 
     python3 benchmarks/gpu.py                          # a GPU machine: a ~1.1B-parameter MLP stack, ~17 GB on the GPU
     python3 benchmarks/gpu.py --quick --device cpu     # the same code paths, small, on a CPU (CI's smoke test)
@@ -28,6 +29,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks" / "scripts"))
 
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
@@ -296,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--skip-lookahead", action="store_true")
+    parser.add_argument("--skip-strategy", action="store_true")
     parser.add_argument("--dcp-dir", help="where dcp.async_save writes (default: the system's temporary directory; "
                         "/dev/shm takes the disk's speed out of the peer's figure)")
     parser.add_argument("--role", choices=("train", "restore"), help=argparse.SUPPRESS)
@@ -363,13 +366,25 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(decoded, str):
         for name in ("lookahead_vs_greedy", "lookahead_vs_prompt_lookup"):
             print(line(name, f"not run: {decoded}", f">= {GOAL_VS_GREEDY}x, >= {GOAL_VS_LOOKUP}x", False))
+    else:
+        vs_greedy, vs_lookup = decoded["convoy"] / decoded["greedy"], decoded["convoy"] / decoded["lookup"]
+        same = "identical outputs" if decoded["same"] else "OUTPUTS DIFFER"
+        print(line("lookahead_vs_greedy", f"{vs_greedy:.2f}x, {same} on {device}", f">= {GOAL_VS_GREEDY}x on a GPU",
+                   on_gpu and decoded["same"] and vs_greedy >= GOAL_VS_GREEDY))
+        print(line("lookahead_vs_prompt_lookup", f"{vs_lookup:.2f}x on {device}", f">= {GOAL_VS_LOOKUP}x on a GPU",
+                   on_gpu and decoded["same"] and vs_lookup >= GOAL_VS_LOOKUP))
+    if args.skip_strategy:
         return 0
-    vs_greedy, vs_lookup = decoded["convoy"] / decoded["greedy"], decoded["convoy"] / decoded["lookup"]
-    same = "identical outputs" if decoded["same"] else "OUTPUTS DIFFER"
-    print(line("lookahead_vs_greedy", f"{vs_greedy:.2f}x, {same} on {device}", f">= {GOAL_VS_GREEDY}x on a GPU",
-               on_gpu and decoded["same"] and vs_greedy >= GOAL_VS_GREEDY))
-    print(line("lookahead_vs_prompt_lookup", f"{vs_lookup:.2f}x on {device}", f">= {GOAL_VS_LOOKUP}x on a GPU",
-               on_gpu and decoded["same"] and vs_lookup >= GOAL_VS_LOOKUP))
+    print("(4) the strategy search on one device against its exhaustive grid", flush=True)
+    try:
+        from gpu_strategy import bench_strategy
+
+        lines = bench_strategy(args.device, args.quick)
+    except Exception as exc:  # noqa: BLE001 (one prepared run on a lent machine: say why, keep what ran)
+        traceback.print_exc()
+        lines = [line("strategy_pick_on_one_gpu", f"not run: {type(exc).__name__}: {exc}", "<= 1.05x", False)]
+    for said in lines:
+        print(said, flush=True)
     return 0
 
 
