@@ -15,6 +15,7 @@ The snapshot holds parameters and both Adam moments (12 bytes a parameter) in tw
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import signal
@@ -94,6 +95,8 @@ class Peers:
 
         self.model, self.optimizer, self.directory = model, optimizer, directory
         self.checkpointer = convoy.Checkpointer(model, optimizer, persist_every=0)
+        self.budgeted: convoy.Checkpointer | None = None
+        """``max_overhead=GOAL_OVERHEAD``: made at its first block (its measuring runs there)."""
         self.new_stager = lambda: DefaultStager(StagingOptions(
             use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False, use_async_staging=True,
             use_non_blocking_copy=torch.cuda.is_available()))
@@ -105,6 +108,12 @@ class Peers:
     def save(self, how: str, step: int) -> None:
         if how == "convoy":
             self.checkpointer.step(step)
+        elif how == "budget":
+            if self.budgeted is None:
+                self.checkpointer.wait()
+                self.budgeted = convoy.Checkpointer(self.model, self.optimizer, persist_every=0,
+                                                    max_overhead=GOAL_OVERHEAD)
+            self.budgeted.step(step)
         elif how == "dcp":
             if self.pending is not None:
                 self.pending.upload_completion.result()
@@ -133,6 +142,11 @@ class Peers:
     def close(self) -> None:
         self.settle_dcp()
         self.checkpointer.close()
+        if self.budgeted is not None:
+            self.budgeted.close()
+            decision = self.budgeted.budget.decision if self.budgeted.budget else None
+            print(f"  budget {GOAL_OVERHEAD:.0%}: {decision.describe() if decision else 'no interval chosen yet'}",
+                  flush=True)
 
 
 def overhead(args: argparse.Namespace, device: torch.device) -> dict[int, dict[str, list[float]]]:
@@ -148,7 +162,7 @@ def overhead(args: argparse.Namespace, device: torch.device) -> dict[int, dict[s
         peers = Peers(model, optimizer, Path(tmp))
         for tokens in args.tokens:
             batch = torch.randn(tokens, args.hidden, device=device)
-            times: dict[str, list[float]] = {"none": [], "convoy": [], "dcp": []}
+            times: dict[str, list[float]] = {"none": [], "convoy": [], "dcp": [], "budget": []}
             for rep in range(args.reps):
                 for how in times:
                     marks: list[tuple[Any, Any]] = []
@@ -346,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         why = ""
         for tokens, timed in times.items():
             none, snap, dcp_time = (statistics.median(timed[k]) for k in ("none", "convoy", "dcp"))
+            budget = statistics.median(timed["budget"])
             state = timed["state_bytes"][0]
             print(f"\nstep time at {tokens} tokens (median of {args.reps} blocks): none {none * 1e3:.1f} ms, convoy "
                   f"snapshot {snap * 1e3:.1f} ms (+{(snap / none - 1) * 100:.1f}%), dcp.async_save "
@@ -357,6 +372,12 @@ def main(argv: list[str] | None = None) -> int:
                        f"tokens), state {state / 1e9:.1f} GB on {device}; dcp.async_save "
                        f"+{(dcp_time / none - 1) * 100:.1f}%{why}", "<= 5%, state >= 10 GB on a GPU",
                        on_gpu and big and snap / none - 1 <= GOAL_OVERHEAD))
+            # dcp.async_save every n steps costs its per-save overhead / n: the n that matches convoy's every step
+            dcp_cost, snap_cost = dcp_time / none - 1, max(snap / none - 1, 1e-9)
+            matching = max(1, math.ceil(dcp_cost / snap_cost))
+            print(f"  dcp.async_save at convoy's overhead: every {matching} step(s), so a failure may lose up to "
+                  f"{matching - 1} (convoy: 0); convoy with max_overhead={GOAL_OVERHEAD}: "
+                  f"+{(budget / none - 1) * 100:.1f}% (its interval above)", flush=True)
         if restored:
             worst = max(restored)
             print(line("restore", f"{statistics.median(restored):.2f} s median, {worst:.2f} s worst over "
