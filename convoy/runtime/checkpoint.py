@@ -112,6 +112,11 @@ class Checkpointer:
         slot_file = SnapshotFile(segment_path(job_id, worker)) if job_id else None
         self.budget = budget if slot_file is not None else None  # outside a job there are no snapshots to budget
         group, peer_group = self._new_groups()
+        self._budget_group = dist.new_group(backend="gloo") if max_overhead is not None else None
+        """The ranks' agreement on k, on a group of its own: a persistent save's collectives run on the saves'
+        group from a background thread, and two threads' collectives on one group could pair up wrongly."""
+        if self._budget_group is not None:
+            self._groups.append(self._budget_group)
         peers = next(peers for peers in self.peer_sets if self.rank in peers)
         self._closed = False
         root = Path(directory) if directory else \
@@ -176,7 +181,7 @@ class Checkpointer:
         self._last_call = (called, due)
         if budget.deciding():
             agreed = torch.tensor([budget.propose()])
-            dist.all_reduce(agreed, dist.ReduceOp.MAX, group=self._groups[0])
+            dist.all_reduce(agreed, dist.ReduceOp.MAX, group=self._budget_group)
             decision = budget.settle(int(agreed.item()))
             if decision is not None and self.rank == 0:
                 self._snapshots.say_event("snapshot_interval", decision.describe())
@@ -241,6 +246,7 @@ class Checkpointer:
         collective's tensors (a restore's all-gather) needs the GIL while the interpreter finalizes, and the
         process aborts ("terminate called without an active exception", SIGABRT) after training finished."""
         groups, self._groups = self._groups, []
+        self._budget_group = None
         self._saver.group = self._persistent.group = None  # type: ignore[assignment]
         self._from_snapshots.group = self._from_snapshots.peer_group = None  # type: ignore[assignment]
         for group in groups:
