@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from convoy.errors import ConfigError
 from convoy.procs import exit_without_teardown
+from convoy.runtime.devices import choose_backend
 from convoy.strategy import candidates as cands
 from convoy.strategy.apply import accelerate, train_step
 from convoy.strategy.dryrun import CONFIG_ERROR
@@ -38,7 +39,6 @@ from convoy.strategy.links import shared as _shared
 from convoy.strategy.memory import ModelFeatures, activation_bytes, predict
 from convoy.strategy.plan import Strategy
 from convoy.strategy.search import CommCosts, predict_time, successive_halving
-from convoy.runtime.devices import choose_backend
 from convoy.strategy.device import PeakMemory, autocast, memory_limit, on_device, timed_on
 from convoy.strategy.workload import Workload, load_workload
 
