@@ -1,0 +1,145 @@
+"""The control plane at N agents (issue 54), by simulation: a real ``convoy master`` in its own process, N simulated
+agents (``scripts/sim_agents.py``: real HTTP with the job's token, a keep-alive connection each, the agent's
+join, long-polled wait and long-polled heartbeats) on one event loop in this process.
+
+    python benchmarks/scale.py [--nodes 64,256,1024,4096] [--steady-s 10] [--timeout-s 120]
+
+For each N, with a fresh master (``--nnodes 1:N``, so the first round closes when the N-th node joins):
+1. round: the last join to every agent holding round 1;
+2. heartbeats: for ``--steady-s`` seconds of steady load, each heartbeat's round trip beyond its 1 s long poll
+   (p50, p99); the master's CPU seconds per heartbeat and its RSS; the state file's size;
+3. a silent node: one agent stops heartbeating; from the master's heartbeat time-out to every other agent holding
+   the next round.
+Where an N does not get through a phase within ``--timeout-s``, that is said and the larger N are not run.
+Targets (N = 4096): round <= 5 s, heartbeat p99 <= 100 ms, next round <= 5 s after the time-out, RSS <= 300 MB.
+Not measured yet: the dashboard's nodes page, a job of roles, and the c10d peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+
+from sim_agents import SimulatedAgents  # noqa: E402
+
+from convoy.config import STATE_FILE  # noqa: E402
+
+HEARTBEAT_TIMEOUT_S = 5.0
+"""The master's --heartbeat-timeout here (30 s by default): a silent node is found in a benchmark's time."""
+STARTED = re.compile(r"convoy: master of job (\w+) at ([\d.]+):(\d+); token file (\S+)")
+
+
+def start_master(run_dir: Path, nodes: int) -> tuple[subprocess.Popen[str], str, int, str]:
+    master = subprocess.Popen([sys.executable, "-m", "convoy", "master", "--host", "127.0.0.1", "--port", "0",
+                               "--nnodes", f"1:{nodes}", "--rdzv-wait", "60", "--heartbeat-timeout",
+                               str(HEARTBEAT_TIMEOUT_S), "--run-dir", str(run_dir)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert master.stdout is not None
+    deadline = time.monotonic() + 60
+    for line in master.stdout:
+        found = STARTED.search(line)
+        if found:
+            return master, found.group(2), int(found.group(3)), Path(found.group(4)).read_text().strip()
+        if time.monotonic() > deadline:
+            break
+    master.kill()
+    raise RuntimeError("the master did not say where it listens within 60 s")
+
+
+def percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))] if ordered else float("nan")
+
+
+def measure(nodes: int, steady_s: float, timeout_s: float) -> dict[str, float | str]:
+    run_dir = Path(tempfile.mkdtemp(prefix=f"convoy-scale-{nodes}-"))
+    master, host, port, token = start_master(run_dir, nodes)
+    watched = psutil.Process(master.pid)
+    sim = SimulatedAgents(host, port, token, nodes)
+    result: dict[str, float | str] = {"nodes": nodes}
+    try:
+        sim.start()
+        sim.wait_for(lambda: all(a.joined_at for a in sim.agents), timeout_s, f"{nodes} joins")
+        last_join = max(a.joined_at for a in sim.agents)
+        sim.wait_for(lambda: len(sim.holding(1)) == nodes, timeout_s, "every agent holding round 1")
+        result["round_s"] = max(a.rounds[1] for a in sim.agents) - last_join
+        for agent in sim.agents:
+            agent.late.clear()
+        cpu_before = sum(watched.cpu_times()[:2])
+        time.sleep(steady_s)
+        cpu = sum(watched.cpu_times()[:2]) - cpu_before
+        late = [x for a in sim.agents for x in a.late]
+        result.update(beats=len(late), p50_ms=1000 * percentile(late, 0.5), p99_ms=1000 * percentile(late, 0.99),
+                      cpu_ms_per_beat=1000 * cpu / max(1, len(late)), rss_mb=watched.memory_info().rss / 2**20,
+                      state_mb=sum(path.stat().st_size for path in run_dir.glob(f"{STATE_FILE}*")) / 2**20)
+        silent = sim.agents[-1]
+        silent.silent = True
+        others = sim.agents[:-1]
+        sim.wait_for(lambda: all(any(r > 1 for r in a.rounds) for a in others), timeout_s + HEARTBEAT_TIMEOUT_S,
+                     "every other agent holding the next round")
+        # the master's time-out runs from the last heartbeat it heard from the silent agent
+        result["next_round_s"] = max(min(t for r, t in a.rounds.items() if r > 1) for a in others) \
+            - silent.last_beat - HEARTBEAT_TIMEOUT_S
+    except TimeoutError as exc:
+        result["stopped"] = str(exc)
+    finally:
+        sim.stop()
+        master.terminate()
+        try:
+            master.wait(30)
+        except subprocess.TimeoutExpired:
+            master.kill()
+            master.wait()
+    return result
+
+
+def cell(row: dict[str, float | str], key: str, width: int, digits: int = 2) -> str:
+    value = row.get(key)
+    return f"{value:>{width}.{digits}f}" if isinstance(value, float) else f"{'-':>{width}}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", default="64,256,1024,4096")
+    parser.add_argument("--steady-s", type=float, default=10.0)
+    parser.add_argument("--timeout-s", type=float, default=120.0)
+    args = parser.parse_args()
+    rows = []
+    for nodes in [int(n) for n in args.nodes.split(",")]:
+        print(f"N = {nodes} ...", flush=True)
+        row = measure(nodes, args.steady_s, args.timeout_s)
+        rows.append(row)
+        print(f"  {row}", flush=True)
+        if "stopped" in row:
+            print(f"  stopped at N = {nodes}: {row['stopped']}; larger N not run", flush=True)
+            break
+    print("\n     N  round s  beats  hb p50 ms  hb p99 ms  CPU ms/beat  RSS MB  state MB  next round s (after the "
+          "time-out)")
+    for row in rows:
+        beats = row.get("beats")
+        print(f"{row['nodes']:>6} {cell(row, 'round_s', 8)} {beats if beats is not None else '-':>6} "
+              f"{cell(row, 'p50_ms', 10, 1)} {cell(row, 'p99_ms', 10, 1)} {cell(row, 'cpu_ms_per_beat', 12, 3)} "
+              f"{cell(row, 'rss_mb', 7, 0)} {cell(row, 'state_mb', 9, 2)} {cell(row, 'next_round_s', 12)}")
+    largest = rows[-1]
+    ok = "stopped" not in largest and largest["nodes"] >= 4096
+    checks = [("round <= 5 s after the last join", "round_s", 5.0), ("heartbeat p99 <= 100 ms", "p99_ms", 100.0),
+              ("next round <= 5 s after the time-out", "next_round_s", 5.0), ("master RSS <= 300 MB", "rss_mb", 300.0)]
+    for what, key, goal in checks:
+        value = largest.get(key)
+        met = ok and isinstance(value, float) and value <= goal
+        print(f"target N=4096 {what}: {value if value is not None else 'not reached'} at N = {largest['nodes']} "
+              f"{'met' if met else 'missed'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""Simulated agents for measuring the control plane at scale (``benchmarks/scale.py``): N agents as coroutines of
+one event loop, each speaking the agent's protocol to a real master over real HTTP with the job's token on a
+keep-alive connection of its own, as ``MasterClient`` does: join, long-poll ``/wait`` until its round is ready,
+then heartbeat (a long poll of the agent's ``heartbeat_s``) until told to go silent or to stop. The master cannot
+tell them from agents on other hosts; they start no workers.
+
+What is measured, per agent: when it held each round, and each heartbeat's round trip less the time the master was
+asked to hold it (``late``: what a heartbeat waited beyond its long poll, the master's queue and work).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from convoy.control.protocol import messages as p
+
+HEARTBEAT_S = 1.0
+"""The agent's default long poll (``AgentConfig.heartbeat_s``)."""
+REPLY_BOUND = 1 << 20
+"""The most a reply may hold (a round of 4096 members is about 0.5 MB)."""
+
+
+class Link:
+    """One keep-alive HTTP/1.1 connection to the master, reopened when it closes."""
+
+    def __init__(self, host: str, port: int, token: str) -> None:
+        self.host, self.port, self.token = host, port, token
+        self.key = secrets.token_hex(6)
+        self.calls = 0
+        self.streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    async def call(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """POST ``body`` to ``/v1{path}``: (status, the JSON reply)."""
+        self.calls += 1
+        data = json.dumps(body).encode()
+        head = (f"POST {p.API_PREFIX}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: "
+                f"application/json\r\n{p.TOKEN_HEADER}: Bearer {self.token}\r\n{p.IDEMPOTENCY_HEADER}: "
+                f"{self.key}-{self.calls}\r\nContent-Length: {len(data)}\r\n\r\n").encode()
+        for attempt in (0, 1):  # a keep-alive connection the master closed meanwhile: once more on a new one
+            if self.streams is None:
+                self.streams = await asyncio.open_connection(self.host, self.port)
+            reader, writer = self.streams
+            try:
+                writer.write(head + data)
+                await writer.drain()
+                return await self._reply(reader)
+            except (ConnectionError, asyncio.IncompleteReadError, EOFError):
+                self.close()
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _reply(self, reader: asyncio.StreamReader) -> tuple[int, dict[str, Any]]:
+        status_line = await reader.readline()
+        if not status_line:
+            raise EOFError("the master closed the connection")
+        status = int(status_line.split()[1])
+        length, closing = 0, False
+        while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            if name.strip().lower() == "content-length":
+                length = int(value)
+            elif name.strip().lower() == "connection" and value.strip().lower() == "close":
+                closing = True
+        if length > REPLY_BOUND:
+            raise ValueError(f"a reply of {length} bytes is past {REPLY_BOUND}")
+        raw = await reader.readexactly(length) if length else b""
+        if closing:
+            self.close()
+        return status, json.loads(raw) if raw else {}
+
+    def close(self) -> None:
+        if self.streams is not None:
+            self.streams[1].close()
+            self.streams = None
+
+
+@dataclass
+class SimAgent:
+    node_id: str
+    link: Link
+    heartbeat_s: float = HEARTBEAT_S
+    rounds: dict[int, float] = field(default_factory=dict)
+    """Each round this agent held, and when (monotonic)."""
+    joined_at: float = 0.0
+    late: list[float] = field(default_factory=list)
+    """Each heartbeat's round trip less its long poll (never below 0)."""
+    last_beat: float = 0.0
+    """When this agent last sent a heartbeat the master answered (the master hears it then)."""
+    silent: bool = False
+    stopped: bool = False
+    error: str = ""
+
+    async def run(self) -> None:
+        try:
+            while not self.stopped:
+                round_id = await self._rendezvous()
+                if round_id is None:
+                    return
+                await self._heartbeats(round_id)
+        except Exception as exc:  # noqa: BLE001 (recorded: the benchmark says which agents failed and why)
+            self.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.link.close()
+
+    async def _rendezvous(self) -> int | None:
+        """Join and long-poll until the round is ready; its id (None: the job ended)."""
+        status, joined = await self.link.call("/join", {"node_id": self.node_id, "host": "127.0.0.1", "nproc": 1,
+                                                        "port": 29500, "instance": self.link.key})
+        if status != 200:
+            raise RuntimeError(f"join answered {status}: {joined}")
+        self.joined_at = time.monotonic()
+        while not self.stopped:
+            status, reply = await self.link.call("/wait", {"node_id": self.node_id, "round_id": joined["round_id"],
+                                                           "timeout_s": self.heartbeat_s})
+            if status != 200:
+                raise RuntimeError(f"wait answered {status}: {reply}")
+            if reply["state"] == "ready":
+                self.rounds[reply["round"]["round_id"]] = time.monotonic()
+                return int(reply["round"]["round_id"])
+            if reply["state"] == "ended":
+                return None
+            if reply["state"] == "rejoin":
+                return await self._rendezvous()
+        return None
+
+    async def _heartbeats(self, round_id: int) -> None:
+        """Heartbeats until the round changes (then the agent joins the next), or it is told to stop."""
+        while not self.stopped:
+            if self.silent:
+                await asyncio.sleep(0.05)
+                continue
+            sent = time.monotonic()
+            status, reply = await self.link.call("/heartbeat", {"node_id": self.node_id, "round_id": round_id,
+                                                                "wait_s": self.heartbeat_s})
+            took = time.monotonic() - sent
+            self.last_beat = sent
+            if status != 200:
+                raise RuntimeError(f"heartbeat answered {status}: {reply}")
+            changed = reply["round_id"] != round_id or reply["job_status"] != "running"
+            self.late.append(max(0.0, took - (0.0 if changed else self.heartbeat_s)))
+            if reply["job_status"] != "running":
+                self.stopped = True
+            elif changed:
+                return
+
+
+class SimulatedAgents:
+    """``count`` simulated agents on an event loop of their own thread; ``start`` joins them all at once."""
+
+    def __init__(self, host: str, port: int, token: str, count: int, heartbeat_s: float = HEARTBEAT_S,
+                 prefix: str = "sim") -> None:
+        self.agents = [SimAgent(f"{prefix}{index:05d}", Link(host, port, token), heartbeat_s)
+                       for index in range(count)]
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="sim-agents", daemon=True)
+        self.tasks: list[asyncio.Future[None]] = []
+
+    def start(self) -> None:
+        self.thread.start()
+        for agent in self.agents:
+            self.tasks.append(asyncio.run_coroutine_threadsafe(agent.run(), self.loop))  # type: ignore[arg-type]
+
+    def wait_for(self, done: Callable[[], bool], timeout_s: float, what: str) -> float:
+        """Seconds until ``done()``; a TimeoutError naming ``what`` (and the agents' errors) after ``timeout_s``."""
+        began = time.monotonic()
+        while not done():
+            errors = self.errors()
+            if errors or time.monotonic() - began > timeout_s:
+                raise TimeoutError(f"{what}: not within {timeout_s:.0f} s; agents' errors: {errors[:3]}")
+            time.sleep(0.01)
+        return time.monotonic() - began
+
+    def holding(self, round_id: int) -> list[SimAgent]:
+        return [agent for agent in self.agents if round_id in agent.rounds]
+
+    def errors(self) -> list[str]:
+        return [f"{agent.node_id}: {agent.error}" for agent in self.agents if agent.error]
+
+    def stop(self) -> None:
+        """Every agent stops where it is (its connection closed on the loop's thread), then the loop ends."""
+        async def close_all() -> None:
+            for agent in self.agents:
+                agent.stopped = True
+                agent.link.close()
+            for task in asyncio.all_tasks():
+                if task is not asyncio.current_task():
+                    task.cancel()
+
+        if self.thread.is_alive():
+            asyncio.run_coroutine_threadsafe(close_all(), self.loop).result(10)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+        self.loop.close()
