@@ -61,11 +61,11 @@ def percentile(values: list[float], share: float) -> float:
     return ordered[min(len(ordered) - 1, int(share * len(ordered)))] if ordered else float("nan")
 
 
-def measure(nodes: int, steady_s: float, timeout_s: float) -> dict[str, float | str]:
+def measure(nodes: int, steady_s: float, timeout_s: float, keep_alive: bool = True) -> dict[str, float | str]:
     run_dir = Path(tempfile.mkdtemp(prefix=f"convoy-scale-{nodes}-"))
     master, host, port, token = start_master(run_dir, nodes)
     watched = psutil.Process(master.pid)
-    sim = SimulatedAgents(host, port, token, nodes)
+    sim = SimulatedAgents(host, port, token, nodes, keep_alive=keep_alive)
     result: dict[str, float | str] = {"nodes": nodes}
     try:
         sim.start()
@@ -91,7 +91,8 @@ def measure(nodes: int, steady_s: float, timeout_s: float) -> dict[str, float | 
         result["next_round_s"] = max(min(t for r, t in a.rounds.items() if r > 1) for a in others) \
             - silent.last_beat - HEARTBEAT_TIMEOUT_S
     except TimeoutError as exc:
-        result["stopped"] = str(exc)
+        held = len(sim.holding(1))
+        result["stopped"] = f"{exc} ({held} of {nodes} held round 1; the master's threads: {watched.num_threads()})"
     finally:
         sim.stop()
         master.terminate()
@@ -113,11 +114,13 @@ def main() -> None:
     parser.add_argument("--nodes", default="64,256,1024,4096")
     parser.add_argument("--steady-s", type=float, default=10.0)
     parser.add_argument("--timeout-s", type=float, default=120.0)
+    parser.add_argument("--no-keep-alive", action="store_true", help="a connection per request (what the agents do "
+                        "not do: it tells the master's cost of held connections from the rest)")
     args = parser.parse_args()
     rows = []
     for nodes in [int(n) for n in args.nodes.split(",")]:
         print(f"N = {nodes} ...", flush=True)
-        row = measure(nodes, args.steady_s, args.timeout_s)
+        row = measure(nodes, args.steady_s, args.timeout_s, keep_alive=not args.no_keep_alive)
         rows.append(row)
         print(f"  {row}", flush=True)
         if "stopped" in row:

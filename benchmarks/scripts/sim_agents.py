@@ -30,8 +30,10 @@ REPLY_BOUND = 1 << 20
 class Link:
     """One keep-alive HTTP/1.1 connection to the master, reopened when it closes."""
 
-    def __init__(self, host: str, port: int, token: str) -> None:
-        self.host, self.port, self.token = host, port, token
+    def __init__(self, host: str, port: int, token: str, keep_alive: bool = True) -> None:
+        """``keep_alive`` False: a connection per request (``Connection: close``), to tell the master's cost of
+        held connections from the rest."""
+        self.host, self.port, self.token, self.keep_alive = host, port, token, keep_alive
         self.key = secrets.token_hex(6)
         self.calls = 0
         self.streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
@@ -42,7 +44,8 @@ class Link:
         data = json.dumps(body).encode()
         head = (f"POST {p.API_PREFIX}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: "
                 f"application/json\r\n{p.TOKEN_HEADER}: Bearer {self.token}\r\n{p.IDEMPOTENCY_HEADER}: "
-                f"{self.key}-{self.calls}\r\nContent-Length: {len(data)}\r\n\r\n").encode()
+                f"{self.key}-{self.calls}\r\nContent-Length: {len(data)}\r\n"
+                f"{'' if self.keep_alive else 'Connection: close' + chr(13) + chr(10)}\r\n").encode()
         for attempt in (0, 1):  # a keep-alive connection the master closed meanwhile: once more on a new one
             if self.streams is None:
                 self.streams = await asyncio.open_connection(self.host, self.port)
@@ -156,8 +159,8 @@ class SimulatedAgents:
     """``count`` simulated agents on an event loop of their own thread; ``start`` joins them all at once."""
 
     def __init__(self, host: str, port: int, token: str, count: int, heartbeat_s: float = HEARTBEAT_S,
-                 prefix: str = "sim") -> None:
-        self.agents = [SimAgent(f"{prefix}{index:05d}", Link(host, port, token), heartbeat_s)
+                 prefix: str = "sim", keep_alive: bool = True) -> None:
+        self.agents = [SimAgent(f"{prefix}{index:05d}", Link(host, port, token, keep_alive), heartbeat_s)
                        for index in range(count)]
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="sim-agents", daemon=True)
