@@ -5,7 +5,8 @@ then heartbeat (a long poll of the agent's ``heartbeat_s``) until told to go sil
 tell them from agents on other hosts; they start no workers.
 
 What is measured, per agent: when it held each round, and each heartbeat's round trip less the time the master was
-asked to hold it (``late``: what a heartbeat waited beyond its long poll, the master's queue and work).
+asked to hold it (``late``: what a heartbeat waited beyond its long poll, the master's queue and work). A crowded
+master answers long polls at once; the agent (and so each simulated one) waits out the rest of the poll itself.
 """
 
 from __future__ import annotations
@@ -87,8 +88,12 @@ class Link:
 
 @dataclass
 class SimAgent:
+    """One agent: its main flow (join, wait for the round, hold it until the heartbeats say it moved on) and, from
+    its first join on, its heartbeat loop on a connection of its own, as the agent's heartbeat thread."""
+
     node_id: str
     link: Link
+    beats: Link
     heartbeat_s: float = HEARTBEAT_S
     rounds: dict[int, float] = field(default_factory=dict)
     """Each round this agent held, and when (monotonic)."""
@@ -100,18 +105,31 @@ class SimAgent:
     silent: bool = False
     stopped: bool = False
     error: str = ""
+    known_round: int = 0
+    """The round the master named in its last heartbeat reply (the agent's ``latest.round_id``)."""
+    moved: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def run(self) -> None:
+        beating: asyncio.Task[None] | None = None
         try:
             while not self.stopped:
                 round_id = await self._rendezvous()
                 if round_id is None:
                     return
-                await self._heartbeats(round_id)
+                if beating is None:
+                    beating = asyncio.ensure_future(self._heartbeats())
+                while self.known_round <= round_id and not self.stopped:  # the round holds until the master moves on
+                    self.moved.clear()
+                    await self.moved.wait()
+                    if beating.done():
+                        beating.result()
         except Exception as exc:  # noqa: BLE001 (recorded: the benchmark says which agents failed and why)
             self.error = f"{type(exc).__name__}: {exc}"
         finally:
+            if beating is not None:
+                beating.cancel()
             self.link.close()
+            self.beats.close()
 
     async def _rendezvous(self) -> int | None:
         """Join and long-poll until the round is ready; its id (None: the job ended)."""
@@ -119,12 +137,15 @@ class SimAgent:
                                                         "port": 29500, "instance": self.link.key})
         if status != 200:
             raise RuntimeError(f"join answered {status}: {joined}")
-        self.joined_at = time.monotonic()
+        self.joined_at = self.joined_at or time.monotonic()
         while not self.stopped:
+            asked = time.monotonic()
             status, reply = await self.link.call("/wait", {"node_id": self.node_id, "round_id": joined["round_id"],
                                                            "timeout_s": self.heartbeat_s})
             if status != 200:
                 raise RuntimeError(f"wait answered {status}: {reply}")
+            if reply["state"] == "waiting":  # as the agent: a crowded master's early answer, the rest waited here
+                await asyncio.sleep(max(0.0, self.heartbeat_s - (time.monotonic() - asked)))
             if reply["state"] == "ready":
                 self.rounds[reply["round"]["round_id"]] = time.monotonic()
                 return int(reply["round"]["round_id"])
@@ -134,25 +155,30 @@ class SimAgent:
                 return await self._rendezvous()
         return None
 
-    async def _heartbeats(self, round_id: int) -> None:
-        """Heartbeats until the round changes (then the agent joins the next), or it is told to stop."""
+    async def _heartbeats(self) -> None:
+        """The heartbeat loop: long polls naming the round last heard of, until the job ends or this stops."""
         while not self.stopped:
             if self.silent:
                 await asyncio.sleep(0.05)
                 continue
             sent = time.monotonic()
-            status, reply = await self.link.call("/heartbeat", {"node_id": self.node_id, "round_id": round_id,
-                                                                "wait_s": self.heartbeat_s})
+            status, reply = await self.beats.call("/heartbeat", {"node_id": self.node_id,
+                                                                 "round_id": self.known_round,
+                                                                 "wait_s": self.heartbeat_s})
             took = time.monotonic() - sent
             self.last_beat = sent
             if status != 200:
                 raise RuntimeError(f"heartbeat answered {status}: {reply}")
-            changed = reply["round_id"] != round_id or reply["job_status"] != "running"
+            changed = reply["round_id"] != self.known_round or reply["job_status"] != "running"
             self.late.append(max(0.0, took - (0.0 if changed else self.heartbeat_s)))
+            self.known_round = int(reply["round_id"])
+            if changed:
+                self.moved.set()
             if reply["job_status"] != "running":
                 self.stopped = True
-            elif changed:
-                return
+                self.moved.set()
+            elif not changed:  # as the agent: a crowded master answers at once, the rest of the poll waited here
+                await asyncio.sleep(max(0.0, self.heartbeat_s - took))
 
 
 class SimulatedAgents:
@@ -160,8 +186,8 @@ class SimulatedAgents:
 
     def __init__(self, host: str, port: int, token: str, count: int, heartbeat_s: float = HEARTBEAT_S,
                  prefix: str = "sim", keep_alive: bool = True) -> None:
-        self.agents = [SimAgent(f"{prefix}{index:05d}", Link(host, port, token, keep_alive), heartbeat_s)
-                       for index in range(count)]
+        self.agents = [SimAgent(f"{prefix}{index:05d}", Link(host, port, token, keep_alive),
+                                Link(host, port, token, keep_alive), heartbeat_s) for index in range(count)]
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="sim-agents", daemon=True)
         self.tasks: list[asyncio.Future[None]] = []
@@ -192,7 +218,9 @@ class SimulatedAgents:
         async def close_all() -> None:
             for agent in self.agents:
                 agent.stopped = True
+                agent.moved.set()
                 agent.link.close()
+                agent.beats.close()
             for task in asyncio.all_tasks():
                 if task is not asyncio.current_task():
                     task.cancel()
