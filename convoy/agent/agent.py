@@ -128,6 +128,8 @@ class Agent:
                 wait = p.WaitRequest(node_id=self.config.node_id, round_id=round_id, timeout_s=self.config.heartbeat_s)
                 self._asked_at = time.monotonic()
                 reply = self.client.call("/wait", wait, p.WaitResponse, wait_s=wait.timeout_s)
+                if reply.state == "waiting":  # a crowded master answers at once: the rest is waited out here
+                    time.sleep(max(0.0, wait.timeout_s - (time.monotonic() - self._asked_at)))
                 if reply.state == "ready":
                     return reply.round
                 if reply.state == "ended":

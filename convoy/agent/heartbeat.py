@@ -60,17 +60,22 @@ class Heartbeat(threading.Thread):
                 self.changed.set()
                 return
             self._renew(reply, sent_at)
+            news = reply.addresses_version > self.addresses_version or reply.train_config is not None
             self._publish_addresses(reply)
             self._publish_config(reply)
             if reply.assignments or reply.stops:
                 self.orders.put((reply.assignments, reply.stops))
                 self.changed.set()
+                news = True
             known = (self.latest.round_id, self.latest.job_status) if self.latest else None
             if known != (reply.round_id, reply.job_status):
                 self.latest = reply
                 self.changed.set()
+                news = True
             if reply.job_status != "running":
                 return
+            if not news:  # a crowded master answers at once: the rest of the poll is waited out here
+                self.stopping.wait(request.wait_s - (time.monotonic() - sent_at))
 
     def _publish_addresses(self, reply: p.HeartbeatResponse) -> None:
         """Give this node's role processes the master's newer addresses (a moved process is found there)."""

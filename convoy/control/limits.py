@@ -79,6 +79,9 @@ class HandlerPool:
         self._waiting: list[tuple[int, int, object]] = []
         self._order = itertools.count()
         self.active = 0
+        self.wake: threading.Condition | None = None
+        """Notified when a request has to wait for a thread: the master's long polls held on it answer at once (the
+        agent waits out the rest of its poll itself), so held polls never keep a round's waits from a thread."""
 
     @property
     def waiting(self) -> int:
@@ -86,10 +89,16 @@ class HandlerPool:
 
     def submit(self, priority: int, item: object) -> None:
         with self._lock:
-            if self.active >= self.size:
+            queued = self.active >= self.size
+            if queued:
                 heapq.heappush(self._waiting, (priority, next(self._order), item))
-                return
-            self.active += 1
+            else:
+                self.active += 1
+        if queued:
+            if self.wake is not None:
+                with self.wake:
+                    self.wake.notify_all()
+            return
         threading.Thread(target=self._run, args=(item,), name="convoy-api-handler", daemon=True).start()
 
     def _run(self, item: object) -> None:

@@ -92,6 +92,7 @@ class JobMaster:
         self.api = ApiServer(self, config.host, config.port, self.token, tls=tls, pages=self.dashboard,
                              listener=listener)
         self.dashboard.jobs[self.job.job_id].call = in_process(self.api.routes)
+        self.api.front.pool.wake = self._changed  # a request waits for a thread: the long polls held answer now
         if not token_path.exists():
             write_token(token_path, self.token)
         self.store = Store(config.run_dir, config.to_json())
@@ -189,7 +190,8 @@ class JobMaster:
     def wait(self, req: p.WaitRequest) -> p.WaitResponse:
         """Long poll until the round the node waits for has closed (or moved on)."""
         with self._changed:
-            self._changed.wait_for(lambda: self._wait_state(req) != "waiting", req.timeout_s)
+            crowded = self.api.front.pool  # requests wait for a thread: answer now (the agent waits out the rest)
+            self._changed.wait_for(lambda: self._wait_state(req) != "waiting" or crowded.waiting, req.timeout_s)
             self.nodes.seen(req.node_id, time.monotonic())
             state = self._wait_state(req)
             self._note_outcome_heard(req.node_id)
@@ -201,13 +203,12 @@ class JobMaster:
         """Long poll: answers at once when the round or the job's status changes."""
         with self._changed:
             self.nodes.seen(req.node_id, time.monotonic())
-            roles = self.role_master
+            roles, crowded = self.role_master, self.api.front.pool
             self._changed.wait_for(
                 lambda: self.ended or self.job.round_id != req.round_id or self._stopping.is_set()
                 or (roles is not None and (roles.has_news(req.node_id)
                                            or roles.published()[0] > req.addresses_version))
-                or self.train_calls.config_version > req.config_version, req.wait_s
-            )
+                or self.train_calls.config_version > req.config_version or crowded.waiting, req.wait_s)
             self._note_outcome_heard(req.node_id)
             assignments, stops = roles.deliver(req.node_id, time.monotonic()) if roles and not self.ended else ([], [])
             version, addresses, incarnations = roles.published() if roles else (0, {}, {})
@@ -370,8 +371,7 @@ class JobMaster:
             self._ended.set()
 
     def _state_write_give_up(self, now: float) -> list[Event]:
-        """Fail the job once agents have waited on an unwritten state for too long (a job that only
-        trains needs no writes and goes on)."""
+        """Fail the job once agents have waited on an unwritten state too long (a job that only trains goes on)."""
         since = self._refused_since
         limit = min(STATE_WRITE_GIVE_UP_S, self.config.heartbeat_timeout_s / 2)
         if since is None or now - since < limit:
