@@ -83,7 +83,8 @@ def measure(nodes: int, steady_s: float, timeout_s: float, keep_alive: bool = Tr
         late = [x for a in sim.agents for x in a.late]
         result.update(beats=len(late), p50_ms=1000 * percentile(late, 0.5), p99_ms=1000 * percentile(late, 0.99),
                       cpu_ms_per_beat=1000 * cpu / max(1, len(late)), rss_mb=watched.memory_info().rss / 2**20,
-                      state_mb=sum(path.stat().st_size for path in run_dir.glob(f"{STATE_FILE}*")) / 2**20)
+                      state_mb=sum(path.stat().st_size for path in run_dir.glob(f"{STATE_FILE}*")) / 2**20,
+                      retries=sum(a.link.retries + a.beats.retries for a in sim.agents))
         silent = sim.agents[-1]
         silent.silent = True
         others = sim.agents[:-1]

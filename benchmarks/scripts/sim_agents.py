@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import secrets
 import threading
 import time
@@ -24,6 +25,9 @@ from convoy.control.protocol import messages as p
 
 HEARTBEAT_S = 1.0
 """The agent's default long poll (``AgentConfig.heartbeat_s``)."""
+GIVE_UP_S = 30.0
+FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.05, 1.0
+"""As ``MasterClient``: how long a call is tried again on new connections, and its pauses."""
 REPLY_BOUND = 1 << 20
 """The most a reply may hold (a round of 4096 members is about 0.5 MB)."""
 
@@ -37,6 +41,8 @@ class Link:
         self.host, self.port, self.token, self.keep_alive = host, port, token, keep_alive
         self.key = secrets.token_hex(6)
         self.calls = 0
+        self.retries = 0
+        """Requests sent again on a new connection (the master closed or shed the one they went on)."""
         self.streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
     async def call(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -47,19 +53,22 @@ class Link:
                 f"application/json\r\n{p.TOKEN_HEADER}: Bearer {self.token}\r\n{p.IDEMPOTENCY_HEADER}: "
                 f"{self.key}-{self.calls}\r\nContent-Length: {len(data)}\r\n"
                 f"{'' if self.keep_alive else 'Connection: close' + chr(13) + chr(10)}\r\n").encode()
-        for attempt in (0, 1):  # a keep-alive connection the master closed meanwhile: once more on a new one
-            if self.streams is None:
-                self.streams = await asyncio.open_connection(self.host, self.port)
-            reader, writer = self.streams
+        deadline, backoff = time.monotonic() + GIVE_UP_S, FIRST_BACKOFF_S
+        while True:  # as MasterClient: a lost connection is tried again, with backoff, until GIVE_UP_S
             try:
+                if self.streams is None:
+                    self.streams = await asyncio.open_connection(self.host, self.port)
+                reader, writer = self.streams
                 writer.write(head + data)
                 await writer.drain()
                 return await self._reply(reader)
-            except (ConnectionError, asyncio.IncompleteReadError, EOFError):
+            except (OSError, asyncio.IncompleteReadError, EOFError):
                 self.close()
-                if attempt:
+                self.retries += 1
+                if time.monotonic() > deadline:
                     raise
-        raise AssertionError("unreachable")
+                await asyncio.sleep(backoff * (0.5 + random.random()))
+                backoff = min(2 * backoff, MAX_BACKOFF_S)
 
     async def _reply(self, reader: asyncio.StreamReader) -> tuple[int, dict[str, Any]]:
         status_line = await reader.readline()
@@ -157,6 +166,14 @@ class SimAgent:
 
     async def _heartbeats(self) -> None:
         """The heartbeat loop: long polls naming the round last heard of, until the job ends or this stops."""
+        try:
+            await self._beat()
+        except Exception as exc:  # noqa: BLE001 (recorded, and the main flow ends)
+            self.error = f"heartbeats: {type(exc).__name__}: {exc}"
+            self.stopped = True
+            self.moved.set()
+
+    async def _beat(self) -> None:
         while not self.stopped:
             if self.silent:
                 await asyncio.sleep(0.05)

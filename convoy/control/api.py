@@ -253,6 +253,10 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception as exc:  # noqa: BLE001 (a fault caught on purpose: recorded, the master keeps serving)
             master.api_fault(path, exc)
             return 500, _encode(p.ErrorBody(error=f"internal error in {path}: {type(exc).__name__}"))
+        if isinstance(reply, p.WaitResponse) and reply.state != "waiting":
+            # the agent's next call on this connection comes when its round ends; held idle, it would keep one of
+            # the handler threads that long (1024 agents kept every heartbeat from a thread after a round closed)
+            self.close_connection = True
         return 200, _encode(reply)
 
     def _read_body(self, length: int) -> bytes | None:
@@ -282,7 +286,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send(self, code: int, data: bytes) -> None:
         self.send_response(code)
-        if self.server.crowded():  # requests wait for a thread: this one goes back to them, the client reconnects
+        if self.close_connection or self.server.crowded():  # (crowded: this thread goes to the requests waiting)
             self.close_connection = True
             self.send_header("Connection", "close")
         self.send_header("Content-Type", "application/json")
