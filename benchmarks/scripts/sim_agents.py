@@ -35,10 +35,12 @@ REPLY_BOUND = 1 << 20
 class Link:
     """One keep-alive HTTP/1.1 connection to the master, reopened when it closes."""
 
-    def __init__(self, host: str, port: int, token: str, keep_alive: bool = True) -> None:
+    def __init__(self, host: str, port: int, token: str, keep_alive: bool = True, source: str = "") -> None:
         """``keep_alive`` False: a connection per request (``Connection: close``), to tell the master's cost of
-        held connections from the rest."""
+        held connections from the rest; ``source``: the address connections come from (each simulated host its
+        own, as agents on other hosts have: the master bounds what one client address may hold)."""
         self.host, self.port, self.token, self.keep_alive = host, port, token, keep_alive
+        self.source = source
         self.key = secrets.token_hex(6)
         self.calls = 0
         self.retries = 0
@@ -57,7 +59,8 @@ class Link:
         while True:  # as MasterClient: a lost connection is tried again, with backoff, until GIVE_UP_S
             try:
                 if self.streams is None:
-                    self.streams = await asyncio.open_connection(self.host, self.port)
+                    self.streams = await asyncio.open_connection(
+                        self.host, self.port, local_addr=(self.source, 0) if self.source else None)
                 reader, writer = self.streams
                 writer.write(head + data)
                 await writer.drain()
@@ -198,13 +201,20 @@ class SimAgent:
                 await asyncio.sleep(max(0.0, self.heartbeat_s - took))
 
 
+def source_address(index: int) -> str:
+    """A loopback address of its own for simulated host ``index`` (127.1.0.1, 127.1.0.2, ...: all of 127/8 is
+    this machine's)."""
+    return f"127.1.{index // 250}.{index % 250 + 1}"
+
+
 class SimulatedAgents:
     """``count`` simulated agents on an event loop of their own thread; ``start`` joins them all at once."""
 
     def __init__(self, host: str, port: int, token: str, count: int, heartbeat_s: float = HEARTBEAT_S,
                  prefix: str = "sim", keep_alive: bool = True) -> None:
-        self.agents = [SimAgent(f"{prefix}{index:05d}", Link(host, port, token, keep_alive),
-                                Link(host, port, token, keep_alive), heartbeat_s) for index in range(count)]
+        self.agents = [SimAgent(f"{prefix}{index:05d}", Link(host, port, token, keep_alive, source_address(index)),
+                                Link(host, port, token, keep_alive, source_address(index)), heartbeat_s)
+                       for index in range(count)]
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="sim-agents", daemon=True)
         self.tasks: list[asyncio.Future[None]] = []
