@@ -1,7 +1,7 @@
 """The work a snapshot puts on the training thread each step: one walk lays the state out (``place``: the same
-skeleton, offsets and pickled skeleton as ``flatten``, ``layout`` and ``encode_meta`` one after the other), and the background
-copies run on one thread that lives as long as the Checkpointer (no thread started per step): one at a time, their
-errors raised at ``wait``, the thread ended by ``close``."""
+skeleton, offsets and pickled skeleton as ``flatten``, ``layout`` and ``encode_meta`` one after the other), and
+the background copies run on one thread that lives as long as the Checkpointer (no thread started per step): one
+at a time, their errors raised at ``wait``, the thread ended by ``close``."""
 
 from __future__ import annotations
 
