@@ -39,14 +39,15 @@ HEARTBEAT_TIMEOUT_S = 30.0
 STARTED = re.compile(r"convoy: master of job (\w+) at ([\d.]+):(\d+); token file (\S+)")
 
 
-def start_master(run_dir: Path, nodes: int) -> tuple[subprocess.Popen[str], str, int, str]:
+def start_master(run_dir: Path, nodes: int, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
+                 ) -> tuple[subprocess.Popen[str], str, int, str]:
     """A master whose output goes to ``run_dir/master.log`` (a pipe nobody reads would fill with its N join lines
     and stop it mid-print); where it listens and its token."""
     log = run_dir / "master.log"
     with log.open("w") as out:
         master = subprocess.Popen([sys.executable, "-m", "convoy", "master", "--host", "127.0.0.1", "--port", "0",
                                    "--nnodes", f"1:{nodes}", "--rdzv-wait", "60", "--heartbeat-timeout",
-                                   str(HEARTBEAT_TIMEOUT_S), "--run-dir", str(run_dir)],
+                                   str(heartbeat_timeout_s), "--run-dir", str(run_dir)],
                                   stdout=out, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and master.poll() is None:
@@ -63,9 +64,10 @@ def percentile(values: list[float], share: float) -> float:
     return ordered[min(len(ordered) - 1, int(share * len(ordered)))] if ordered else float("nan")
 
 
-def measure(nodes: int, steady_s: float, timeout_s: float, keep_alive: bool = True) -> dict[str, float | str]:
+def measure(nodes: int, steady_s: float, timeout_s: float, keep_alive: bool = True,
+            heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> dict[str, float | str]:
     run_dir = Path(tempfile.mkdtemp(prefix=f"convoy-scale-{nodes}-"))
-    master, host, port, token = start_master(run_dir, nodes)
+    master, host, port, token = start_master(run_dir, nodes, heartbeat_timeout_s)
     watched = psutil.Process(master.pid)
     sim = SimulatedAgents(host, port, token, nodes, keep_alive=keep_alive)
     result: dict[str, float | str] = {"nodes": nodes}
@@ -88,11 +90,11 @@ def measure(nodes: int, steady_s: float, timeout_s: float, keep_alive: bool = Tr
         silent = sim.agents[-1]
         silent.silent = True
         others = sim.agents[:-1]
-        sim.wait_for(lambda: all(any(r > 1 for r in a.rounds) for a in others), timeout_s + HEARTBEAT_TIMEOUT_S,
+        sim.wait_for(lambda: all(any(r > 1 for r in a.rounds) for a in others), timeout_s + heartbeat_timeout_s,
                      "every other agent holding the next round")
         # the master's time-out runs from the last heartbeat it heard from the silent agent
         result["next_round_s"] = max(min(t for r, t in a.rounds.items() if r > 1) for a in others) \
-            - silent.last_beat - HEARTBEAT_TIMEOUT_S
+            - silent.last_beat - heartbeat_timeout_s
     except TimeoutError as exc:
         held = len(sim.holding(1))
         result["stopped"] = f"{exc} ({held} of {nodes} held round 1; the master's threads: {watched.num_threads()})"

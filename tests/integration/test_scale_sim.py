@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 def test_64_simulated_agents_hold_a_round_heartbeat_and_regroup_without_a_silent_one() -> None:
     import scale
 
-    row = scale.measure(64, steady_s=2.0, timeout_s=60.0)
+    row = scale.measure(64, steady_s=2.0, timeout_s=60.0, heartbeat_timeout_s=5.0)  # a silent node lost in 5 s
     assert "stopped" not in row, row
     assert isinstance(row["round_s"], float) and row["round_s"] >= 0
     assert isinstance(row["beats"], int) and row["beats"] >= 64, "every agent heartbeats in the steady window"
