@@ -56,9 +56,12 @@ def run_sync(shape: str, repeats: int) -> dict[str, object]:
                                board, secret], stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL, text=True,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
              for rank in range(world)]
-    out, _ = procs[0].communicate(timeout=900)
-    for proc in procs[1:]:
-        proc.wait(120)
+    try:
+        out, _ = procs[0].communicate(timeout=900)
+        for proc in procs[1:]:
+            proc.wait(120)
+    finally:
+        Path(board).unlink(missing_ok=True)  # rank 0 removes it, unless the ranks failed before
     if procs[0].returncode:
         raise RuntimeError(f"the sync ranks failed (exit {procs[0].returncode}):\n{out}")
     return {"broadcast": [float(x) for x in re.findall(r"broadcast ([\d.]+)", out)],
