@@ -29,7 +29,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from convoy.errors import CheckpointError
 from convoy.runtime.checkpoint import Checkpointer
-from convoy.runtime.snapshot_budget import SnapshotBudget
+from convoy.runtime.snapshot_budget import SnapshotBudget, checked_budget
 from convoy.runtime.checkpoint_state import rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
@@ -129,9 +129,8 @@ class ConvoyCallback(pl.Callback):
 
     def __init__(self, persist_every: int = 0, async_snapshot: bool = True,
                  max_overhead: float | None = None) -> None:
-        if max_overhead is not None:
-            SnapshotBudget(max_overhead)  # a bad budget is refused where it is given, not at fit()
-        self.persist_every, self.async_snapshot, self.max_overhead = persist_every, async_snapshot, max_overhead
+        self.persist_every, self.async_snapshot = persist_every, async_snapshot
+        self.max_overhead = checked_budget(max_overhead)
         self.checkpointer: Checkpointer | None = None
         self.budget: SnapshotBudget | None = None
         """With ``max_overhead``: its budget once training ended (``budget.decision``: the last k chosen)."""

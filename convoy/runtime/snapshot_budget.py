@@ -38,6 +38,14 @@ def every_for(cost_s: float, step_s: float, max_overhead: float) -> int:
     return max(1, math.ceil(cost_s / (max_overhead * step_s) - 1e-9))
 
 
+def checked_budget(max_overhead: float | None) -> float | None:
+    """``max_overhead`` as given, refused at once if it is no budget (a callback checks it where it is made, not at
+    the start of training)."""
+    if max_overhead is not None:
+        SnapshotBudget(max_overhead)
+    return max_overhead
+
+
 @dataclass(frozen=True)
 class Decision:
     every: int

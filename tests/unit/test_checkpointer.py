@@ -396,11 +396,3 @@ def test_a_checkpointer_with_a_budget_says_its_k_and_loses_at_most_k_minus_1_ste
     resumed = again.restore()
     again.close()
     assert steps - budget.every <= resumed <= steps, "a failure after the last step loses at most k - 1 of them"
-
-
-def test_a_budget_and_an_interval_together_are_refused(job: str) -> None:
-    model = torch.nn.Linear(2, 2)
-    with pytest.raises(CheckpointError, match=r"give every \(3\) or max_overhead \(0.02\), not both"):
-        convoy.Checkpointer(model, torch.optim.SGD(model.parameters(), lr=0.1), every=3, max_overhead=0.02)
-    with pytest.raises(CheckpointError, match="max_overhead is the share"):
-        convoy.Checkpointer(model, torch.optim.SGD(model.parameters(), lr=0.1), max_overhead=5)

@@ -5,9 +5,11 @@ phases that measure both (a fake clock), a new k when the cost changes, bad budg
 from __future__ import annotations
 
 import pytest
+import torch
 
+import convoy
 from convoy.errors import CheckpointError
-from convoy.runtime.snapshot_budget import MEASURE, RECHECK, WARMUP, SnapshotBudget, every_for
+from convoy.runtime.snapshot_budget import MEASURE, RECHECK, WARMUP, SnapshotBudget, checked_budget, every_for
 
 
 @pytest.mark.parametrize(("cost_s", "step_s", "budget", "every"), [
@@ -71,3 +73,15 @@ def test_a_budget_outside_0_to_1_is_refused_by_name() -> None:
     for bad in (0.0, 1.0, -0.02, 2.0):
         with pytest.raises(CheckpointError, match=rf"max_overhead .* got {bad}; None snapshots every step"):
             SnapshotBudget(bad)
+
+
+def test_a_budget_and_an_interval_together_are_refused() -> None:
+    """Refused before anything is made (no process group is asked for)."""
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(CheckpointError, match=r"give every \(3\) or max_overhead \(0.02\), not both"):
+        convoy.Checkpointer(model, torch.optim.SGD(model.parameters(), lr=0.1), every=3, max_overhead=0.02)
+    with pytest.raises(CheckpointError, match="max_overhead is the share"):
+        convoy.Checkpointer(model, torch.optim.SGD(model.parameters(), lr=0.1), max_overhead=5)
+    with pytest.raises(CheckpointError, match="max_overhead is the share"):
+        checked_budget(0.0)
+    assert checked_budget(None) is None and checked_budget(0.02) == 0.02
