@@ -125,10 +125,11 @@ class Agent:
             if not self.heartbeat.is_alive() and not self.heartbeat.stopping.is_set():
                 self.heartbeat.start()
             while True:
-                wait = p.WaitRequest(node_id=self.config.node_id, round_id=round_id, timeout_s=self.config.heartbeat_s)
+                poll = self.heartbeat.poll_s or self.config.heartbeat_s  # as long as the master asks of heartbeats
+                wait = p.WaitRequest(node_id=self.config.node_id, round_id=round_id, timeout_s=poll)
                 self._asked_at = time.monotonic()
                 reply = self.client.call("/wait", wait, p.WaitResponse, wait_s=wait.timeout_s)
-                if reply.state == "waiting":  # a crowded master answers at once: the rest is waited out here
+                if reply.state == "waiting":  # a master that answered early: the rest of the poll is waited out here
                     time.sleep(max(0.0, wait.timeout_s - (time.monotonic() - self._asked_at)))
                 if reply.state == "ready":
                     return reply.round

@@ -45,13 +45,16 @@ class Heartbeat(threading.Thread):
         """Set when a pushed config version applies by a restart: the agent warms the next round's workers now."""
         self.config_version = 0
         """The training config's version written to this node's config file (``live_config.config_file``)."""
+        self.poll_s = 0.0
+        """The poll the master asked for in its last reply (0: none yet, the agent's own ``heartbeat_s``); longer in a
+        large job, to bound the master's load, and spread at random."""
 
     def run(self) -> None:
         while not self.stopping.is_set():
             known_round = self.latest.round_id if self.latest else 0
             request = p.HeartbeatRequest(node_id=self.config.node_id, round_id=known_round,
-                                         wait_s=self.config.heartbeat_s, addresses_version=self.addresses_version,
-                                         config_version=self.config_version)
+                                         wait_s=self.poll_s or self.config.heartbeat_s,
+                                         addresses_version=self.addresses_version, config_version=self.config_version)
             sent_at = time.monotonic()
             try:
                 reply = self.client.call("/heartbeat", request, p.HeartbeatResponse, wait_s=request.wait_s)
@@ -60,6 +63,7 @@ class Heartbeat(threading.Thread):
                 self.changed.set()
                 return
             self._renew(reply, sent_at)
+            self.poll_s = reply.poll_s
             news = reply.addresses_version > self.addresses_version or reply.train_config is not None
             self._publish_addresses(reply)
             self._publish_config(reply)
@@ -74,7 +78,7 @@ class Heartbeat(threading.Thread):
                 news = True
             if reply.job_status != "running":
                 return
-            if not news:  # a crowded master answers at once: the rest of the poll is waited out here
+            if not news:  # a master that answered early (one that does not park polls): the rest is waited out here
                 self.stopping.wait(request.wait_s - (time.monotonic() - sent_at))
 
     def _publish_addresses(self, reply: p.HeartbeatResponse) -> None:

@@ -4,6 +4,7 @@ parse, then call."""
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import importlib.util
 import os
@@ -213,8 +214,10 @@ def _prepare_strategy(args: argparse.Namespace, config: JobConfig) -> None:
 
 def _master(args: argparse.Namespace) -> int:
     from convoy.control.master import JobMaster
+    from convoy.control.polls import MASTER_GC_THRESHOLDS
     from convoy.control.token import TOKEN_FILE
 
+    gc.set_threshold(*MASTER_GC_THRESHOLDS)  # this process is the master's alone
     listener = None
     if args.listen_fd is not None:  # bound by the launcher that claimed the job's endpoint
         listener = socket.socket(fileno=args.listen_fd)

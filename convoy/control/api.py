@@ -3,25 +3,25 @@
 
 from __future__ import annotations
 
+import gzip
 import hmac
-import http.client
 import io
 import json
 import socket
 import ssl
 import time
 import urllib.parse
-from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable
 
 from pydantic import BaseModel, ValidationError
 
-from convoy.control.limits import FrontDoor, Limits, Pages, PrefixedReader, Screened, SocketWriter, plain_reply
+from convoy.control.endpoints import ENDPOINTS, PUT_PATHS, READ_TOO, openapi_schema
+from convoy.control.http_head import Head, parse_head, reply_head
+from convoy.control.limits import (HEADER_END, FrontDoor, Limits, Pages, PrefixedReader, Screened, SocketWriter,
+                                   plain_reply, unread)
+from convoy.control.long_polls import LongPoll, LongPolls
 from convoy.control.protocol import messages as p
-from convoy.control.protocol import roles as rp
-from convoy.control.protocol import shards as sp
-from convoy.control.protocol import training as tp
-from convoy.control.replies import MAX_KEY_LENGTH, ReplyCache
+from convoy.control.replies import GZIP_AT, MAX_KEY_LENGTH, Encoded, ReplyCache
 from convoy.control.routed import Routed
 from convoy.errors import ConfigError, ConflictError
 from convoy.local_http import discard_body
@@ -32,43 +32,7 @@ KEPT_STATUSES = (200, 409)
 """Answers a retry gets again; after a fault (500, 503) a retry runs the call again."""
 
 
-# path -> (request model, reply model, summary); None: a GET without a body
-ENDPOINTS: dict[str, tuple[type[BaseModel] | None, type[BaseModel] | None, str]] = {
-    "/join": (p.JoinRequest, p.JoinResponse, "a node asks for a place in the next round"),
-    "/wait": (p.WaitRequest, p.WaitResponse, "long poll until the node's round has closed"),
-    "/heartbeat": (p.HeartbeatRequest, p.HeartbeatResponse, "check in; long poll for round or job changes"),
-    "/worker_exit": (p.WorkerExit, p.Ack, "a worker failed"),
-    "/event": (p.WorkerEvent, p.Ack, "a worker recorded an event"),
-    "/node_done": (p.NodeDone, p.Ack, "all workers of a node finished"),
-    "/leave": (p.LeaveRequest, p.Ack, "a node leaves the job"),
-    "/role_report": (p.RoleReport, p.Ack, "a role process started (its address) or exited (its code)"),
-    "/scale": (p.ScaleRequest, p.Ack, "run COUNT processes of a role (409 if the role cannot take it)"),
-    "/roles/scale": (rp.RoleScale, rp.RolesView, "a process of the job scales a role (convoy.scale; 409: refused)"),
-    "/roles/list": (rp.RolesQuery, rp.RolesView, "a process of the job reads every role's counts (convoy.roles())"),
-    "/groups/join": (rp.GroupJoin, rp.GroupView, "a process joins a group across roles (convoy.join_group)"),
-    "/groups/publish": (rp.GroupPublish, rp.GroupView, "rank 0 of a group says where its store is (409: not rank 0)"),
-    "/memory": (p.MemoryReport, p.Ack, "a node's free memory and its role processes' peaks (a measured iteration)"),
-    "/abort": (p.AbortRequest, p.Ack, "end the job as failed"),
-    "/shards/declare": (sp.ShardDeclare, sp.ShardDeclared, "a worker declares a dataset (the first declaration wins)"),
-    "/shards/request": (sp.ShardRequest, sp.ShardGrant, "a worker asks for a shard of a dataset"),
-    "/shards/progress": (sp.ShardProgress, sp.ShardAck, "a worker trained its shard up to an item (409: not its)"),
-    "/shards/done": (sp.ShardDone, sp.ShardAck, "a worker trained all of its shard (409: not its shard)"),
-    "/train/declare": (tp.ConfigDeclare, tp.ConfigState, "a worker declares its training config (the first wins)"),
-    "/train/report": (tp.StatusReport, tp.StatusAck, "a worker's training status points (409: not the job's)"),
-    "/config": (tp.ConfigSet, tp.VersionInfo, "PUT: set the training config (GET: the config, its versions and "
-                                              "proposals)"),
-    "/config/proposals": (tp.ProposalAction, tp.VersionInfo, "apply or dismiss a proposal of the status rules"),
-    "/metrics": (None, None, "the ranks' training status: ?task=ROLE:RANK&since=STEP&limit=N"),
-    "/status": (None, None, "the job's status"),
-    "/openapi.json": (None, None, "this API's OpenAPI schema"),
-}
-
-
 SHARD_PATHS = ("/shards/declare", "/shards/request", "/shards/progress", "/shards/done")
-READ_TOO = {"/config"}
-"""Paths with a body that also answer a GET (without one)."""
-PUT_PATHS = {"/config"}
-"""Paths whose call is a PUT (a POST is taken too)."""
 
 
 def _routes(master: Routed) -> dict[str, tuple[type[BaseModel] | None, Callable[[Any], Any]]]:
@@ -90,91 +54,46 @@ def _routes(master: Routed) -> dict[str, tuple[type[BaseModel] | None, Callable[
     return {path: (ENDPOINTS[path][0], call) for path, call in calls.items()}
 
 
-def openapi_schema() -> dict[str, Any]:
-    """OpenAPI 3.1 description of the API, built from the wire models."""
-    schemas: dict[str, Any] = {}
-
-    def schema(model: type[BaseModel]) -> dict[str, Any]:
-        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
-        schemas.update(body.pop("$defs", {}))
-        schemas[model.__name__] = body
-        return {"$ref": f"#/components/schemas/{model.__name__}"}
-
-    error = {"content": {"application/json": {"schema": schema(p.ErrorBody)}}}
-    paths: dict[str, Any] = {}
-    for path, (request, reply, summary) in ENDPOINTS.items():
-        responses: dict[str, Any] = {"401": {"description": "missing or wrong token", **error}}
-        ok_schema = schema(reply) if reply else {"type": "object"}
-        ok = {"description": "ok", "content": {"application/json": {"schema": ok_schema}}}
-        operation: dict[str, Any] = {"summary": summary, "responses": {"200": ok, **responses}}
-        if request is None:
-            if path == "/metrics":
-                operation["parameters"] = [{"name": name, "in": "query", "required": False, "schema": {"type": kind}}
-                                           for name, kind in (("task", "string"), ("since", "integer"),
-                                                              ("limit", "integer"))]
-            paths[p.API_PREFIX + path] = {"get": operation}
-            continue
-        operation["parameters"] = [{"name": p.IDEMPOTENCY_HEADER, "in": "header", "required": False,
-                                    "schema": {"type": "string", "maxLength": MAX_KEY_LENGTH},
-                                    "description": "the same on each retry of one call: a repeat gets the first "
-                                                   "answer"}]
-        operation["requestBody"] = {"required": True,
-                                    "content": {"application/json": {"schema": schema(request)}}}
-        operation["responses"].update({"400": {"description": "malformed request", **error},
-                                       "409": {"description": "conflicts with the job's state", **error},
-                                       "503": {"description": "handled, but the job's state cannot be written "
-                                                              "(a full disk): retry", **error},
-                                       "413": {"description": "body too large", **error}})
-        paths[p.API_PREFIX + path] = {"put" if path in PUT_PATHS else "post": operation}
-        if path in READ_TOO:
-            paths[p.API_PREFIX + path]["get"] = {"summary": summary, "responses": {
-                "200": {"description": "ok", "content": {"application/json": {"schema": {"type": "object"}}}},
-                **responses}}
-    return {
-        "openapi": "3.1.0",
-        "info": {"title": "convoy master API", "version": "1"},
-        "components": {"schemas": schemas, "securitySchemes": {"token": {"type": "http", "scheme": "bearer"}}},
-        "security": [{"token": []}],
-        "paths": paths,
-    }
-
-
 def bearer_token(header: str) -> str:
     """The token of an ``Authorization: Bearer TOKEN`` header (the scheme in any case), or ''."""
     scheme, _, token = header.strip().partition(" ")
     return token.strip() if scheme.lower() == "bearer" else ""
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server: _Server
+class _Handler:
+    """One request of a connection, from the head the front door read (the front door holds a keep-alive connection
+    between requests); a long poll with nothing to say yet is ``parked``, and ``resume`` answers it later on any
+    handler thread."""
 
-    def version_string(self) -> str:
-        """The Server header names convoy only, not the Python it runs on."""
-        return "convoy"
-
-    def setup(self) -> None:
-        sock, _, prefix = self.request
-        self.connection = sock
-        sock.settimeout(self.server.limits.idle_timeout_s)
-        self.rfile = io.BufferedReader(PrefixedReader(sock, prefix))
+    def __init__(self, item: tuple[socket.socket, tuple[str, int], bytes], head: Head, client: tuple[str, int],
+                 server: _Server) -> None:
+        sock, _, buffered = item
+        self.connection, self.client_address, self.server, self.headers = sock, client, server, head
+        self.path, self.close_connection = head.target, not head.keep_alive
+        self.parked: tuple[LongPoll, str, str, str | None] | None = None
+        """(the poll, its path, its idempotency key, why its state was not written when it was parked)."""
+        sock.settimeout(server.limits.idle_timeout_s)
+        body_at = HEADER_END.search(buffered)
+        self.rfile = io.BufferedReader(PrefixedReader(sock, buffered[body_at.end():] if body_at else b""))
         self.wfile = SocketWriter(sock)
 
-    def handle_one_request(self) -> None:
-        self.connection.settimeout(self.server.limits.idle_timeout_s)  # between requests of a keep-alive client
-        super().handle_one_request()
+    def handle(self) -> None:
+        method = self.headers.method
+        if method in ("POST", "PUT"):
+            return self._handle(with_body=True)
+        if method == "GET":
+            return self._handle(with_body=False)
+        self.close_connection = True
+        self._reply(501, p.ErrorBody(error=f"unsupported method {printable(method[:20])}"))
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-        self._handle(with_body=False)
-
-    def do_POST(self) -> None:  # noqa: N802
-        self._handle(with_body=True)
-
-    def do_PUT(self) -> None:  # noqa: N802
-        self._handle(with_body=True)
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (signature of the base class)
-        """Requests are not logged: the job's events are the record."""
+    def resume(self) -> None:
+        """Answer the parked long poll (on a handler thread, once it is ready or due)."""
+        assert self.parked is not None
+        poll, path, key, unwritten = self.parked
+        self.parked = None
+        self.connection.settimeout(self.server.limits.idle_timeout_s)
+        code, data = self._call(path, lambda _: poll.answer(), None)  # type: ignore[misc]
+        self._done(key, code, data, unwritten)
 
     def _handle(self, with_body: bool) -> None:
         master = self.server.master
@@ -228,8 +147,14 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._unwritten(fault)
             self.server.replies.mark_written(key)
             return self._send(code, data)
-        code, data = self._call(path, call, request)
-        unwritten = master.take_unwritten()
+        outcome = self._call(path, call, request)
+        if isinstance(outcome, LongPoll):  # this thread goes back to the pool; the poll is answered later
+            self.parked = (outcome, path, key, master.take_unwritten())
+            return
+        self._done(key, *outcome)
+
+    def _done(self, key: str, code: int, data: bytes, unwritten_before: str | None = None) -> None:
+        unwritten = self.server.master.take_unwritten() or unwritten_before
         if key:
             self.server.replies.finish(key, code, data if code in KEPT_STATUSES else None, written=unwritten is None)
         if unwritten is not None and code == 200:
@@ -242,7 +167,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._reply(503, p.ErrorBody(error=f"{reason}; the call was handled and is kept in memory: retry it (with "
                                            f"the same {p.IDEMPOTENCY_HEADER}) until the run dir's disk has room"))
 
-    def _call(self, path: str, call: Callable[[Any], Any], request: BaseModel | None) -> tuple[int, bytes]:
+    def _call(self, path: str, call: Callable[[Any], Any], request: BaseModel | None
+              ) -> tuple[int, bytes] | LongPoll:
         master = self.server.master
         try:
             reply = call(request)
@@ -253,10 +179,8 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception as exc:  # noqa: BLE001 (a fault caught on purpose: recorded, the master keeps serving)
             master.api_fault(path, exc)
             return 500, _encode(p.ErrorBody(error=f"internal error in {path}: {type(exc).__name__}"))
-        if isinstance(reply, p.WaitResponse) and reply.state != "waiting":
-            # the agent's next call on this connection comes when its round ends; held idle, it would keep one of
-            # the handler threads that long (1024 agents kept every heartbeat from a thread after a round closed)
-            self.close_connection = True
+        if isinstance(reply, LongPoll):
+            return reply
         return 200, _encode(reply)
 
     def _read_body(self, length: int) -> bytes | None:
@@ -285,17 +209,16 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(code, _encode(payload))
 
     def _send(self, code: int, data: bytes) -> None:
-        self.send_response(code)
-        if self.close_connection or self.server.crowded():  # (crowded: this thread goes to the requests waiting)
-            self.close_connection = True
-            self.send_header("Connection", "close")
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        extra: tuple[tuple[str, str], ...] = (("Connection", "close"),) if self.close_connection else ()
+        if len(data) >= GZIP_AT and "gzip" in self.headers.get("Accept-Encoding").lower():
+            data = getattr(data, "gzipped", None) or gzip.compress(data, 1)  # (a round's: compressed once)
+            extra += (("Content-Encoding", "gzip"),)
+        self.wfile.write(reply_head(code, len(data), extra) + data)
 
 
-def _encode(payload: BaseModel | dict[str, Any]) -> bytes:
+def _encode(payload: BaseModel | dict[str, Any] | Encoded) -> bytes:
+    if isinstance(payload, Encoded):
+        return payload
     return payload.model_dump_json().encode() if isinstance(payload, BaseModel) else json.dumps(payload).encode()
 
 
@@ -311,47 +234,68 @@ def _is_api(head: bytes) -> bool:
 class _Server:
     """What a handler reads of the server it serves."""
 
-    def __init__(self, master: Routed, token: str, limits: Limits, pages: Pages | None = None) -> None:
+    def __init__(self, master: Routed, token: str, limits: Limits, pages: Pages | None = None,
+                 long_polls: LongPolls | None = None) -> None:
         self.master, self.token, self.limits, self.routes = master, token, limits, _routes(master)
         self.replies = ReplyCache()
         self.front: FrontDoor | None = None
         self.pages = pages
-
-    def crowded(self) -> bool:
-        return bool(self.front.pool.waiting) if self.front is not None else False
+        self.long_polls = long_polls
+        """Where long polls wait without a thread (None: a long poll is answered at once)."""
 
     def screen(self, head: bytes, client: str) -> Screened:
         """Before any body is read or a thread is spent: refuse a malformed head or a missing token; put
         heartbeats (the nodes' leases) first."""
-        line, _, rest = head.partition(b"\n")
         try:
-            method, target, version = line.decode("latin-1").split()
-            headers = http.client.parse_headers(io.BytesIO(rest.lstrip(b"\r")))
-        except (ValueError, http.client.HTTPException):
+            parsed = parse_head(head)
+        except ValueError:
             return plain_reply(400, "malformed request line or headers")
-        if not version.startswith("HTTP/1."):
-            return plain_reply(400, f"unsupported protocol {printable(version[:20])}")
+        if not parsed.version.startswith("HTTP/1."):
+            return plain_reply(400, f"unsupported protocol {printable(parsed.version[:20])}")
         if self.pages is not None and not _is_api(head):
             return self.pages.screen(head, client)
-        if not authorized(headers.get(p.TOKEN_HEADER, ""), self.token):
-            self.master.unauthorized(client, printable(target[:200]))
+        if not authorized(parsed.get(p.TOKEN_HEADER), self.token):
+            self.master.unauthorized(client, printable(parsed.target[:200]))
             return plain_reply(401, "missing or wrong job token")
-        return 0 if target == p.API_PREFIX + "/heartbeat" else 1
+        return 0 if parsed.target == p.API_PREFIX + "/heartbeat" else 1
 
     def serve(self, item: object) -> None:
-        sock, client, head = item  # type: ignore[misc]
-        if self.pages is not None and not _is_api(head):
-            return self.pages.serve(item)
+        """A request the front door screened, or a parked long poll that is due (its handler)."""
+        if isinstance(item, _Handler):
+            handler = item
+        else:
+            sock, client, head = item  # type: ignore[misc]
+            if self.pages is not None and not _is_api(head):
+                return self.pages.serve(item)
+            end = HEADER_END.search(head)
+            assert end is not None  # (the front door hands on whole heads only, screened by ``screen``)
+            handler = _Handler(item, parse_head(head[:end.end()]), client, self)  # type: ignore[arg-type]
         try:
-            _Handler(item, client, self)  # type: ignore[arg-type]
-        except (ConnectionError, TimeoutError, ssl.SSLError):
+            handler.resume() if handler.parked is not None else handler.handle()
+            if handler.parked is not None:
+                return self._park(handler)
+            if not handler.close_connection:  # the front door watches it for the next request
+                assert self.front is not None
+                return self.front.readmit(handler.connection, handler.client_address,
+                                          unread(handler.rfile, handler.connection))
+        except (OSError, ssl.SSLError):
             pass  # a client that went away mid-request (an agent killed in a long poll) is not an error
-        finally:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            sock.close()
+        _close(handler.connection)
+
+    def _park(self, handler: _Handler) -> None:
+        assert handler.parked is not None and self.front is not None
+        poll, pool = handler.parked[0], self.front.pool
+        if self.long_polls is None:
+            return self.serve(handler)
+        self.long_polls.park(poll, lambda: pool.submit(poll.priority, handler))
+
+
+def _close(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
 
 
 class ApiServer:
@@ -359,8 +303,9 @@ class ApiServer:
 
     def __init__(self, master: Routed, host: str, port: int, token: str, limits: Limits | None = None,
                  tls: ssl.SSLContext | None = None, pages: Pages | None = None,
-                 listener: socket.socket | None = None) -> None:
-        self._server = _Server(master, token, limits or Limits(), pages)
+                 listener: socket.socket | None = None, long_polls: LongPolls | None = None) -> None:
+        self._server = _Server(master, token, limits or Limits(), pages, long_polls)
+        self.long_polls = long_polls
         self.front = FrontDoor(host, port, self._server.limits, self._server.screen, self._server.serve, tls,
                                listener)
         self._server.front = self.front
@@ -374,7 +319,11 @@ class ApiServer:
         return self._server.routes  # the dashboard's actions call them in the master's process
 
     def start(self) -> None:
+        if self.long_polls is not None:
+            self.long_polls.start()
         self.front.start()
 
     def stop(self) -> None:
+        if self.long_polls is not None:
+            self.long_polls.stop()  # the parked polls are answered, then the connections close
         self.front.stop()

@@ -4,6 +4,7 @@ threads, heartbeats first."""
 
 from __future__ import annotations
 
+import collections
 import errno
 import heapq
 import io
@@ -23,7 +24,8 @@ from convoy.local_http import DISCARD_S
 HEADER_END = re.compile(rb"\r?\n\r?\n")
 OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 LOOP_TICK_S = 0.05
-ACCEPT_BURST = 64
+THREAD_IDLE_S = 5.0
+ACCEPT_BURST = 256
 """Connections accepted per wake-up before the loop serves the others again."""
 DISCARD_BYTES = (1 << 20) + (1 << 16)
 
@@ -32,8 +34,10 @@ DISCARD_BYTES = (1 << 20) + (1 << 16)
 class Limits:
     """Bounds on what clients can hold; each names the resource an attacker without the token would exhaust."""
 
-    backlog: int = 1024
-    """Listen queue: many agents reattach at once after a master restart (the kernel caps it at somaxconn)."""
+    backlog: int = 4096
+    """Listen queue: many agents reattach at once after a master restart, or when a round ends (their main
+    connections idled out meanwhile); an overflow drops SYNs, which the agents send again only after 1 s, 3 s, 7 s
+    (the kernel caps it at net.core.somaxconn)."""
     header_timeout_s: float = 5.0
     """From connect until the whole header block has arrived."""
     body_timeout_s: float = 10.0
@@ -44,8 +48,12 @@ class Limits:
     """Connections whose headers are being read (or whose refusal is being drained); past it the oldest goes."""
     max_pending_per_client: int = 1024
     """The same, per client address: the oldest of that client goes, so a fast new request still gets in."""
-    max_handlers: int = 256
-    """Threads serving authorized connections; more wait their turn, heartbeats first."""
+    max_handlers: int = 32
+    """Threads serving authorized requests; more wait their turn, heartbeats first. No thread waits for a client
+    between requests or for a long poll's news, so a few keep both cores busy; more only contend for the master's
+    lock (256 answered 4096 parked heartbeats more slowly)."""
+    max_idle: int = 16384
+    """Keep-alive connections between requests (each agent holds two); past it the longest idle goes."""
     max_header_bytes: int = 16 << 10
 
 
@@ -61,54 +69,61 @@ class Pages(Protocol):
 
 
 class _Pending:
-    __slots__ = ("sock", "client", "buffer", "deadline", "handshaking", "drain_left")
+    __slots__ = ("sock", "client", "buffer", "deadline", "handshaking", "drain_left", "idle")
 
     def __init__(self, sock: socket.socket, client: tuple[str, int], deadline: float, handshaking: bool) -> None:
         self.sock, self.client, self.deadline, self.handshaking = sock, client, deadline, handshaking
         self.buffer = b""
         self.drain_left = -1
         """>= 0: refused; this many more bytes are read and dropped before it closes."""
+        self.idle = False
+        """A keep-alive connection handed back after a request, until its next one begins."""
 
 
 class HandlerPool:
-    """Runs ``serve`` on at most ``size`` threads; what comes when all are busy waits in priority order."""
+    """Runs ``serve`` on at most ``size`` threads; what comes when all are busy waits in priority order. A thread
+    with nothing to do waits ``THREAD_IDLE_S`` for more before it ends (a steady stream of requests starts none)."""
 
     def __init__(self, size: int, serve: Callable[[object], None]) -> None:
         self.size, self._serve = size, serve
-        self._lock = threading.Lock()
+        self._work = threading.Condition(threading.Lock())
         self._waiting: list[tuple[int, int, object]] = []
         self._order = itertools.count()
-        self.active = 0
-        self.wake: threading.Condition | None = None
-        """Notified when a request has to wait for a thread: the master's long polls held on it answer at once (the
-        agent waits out the rest of its poll itself), so held polls never keep a round's waits from a thread."""
+        self.threads = 0
+        """Threads alive, busy or not."""
+        self.busy = 0
+        """Threads serving an item now."""
 
     @property
     def waiting(self) -> int:
         return len(self._waiting)
 
     def submit(self, priority: int, item: object) -> None:
-        with self._lock:
-            queued = self.active >= self.size
-            if queued:
-                heapq.heappush(self._waiting, (priority, next(self._order), item))
-            else:
-                self.active += 1
-        if queued:
-            if self.wake is not None:
-                with self.wake:
-                    self.wake.notify_all()
-            return
-        threading.Thread(target=self._run, args=(item,), name="convoy-api-handler", daemon=True).start()
+        with self._work:
+            heapq.heappush(self._waiting, (priority, next(self._order), item))
+            if self.threads > self.busy + len(self._waiting) - 1:  # one is free to take it
+                self._work.notify()
+                return
+            if self.threads >= self.size:
+                return
+            self.threads += 1
+        threading.Thread(target=self._run, name="convoy-api-handler", daemon=True).start()
 
-    def _run(self, item: object) -> None:
+    def _run(self) -> None:
         while True:
-            self._serve(item)
-            with self._lock:
+            with self._work:
                 if not self._waiting:
-                    self.active -= 1
+                    self._work.wait(THREAD_IDLE_S)
+                if not self._waiting:
+                    self.threads -= 1
                     return
                 item = heapq.heappop(self._waiting)[2]
+                self.busy += 1
+            try:
+                self._serve(item)
+            finally:
+                with self._work:
+                    self.busy -= 1
 
 
 class FrontDoor:
@@ -135,8 +150,15 @@ class FrontDoor:
         self.pool = HandlerPool(limits.max_handlers, serve)
         self._pending: dict[int, _Pending] = {}
         self._by_client: dict[str, dict[int, _Pending]] = {}
+        self._idle: dict[int, _Pending] = {}
+        """Keep-alive connections between requests, oldest first (so also by deadline): no thread waits on them."""
+        self._returned: collections.deque[tuple[socket.socket, tuple[str, int], bytes]] = collections.deque()
+        self._wake_read, self._wake_write = socket.socketpair()
+        self._wake_read.setblocking(False)
+        self._wake_write.setblocking(False)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, None)
+        self._selector.register(self._wake_read, selectors.EVENT_READ, "wake")
         self._paused_until = 0.0
         """Out of descriptors with none to shed: the listener sits out until then (no busy loop)."""
         self._stopping = threading.Event()
@@ -148,6 +170,22 @@ class FrontDoor:
     def pending(self) -> int:
         return len(self._pending)
 
+    @property
+    def idle(self) -> int:
+        return len(self._idle)
+
+    def readmit(self, sock: socket.socket, client: tuple[str, int], leftover: bytes = b"") -> None:
+        """A handler is done with a keep-alive connection: the loop watches it for the next request (``leftover``:
+        what was read of it already). Any thread may call it; after ``stop`` the connection is closed."""
+        if self._stopping.is_set():
+            sock.close()
+            return
+        self._returned.append((sock, client, leftover))
+        try:
+            self._wake_write.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # the loop has a wake-up byte unread already (or is stopping)
+
     def start(self) -> None:
         self._thread.start()
 
@@ -155,10 +193,14 @@ class FrontDoor:
         self._stopping.set()
         if self._thread.is_alive():
             self._thread.join()
-        for pending in list(self._pending.values()):
+        for pending in [*self._pending.values(), *self._idle.values()]:
             self._close(pending)
+        while self._returned:
+            self._returned.popleft()[0].close()
         self._selector.close()
         self._listener.close()
+        self._wake_read.close()
+        self._wake_write.close()
 
     def _loop(self) -> None:
         last_sweep = 0.0
@@ -170,13 +212,37 @@ class FrontDoor:
             for key, _ in self._selector.select(LOOP_TICK_S):
                 if key.data is None:
                     self._accept()
-                elif key.data.sock.fileno() in self._pending:
+                elif key.data == "wake":
+                    self._take_returned()
+                elif key.data.sock.fileno() in (self._idle if key.data.idle else self._pending):
                     self._readable(key.data)
             now = time.monotonic()
             if now - last_sweep >= LOOP_TICK_S:
                 last_sweep = now
                 for pending in [p for p in self._pending.values() if p.deadline <= now]:
                     self._close(pending)
+                for pending in list(self._idle.values()):  # oldest first, so by deadline
+                    if pending.deadline > now:
+                        break
+                    self._close(pending)
+
+    def _take_returned(self) -> None:
+        try:
+            while self._wake_read.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+        while self._returned:
+            sock, client, leftover = self._returned.popleft()
+            sock.setblocking(False)
+            pending = _Pending(sock, client, time.monotonic() + self.limits.idle_timeout_s, False)
+            pending.idle = True
+            self._idle[sock.fileno()] = pending
+            self._selector.register(sock, selectors.EVENT_READ, pending)
+            if len(self._idle) > self.limits.max_idle:
+                self._shed_oldest(self._idle)
+            if leftover:  # a request that came right behind the last one
+                self._take(pending, leftover)
 
     def _accept(self) -> None:
         for _ in range(ACCEPT_BURST):
@@ -220,6 +286,7 @@ class FrontDoor:
     def _forget(self, pending: _Pending) -> None:
         fd = pending.sock.fileno()
         self._pending.pop(fd, None)
+        self._idle.pop(fd, None)
         mine = self._by_client.get(pending.client[0])
         if mine is not None:
             mine.pop(fd, None)
@@ -247,6 +314,14 @@ class FrontDoor:
         data = b"".join(chunks)
         if not data:
             return self._close(pending)
+        self._take(pending, data)
+
+    def _take(self, pending: _Pending, data: bytes) -> None:
+        if pending.idle:  # its next request has begun: it has the header time-out to arrive
+            del self._idle[pending.sock.fileno()]
+            pending.idle = False
+            pending.deadline = time.monotonic() + self.limits.header_timeout_s
+            self._pending[pending.sock.fileno()] = pending
         if pending.drain_left >= 0:
             pending.drain_left -= len(data)
             if pending.drain_left < 0:
@@ -262,8 +337,8 @@ class FrontDoor:
         if isinstance(verdict, bytes):
             return self._refuse(pending, verdict)
         self._forget(pending)
-        sock.setblocking(True)
-        self.pool.submit(verdict, (sock, pending.client, pending.buffer))
+        pending.sock.setblocking(True)
+        self.pool.submit(verdict, (pending.sock, pending.client, pending.buffer))
 
     def _refuse(self, pending: _Pending, reply: bytes) -> None:
         """Send the refusal at once (a small write into an empty socket buffer), then drop what the client
@@ -297,13 +372,29 @@ class PrefixedReader(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
+    def readinto(self, buffer: bytearray | memoryview) -> int | None:  # type: ignore[override]
         if self._prefix:
             count = min(len(buffer), len(self._prefix))
             buffer[:count] = self._prefix[:count]
             self._prefix = self._prefix[count:]
             return count
-        return self._sock.recv_into(buffer)
+        try:
+            return self._sock.recv_into(buffer)
+        except (BlockingIOError, ssl.SSLWantReadError):
+            return None  # a socket set not to block has nothing yet (``unread`` asks so)
+
+
+def unread(reader: io.BufferedReader, sock: socket.socket) -> bytes:
+    """What ``reader`` took in beyond the request it served (a client's next request, sent right behind), without
+    waiting for more; the socket is left not blocking, as the front door keeps it."""
+    sock.setblocking(False)
+    try:
+        data = reader.read1(1 << 16) or b""
+        while isinstance(sock, ssl.SSLSocket) and sock.pending():  # decrypted bytes select cannot see
+            data += sock.recv(1 << 16)
+    except (BlockingIOError, ssl.SSLWantReadError):
+        pass
+    return data
 
 
 class SocketWriter(io.BufferedIOBase):

@@ -20,9 +20,12 @@ from convoy.control.dashboard.actions import in_process
 from convoy.control.dashboard.server import Dashboard, JobEntry
 from convoy.control.job import RUNNING, Event, Job
 from convoy.control.limits import server_tls
+from convoy.control.long_polls import LongPoll, LongPolls
 from convoy.control.nodes import NodeRegistry
 from convoy.control.protocol import messages as p
-from convoy.control.rendezvous import Membership, Rendezvous
+from convoy.control.polls import NodePolls
+from convoy.control.rendezvous import Rendezvous
+from convoy.control.replies import Encoded
 from convoy.control.roles.calls import RoleCalls
 from convoy.control.shards.master import ShardMaster
 from convoy.control.store import Store, read_part, restore
@@ -85,14 +88,15 @@ class JobMaster:
         """A job of roles: its processes come from the heartbeats' assignments (None: a plain job)."""
         self.train_calls = TrainCalls(core, self.role_master, resume)
         self.train = self.train_calls.train
+        self._stopping = threading.Event()
+        self.polls = NodePolls(core, self.role_master, self.train_calls, self._stopping)
         tls = server_tls(config.tls_cert, config.tls_key) if config.tls_cert else None
         self.dashboard = Dashboard([JobEntry(self.job.job_id, Path(config.run_dir), last_seen=self._heard_from)],
                                    self.token, tls is not None)
         # bind first: no state if refused
         self.api = ApiServer(self, config.host, config.port, self.token, tls=tls, pages=self.dashboard,
-                             listener=listener)
+                             listener=listener, long_polls=LongPolls(self._changed, self.polls.epoch))
         self.dashboard.jobs[self.job.job_id].call = in_process(self.api.routes)
-        self.api.front.pool.wake = self._changed  # a request waits for a thread: the long polls held answer now
         if not token_path.exists():
             write_token(token_path, self.token)
         self.store = Store(config.run_dir, config.to_json())
@@ -105,10 +109,8 @@ class JobMaster:
         self._last_write_try = 0.0
         self._refused_since: float | None = None
         """Since when calls are refused (503) for want of a state write: the job is stuck on the disk."""
-        self._acknowledged: set[str] = set()
         self._rejected: dict[str, tuple[float, int]] = {}  # client -> (last recorded, rejected since)
         self._event_budgets: dict[str, EventBudget] = {}  # node id -> its workers' events budget
-        self._stopping = threading.Event()
         self._ended = Wakeup()  # set once the job has ended: wait_ended waits on it in the main thread
         self._ticker = threading.Thread(target=self._tick_loop, name="convoy-ticker", daemon=True)
         self.started_at = time.time()
@@ -187,36 +189,11 @@ class JobMaster:
                 raise ConflictError(refusal)
             return p.JoinResponse(job_id=self.job.job_id, round_id=round_id)
 
-    def wait(self, req: p.WaitRequest) -> p.WaitResponse:
-        """Long poll until the round the node waits for has closed (or moved on)."""
-        with self._changed:
-            crowded = self.api.front.pool  # requests wait for a thread: answer now (the agent waits out the rest)
-            self._changed.wait_for(lambda: self._wait_state(req) != "waiting" or crowded.waiting, req.timeout_s)
-            self.nodes.seen(req.node_id, time.monotonic())
-            state = self._wait_state(req)
-            self._note_outcome_heard(req.node_id)
-            membership = self.job.membership
-            info = self._round_info(membership) if state == "ready" and membership else None
-            return p.WaitResponse(state=state, job_status=self.job.status, round=info)
+    def wait(self, req: p.WaitRequest) -> p.WaitResponse | Encoded | LongPoll:
+        return self.polls.wait(req)
 
-    def heartbeat(self, req: p.HeartbeatRequest) -> p.HeartbeatResponse:
-        """Long poll: answers at once when the round or the job's status changes."""
-        with self._changed:
-            self.nodes.seen(req.node_id, time.monotonic())
-            roles, crowded = self.role_master, self.api.front.pool
-            self._changed.wait_for(
-                lambda: self.ended or self.job.round_id != req.round_id or self._stopping.is_set()
-                or (roles is not None and (roles.has_news(req.node_id)
-                                           or roles.published()[0] > req.addresses_version))
-                or self.train_calls.config_version > req.config_version or crowded.waiting, req.wait_s)
-            self._note_outcome_heard(req.node_id)
-            assignments, stops = roles.deliver(req.node_id, time.monotonic()) if roles and not self.ended else ([], [])
-            version, addresses, incarnations = roles.published() if roles else (0, {}, {})
-            return p.HeartbeatResponse(job_status=self.job.status, round_id=self.job.round_id, message=self.job.outcome,
-                                       assignments=assignments, stops=stops, addresses=addresses,
-                                       addresses_version=version, incarnations=incarnations,
-                                       train_config=self.train.config_state()
-                                       if self.train_calls.config_version > req.config_version else None)
+    def heartbeat(self, req: p.HeartbeatRequest) -> p.HeartbeatResponse | LongPoll:
+        return self.polls.heartbeat(req)
 
     def worker_exit(self, report: p.WorkerExit) -> p.Ack:
         with self._changed:
@@ -256,16 +233,11 @@ class JobMaster:
                                                   time.monotonic()))
             return p.Ack()
 
-    def _note_outcome_heard(self, node_id: str) -> None:
-        if self.ended:
-            self._acknowledged.add(node_id)
-            self._changed.notify_all()
-
     def wait_acknowledged(self, timeout: float) -> None:
         """After the end: wait (bounded) until every live agent has been told the outcome."""
         def everyone_told() -> bool:
             alive = {n.node_id for n in self.nodes.nodes.values() if n.state == "alive"}
-            return alive <= self._acknowledged
+            return alive <= self.polls.acknowledged
 
         with self._changed:
             self._changed.wait_for(everyone_told, timeout)
@@ -303,32 +275,9 @@ class JobMaster:
             membership = self.job.membership
             return {"job_id": self.job.job_id, "status": self.job.status, "round_id": self.job.round_id,
                     "restart_count": self.job.restart_count, "outcome": self.job.outcome,
-                    "round": self._round_info(membership).model_dump() if membership else None}
+                    "round": self.polls.round_info(membership).model_dump() if membership else None}
 
     # --- internals ---
-
-    def _wait_state(self, req: p.WaitRequest) -> str:
-        if self.ended or self._stopping.is_set():
-            return "ended"
-        if self.job.round_id < req.round_id:
-            return "waiting"
-        membership = self.job.membership
-        if self.job.round_id > req.round_id:
-            return "rejoin"
-        if membership is None:  # a restarted master has forgotten who had joined: they join again
-            return "waiting" if self.job.rendezvous.is_waiting(req.node_id) else "rejoin"
-        return "ready" if membership.member(req.node_id) else "rejoin"
-
-    def _round_info(self, membership: Membership) -> p.RoundInfo:
-        self.train_calls.round_seen()  # a rollback's round restores at most its step from its first member on
-        members = [p.MemberInfo(**vars(m)) for m in membership.members]
-        return p.RoundInfo(
-            job_id=self.job.job_id, round_id=membership.round_id, members=members,
-            world_size=membership.world_size, master_addr=membership.master_addr,
-            master_port=membership.master_port, restart_count=self.job.restart_count,
-            max_restarts=self.job.max_restarts, lease_s=self.config.heartbeat_timeout_s,
-            roles=self.role_master is not None, restore_at_most=self.train.restore_at_most(membership.round_id),
-        )
 
     def take_unwritten(self) -> str | None:
         """Why the state of this thread's last call could not be written (None if it was); resets it."""
@@ -353,8 +302,11 @@ class JobMaster:
         written by a later save, the console still gets them, and waiters are still woken.
         """
         was_failing = self.store.failing_since is not None
+        now, ranks = time.monotonic(), self.job.membership
+        rows, every = self.nodes.to_write(ranks, now)
         try:
-            note = self.store.save(self.job, events, self.url, list(self.nodes.nodes.values()))
+            note = self.store.save(self.job, events, self.url, rows)
+            self.nodes.written(ranks, every, now)
         except StateWriteError as exc:
             if not was_failing:  # one line when the writes start failing, one when they work again
                 self.console(f"convoy: {exc}; the job goes on in memory and the write is retried")
@@ -395,6 +347,7 @@ class JobMaster:
                 events += self.train_calls.advance(now)
                 events += self._state_write_give_up(now)
                 retry = self.store.failing_since is not None and now - self._last_write_try >= STATE_RETRY_S
-                if events or retry:
+                stale = self.nodes.rows_stale(now) and self.store.failing_since is None  # their last-seen times
+                if events or retry or stale:
                     self._last_write_try = now
                     self._apply(events)

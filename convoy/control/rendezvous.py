@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 
@@ -28,7 +29,12 @@ class Membership:
         return sum(m.nproc for m in self.members)
 
     def member(self, node_id: str) -> Member | None:
-        return next((m for m in self.members if m.node_id == node_id), None)
+        return self._by_node.get(node_id)
+
+    @functools.cached_property
+    def _by_node(self) -> dict[str, Member]:
+        """Members by node id, made once (each of N nodes asks for itself)."""
+        return {m.node_id: m for m in self.members}
 
     def node_ids(self) -> set[str]:
         return {m.node_id for m in self.members}
@@ -65,6 +71,8 @@ class Rendezvous:
     _previous_ranks: dict[str, int] = field(default_factory=dict)
     expected: frozenset[str] = frozenset()
     """Nodes a reopened round waits for: it closes once all have joined (the window does not apply)."""
+    dropped: int = 0
+    """How many nodes were forgotten before a round placed them (what a waiting node's poll looks at again)."""
 
     @property
     def is_open(self) -> bool:
@@ -92,6 +100,7 @@ class Rendezvous:
 
     def leave(self, node_id: str, now: float) -> None:
         """Forget a node that has not been given a place in a running round."""
+        self.dropped += 1
         self._pending.pop(node_id, None)
         self.expected = self.expected - {node_id}
         if self._joiners.pop(node_id, None) is not None and len(self._joiners) < self.min_nodes:
@@ -103,7 +112,9 @@ class Rendezvous:
             return None
         full = len(self._joiners) >= self.max_nodes
         if self.expected:  # a regroup: wait for exactly the nodes that are coming back, no window
-            ready = self.expected <= set(self._joiners) and len(self._joiners) >= self.min_nodes
+            # (the sizes first: each of a thousand joins would otherwise compare the whole set)
+            ready = len(self._joiners) >= max(self.min_nodes, len(self.expected)) \
+                and self.expected <= self._joiners.keys()
         else:
             ready = self._min_reached_at is not None and now - self._min_reached_at >= self.wait_s
         if full or ready:

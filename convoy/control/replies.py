@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import gzip
 import threading
 
 MAX_KEY_LENGTH = 128
@@ -11,6 +12,23 @@ MAX_REPLY_BYTES = 16 << 20
 """Bounds on what is kept: the oldest answers are forgotten first (a retry comes within seconds)."""
 IN_FLIGHT_WAIT_S = 75.0
 """How long a repeat waits for the first call of its key to finish (longer than any long poll)."""
+
+
+GZIP_AT = 64 << 10
+"""Replies this long go compressed to a client that accepts gzip (a round's membership: 4096 nodes, 0.35 MB)."""
+
+
+class Encoded(bytes):
+    """A reply encoded once and sent as it is to many callers (a round's membership, the same for every node);
+    ``gzipped``: the same compressed once, where it is long enough to be sent so."""
+
+    gzipped: bytes | None = None
+
+
+def encoded_once(data: bytes) -> Encoded:
+    reply = Encoded(data)
+    reply.gzipped = gzip.compress(data, 6, mtime=0) if len(data) >= GZIP_AT else None
+    return reply
 
 
 class ReplyCache:

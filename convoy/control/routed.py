@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from convoy.control.long_polls import LongPoll
 from convoy.control.protocol import messages as p
 from convoy.control.protocol import roles as rp
 from convoy.control.protocol import shards as sp
 from convoy.control.protocol import training as tp
+from convoy.control.replies import Encoded
 
 
 class RoleRouted(Protocol):
@@ -44,8 +46,9 @@ class Routed(Protocol):
     train_calls: TrainRouted
 
     def join(self, req: p.JoinRequest) -> p.JoinResponse: ...
-    def wait(self, req: p.WaitRequest) -> p.WaitResponse: ...
-    def heartbeat(self, req: p.HeartbeatRequest) -> p.HeartbeatResponse: ...
+    def wait(self, req: p.WaitRequest) -> p.WaitResponse | Encoded | LongPoll:
+        """A ``LongPoll`` when it has nothing to say yet: the server parks it without a thread."""
+    def heartbeat(self, req: p.HeartbeatRequest) -> p.HeartbeatResponse | LongPoll: ...
     def worker_exit(self, report: p.WorkerExit) -> p.Ack: ...
     def worker_event(self, report: p.WorkerEvent) -> p.Ack: ...
     def node_done(self, req: p.NodeDone) -> p.Ack: ...

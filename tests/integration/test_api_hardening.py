@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from convoy.config import MasterConfig, RendezvousConfig
-from convoy.control.api import ENDPOINTS
+from convoy.control.endpoints import ENDPOINTS
 from convoy.control.master import JobMaster
 from convoy.control.protocol import messages as p
 from convoy.control.store import read_status

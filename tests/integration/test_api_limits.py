@@ -81,7 +81,7 @@ def test_the_token_is_checked_from_the_headers_before_any_body_is_read(master: J
         for sock in socks:
             assert sock.recv(4096).startswith(b"HTTP/1.1 401"), "the refusal comes before any body"
         assert time.monotonic() - started < 3.0
-        assert master.api.front.pool.active == 0
+        assert master.api.front.pool.busy == 0
     finally:
         for sock in socks:
             sock.close()
@@ -102,7 +102,7 @@ def test_slow_headers_and_slow_bodies_are_timed_out(master: JobMaster) -> None:
             answer = slow_body.recv(4096)
             assert answer.startswith(b"HTTP/1.1 408"), answer
             assert time.monotonic() - started < 2.0
-        wait_for(lambda: api.front.pool.active == 0, 3, "the slow body's thread to be free")
+        wait_for(lambda: api.front.pool.busy == 0, 3, "the slow body's thread to be free")
     finally:
         api.stop()
 
@@ -120,17 +120,20 @@ def test_connections_are_bounded_in_all_and_per_client_and_the_newest_still_gets
 
 
 def test_heartbeats_are_served_first_when_every_handler_is_busy(master: JobMaster) -> None:
-    """With one handler thread held by a long poll, a heartbeat sent after a status call is served before it.
+    """With the one handler thread held by a slow call, a heartbeat sent after a status call is served before it.
     The order is taken where the master's handlers begin: the clients' own replies may land in either order."""
     served: list[str] = []
     heartbeat, status = master.heartbeat, master.status
+    release = threading.Event()
 
     def heartbeat_served(req: p.HeartbeatRequest) -> p.HeartbeatResponse:
-        served.append({"holder": "long poll", "beater": "heartbeat"}[req.node_id])
+        served.append("heartbeat")
         return heartbeat(req)
 
     def status_served() -> dict:
-        served.append("status")
+        served.append("status" if served else "slow call")
+        if len(served) == 1:
+            release.wait(10)  # holds the only handler (a long poll no longer does: it is parked without one)
         return status()
 
     master.heartbeat, master.status = heartbeat_served, status_served  # type: ignore[method-assign]
@@ -143,21 +146,19 @@ def test_heartbeats_are_served_first_when_every_handler_is_busy(master: JobMaste
         assert conn.getresponse().status == 200, name
         conn.close()
 
-    round_id = master.job.round_id
-    # held long enough for both calls to queue behind it even on a loaded machine
-    hold = p.HeartbeatRequest(node_id="holder", round_id=round_id, wait_s=5.0).model_dump_json().encode()
-    beat = p.HeartbeatRequest(node_id="beater", round_id=round_id + 1).model_dump_json().encode()
-    threads = [threading.Thread(target=call, args=("/heartbeat", hold, "long poll"))]
+    beat = p.HeartbeatRequest(node_id="beater", round_id=master.job.round_id + 1).model_dump_json().encode()
+    threads = [threading.Thread(target=call, args=("/status", None, "slow call"))]
     threads[0].start()
-    wait_for(lambda: api.front.pool.active == 1, 3, "the long poll to hold the only handler")
+    wait_for(lambda: served == ["slow call"], 3, "the slow call to hold the only handler")
     for path, body, name in (("/status", None, "status"), ("/heartbeat", beat, "heartbeat")):
         threads.append(threading.Thread(target=call, args=(path, body, name)))
         threads[-1].start()
         wait_for(lambda: api.front.pool.waiting == len(threads) - 1, 3, f"{name} to wait for a handler")
+    release.set()
     for thread in threads:
         thread.join(10)
     api.stop()
-    assert served == ["long poll", "heartbeat", "status"]
+    assert served == ["slow call", "heartbeat", "status"]
 
 
 ACCEPT_SPIN_SCRIPT = """

@@ -45,3 +45,25 @@ def test_nodes_marked_left_never_expire() -> None:
     registry.mark("unknown", "left")  # ignored, no error
     assert registry.expired(100.0) == []
     assert registry.nodes["a"].state == "left" and "unknown" not in registry.nodes
+
+
+def test_a_state_write_holds_the_changed_rows_and_every_row_when_the_ranks_move_or_the_rows_are_old() -> None:
+    from convoy.control.nodes import ROWS_REFRESH_S
+
+    registry = NodeRegistry(timeout_s=10.0)
+    for index in range(100):
+        registry.register(f"n{index}", "h", 1, now=0.0)
+    ranks = object()
+    rows, every = registry.to_write(ranks, 0.0)
+    assert every and len(rows) == 100
+    registry.written(ranks, every, 0.0)
+    registry.register("n100", "h", 1, now=1.0)  # a join
+    registry.seen("n5", 1.0)  # a heartbeat changes no row the file needs now
+    registry.mark("n7", "left")
+    rows, every = registry.to_write(ranks, 1.0)
+    assert not every and sorted(r.node_id for r in rows) == ["n100", "n7"]
+    registry.written(ranks, every, 1.0)
+    assert registry.to_write(ranks, 1.5) == ([], False) and not registry.rows_stale(1.5)
+    assert len(registry.to_write(object(), 1.5)[0]) == 101  # a new round: every node's rank
+    assert registry.rows_stale(ROWS_REFRESH_S) and len(registry.to_write(ranks, ROWS_REFRESH_S)[0]) == 101
+    assert registry.expired(20.0) and registry.changed  # the lost are written with the next state

@@ -126,7 +126,9 @@ class Dashboard:
         if name == "overview":
             return views.overview(run_dir)
         if name == "nodes":
-            return views.nodes(run_dir, job.last_seen() if job.last_seen else None)
+            seen = job.last_seen() if job.last_seen else None
+            return views.nodes(run_dir, seen, offset=max(0, _whole(query, "offset", 0)),
+                               limit=max(1, min(_whole(query, "limit", views.NODES_PAGE), views.NODES_PAGE)))
         if name == "events":
             return views.events(run_dir, after=_whole(query, "after", 0), kind=query.get("kind", ""),
                                 text=query.get("q", ""), limit=_whole(query, "limit", 500))

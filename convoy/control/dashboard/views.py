@@ -91,26 +91,34 @@ def _roles(run_dir: Path) -> list[dict[str, Any]]:
         return [{"name": "?", "count": str(exc)}]
 
 
-def nodes(run_dir: Path, last_seen: dict[str, float] | None = None) -> dict[str, Any]:
-    """Nodes with their ranks (of the last round), each rank's newest status (memory) and log tail.
-    ``last_seen``: a live master's heartbeat times (wall clock), fresher than the state file's."""
+NODES_PAGE = 200
+"""Nodes per page: a job of thousands of nodes is shown a page at a time (each node's ranks bring their log tails)."""
+
+
+def nodes(run_dir: Path, last_seen: dict[str, float] | None = None, offset: int = 0,
+          limit: int = NODES_PAGE) -> dict[str, Any]:
+    """A page of the nodes (``limit`` from ``offset``; ``total`` says how many there are) with their ranks (of the
+    last round), each rank's newest status (memory) and log tail. ``last_seen``: a live master's heartbeat times
+    (wall clock), fresher than the state file's."""
     state = read_status(run_dir, recent=0)
     last = state["round"]
     ranks: dict[str, list[int]] = {}
-    for node_rank, node_id, _host, nproc in (json.loads(last["members"]) if last else []):
-        start = sum(m[3] for m in json.loads(last["members"]) if m[0] < node_rank)
+    start = 0
+    for _node_rank, node_id, _host, nproc in sorted(json.loads(last["members"]) if last else []):
         ranks[node_id] = list(range(start, start + nproc))
+        start += nproc
     latest = {row["rank"]: row for row in _latest(run_dir)}
     round_id = last["round_id"] if last else 0
     out = []
-    for node in state["nodes"]:
+    for node in state["nodes"][offset:offset + limit]:
         workers = [{"rank": rank, "memory_bytes": (latest.get(rank) or {}).get("memory_bytes"),
                     "step": (latest.get(rank) or {}).get("step"), "log_tail": _tail(run_dir, round_id, rank)}
                    for rank in ranks.get(node["node_id"], [])]
         seen = (last_seen or {}).get(node["node_id"], node["last_seen"])
         out.append({"node_id": node["node_id"], "host": node["host"], "nproc": node["nproc"], "state": node["state"],
                     "node_rank": node["node_rank"], "last_heartbeat": seen, "workers": workers})
-    return {"round_id": round_id, "nodes": out, "now": time.time()}
+    return {"round_id": round_id, "nodes": out, "now": time.time(), "total": len(state["nodes"]), "offset": offset,
+            "limit": limit}
 
 
 def _latest(run_dir: Path) -> list[dict[str, Any]]:

@@ -9,6 +9,7 @@ import secrets
 import socket
 import ssl
 import time
+import zlib
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -17,6 +18,8 @@ from convoy.control.protocol import messages as p
 from convoy.errors import AuthError, ConfigError, ConflictError, ConvoyError, MasterUnreachableError, StateWriteError
 
 Reply = TypeVar("Reply", bound=BaseModel)
+MAX_REPLY_BYTES = 64 << 20
+"""The most a compressed reply may inflate to (a round of 100k nodes is about 9 MB)."""
 REPLY_GRACE_S = 3.0
 """How much longer than its long-poll wait a request may take before it counts as lost."""
 FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.05, 1.0
@@ -132,9 +135,24 @@ class MasterClient:
         self._conn.timeout = timeout
         if self._conn.sock is not None:
             self._conn.sock.settimeout(timeout)
-        self._conn.request(method, path, body=body, headers=headers)
+        self._conn.request(method, path, body=body, headers={**headers, "Accept-Encoding": "gzip"})
         response = self._conn.getresponse()
-        return response.status, response.read()
+        data = response.read()
+        if (response.getheader("Content-Encoding") or "").lower() == "gzip":
+            data = inflated(data, MAX_REPLY_BYTES)
+        return response.status, data
+
+
+def inflated(data: bytes, bound: int) -> bytes:
+    """A gzip body, inflated to at most ``bound`` bytes (an http.client.HTTPException past it, or if corrupt)."""
+    inflater = zlib.decompressobj(wbits=31)
+    try:
+        out = inflater.decompress(data, bound)
+    except zlib.error as exc:
+        raise http.client.HTTPException(f"a gzip reply that does not inflate: {exc}") from exc
+    if inflater.unconsumed_tail:
+        raise http.client.HTTPException(f"a reply that inflates past {bound} bytes")
+    return out
 
 
 def client_tls(ca: str) -> ssl.SSLContext:

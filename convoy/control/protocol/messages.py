@@ -147,6 +147,8 @@ class HeartbeatResponse(Message):
                                                "refuses a caller of an incarnation that has ended)")
     train_config: Optional[ConfigState] = Field(default=None, description="the training config's versions, when "
                                                 "newer than the node's ``config_version``")
+    poll_s: float = Field(default=0.0, ge=0, le=60, description="the poll the master asks of the node's next "
+                          "heartbeat (longer with more nodes, to bound its load; 0: the node's own)")
 
 
 class RoleReport(Message):

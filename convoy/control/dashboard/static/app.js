@@ -130,7 +130,7 @@ async function refetchState(quiet) {
   const asked = app.stateAsked = (app.stateAsked || 0) + 1;
   let overview, nodes, rounds, config;
   try {
-    [overview, nodes, rounds, config] = await Promise.all([getJSON(`${base}/overview`), getJSON(`${base}/nodes`),
+    [overview, nodes, rounds, config] = await Promise.all([getJSON(`${base}/overview`), getJSON(`${base}/nodes?offset=${app.nodesOffset || 0}`),
       getJSON(`${base}/rounds`), getJSON(`${base}/config`)]);
   } catch (error) {  // the master went away (its job ended): the page keeps what it showed last
     if (quiet) throw error;
@@ -220,9 +220,19 @@ function roleTable(roles) {
                         r.group_round || "-", r.failure_policy, r.restarts, r.replacements, r.preempted]));
 }
 
+function nodesPage(offset) {
+  app.nodesOffset = Math.max(0, offset);
+  refetchState();
+}
+
 function renderNodes() {
   const n = app.data.nodes;
-  return [h("p", {}, `round ${n.round_id}`), table(["node", "host", "state", "node rank", "last heartbeat", "workers"],
+  const last = Math.min(n.total, n.offset + n.nodes.length);
+  const pager = h("p", {id: "nodes-pager"}, `round ${n.round_id}; nodes ${n.total ? n.offset + 1 : 0}-${last} of ${n.total} `,
+    h("button", {id: "nodes-previous", disabled: n.offset === 0, on: {click: () => nodesPage(n.offset - n.limit)}},
+      "previous"),
+    h("button", {id: "nodes-next", disabled: last >= n.total, on: {click: () => nodesPage(n.offset + n.limit)}}, "next"));
+  return [pager, table(["node", "host", "state", "node rank", "last heartbeat", "workers"],
     n.nodes.map((node) => [node.node_id, node.host, node.state, node.node_rank,
       `${clock(node.last_heartbeat)} (${seconds(n.now - node.last_heartbeat)} ago)`,
       node.workers.length ? table(["rank", "step", "memory", "log tail"], node.workers.map((w) =>

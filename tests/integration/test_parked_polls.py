@@ -1,0 +1,102 @@
+"""Issue 54: the master's threads are not held by what waits. A real JobMaster behind a server of two handler threads:
+forty nodes' heartbeats long-poll at once on keep-alive connections, and the master still answers a status call at
+once; when the job moves every poll is answered, and each connection carries its next request."""
+
+from __future__ import annotations
+
+import http.client
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from helpers import wait_for
+
+from convoy.config import MasterConfig, RendezvousConfig
+from convoy.control.api import ApiServer
+from convoy.control.limits import Limits
+from convoy.control.long_polls import LongPolls
+from convoy.control.master import JobMaster
+from convoy.control.protocol import messages as p
+
+NODES = 40
+
+
+@pytest.fixture
+def master(tmp_path: Path) -> Iterator[JobMaster]:
+    config = MasterConfig(host="127.0.0.1", port=0, run_dir=tmp_path / "run", rendezvous=RendezvousConfig(1, 1, 0.0,
+                                                                                                             60.0))
+    config.validate()
+    master = JobMaster(config, console=lambda line: None)
+    master.start()
+    yield master
+    master.stop()
+
+
+def _post(conn: http.client.HTTPConnection, token: str, path: str, body: bytes) -> tuple[int, bytes]:
+    conn.request("POST", p.API_PREFIX + path, body=body, headers={p.TOKEN_HEADER: f"Bearer {token}"})
+    reply = conn.getresponse()
+    return reply.status, reply.read()
+
+
+def test_parked_heartbeats_hold_no_thread_and_all_answer_when_the_job_moves(master: JobMaster) -> None:
+    api = ApiServer(master, "127.0.0.1", 0, master.token, limits=Limits(max_handlers=2),
+                    long_polls=LongPolls(master._changed, master.polls.epoch))
+    api.start()
+    conns = [http.client.HTTPConnection(*api.address, timeout=30) for _ in range(NODES)]
+    replies: dict[int, tuple[int, bytes, float]] = {}
+
+    def beat(index: int) -> None:
+        body = p.HeartbeatRequest(node_id=f"node{index}", round_id=master.job.round_id,
+                                  wait_s=30.0).model_dump_json().encode()
+        status, data = _post(conns[index], master.token, "/heartbeat", body)
+        replies[index] = (status, data, time.monotonic())
+
+    try:
+        threads = [threading.Thread(target=beat, args=(index,)) for index in range(NODES)]
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: api.long_polls.parked == NODES, 10, "every heartbeat to be parked")
+        assert api.front.pool.busy == 0, "a parked poll holds no handler thread"
+        status_conn = http.client.HTTPConnection(*api.address, timeout=5)
+        began = time.monotonic()
+        status_conn.request("GET", p.API_PREFIX + "/status", headers={p.TOKEN_HEADER: f"Bearer {master.token}"})
+        assert status_conn.getresponse().status == 200
+        assert time.monotonic() - began < 2.0, "the status call waited behind the parked polls"
+        status_conn.close()
+        assert replies == {}
+        moved = time.monotonic()
+        master.abort("the test ends the job")
+        for thread in threads:
+            thread.join(10)
+        assert len(replies) == NODES
+        for status, data, at in replies.values():
+            answer = p.HeartbeatResponse.model_validate_json(data)
+            assert status == 200 and answer.job_status == "failed" and at - moved < 5.0
+        sockets = [conn.sock for conn in conns]
+        for index, conn in enumerate(conns):  # the same connection carries the next request
+            body = p.HeartbeatRequest(node_id=f"node{index}", round_id=master.job.round_id).model_dump_json().encode()
+            assert _post(conn, master.token, "/heartbeat", body)[0] == 200
+        assert [conn.sock for conn in conns] == sockets
+        wait_for(lambda: api.front.idle == NODES, 5, "each keep-alive connection back with the front door")
+        assert api.front.pool.busy == 0
+    finally:
+        for conn in conns:
+            conn.close()
+        api.stop()
+
+
+def test_a_keep_alive_connection_idle_past_its_time_out_is_closed_by_the_front_door(master: JobMaster) -> None:
+    api = ApiServer(master, "127.0.0.1", 0, master.token, limits=Limits(max_handlers=1, idle_timeout_s=0.3))
+    api.start()
+    conn = http.client.HTTPConnection(*api.address, timeout=5)
+    try:
+        conn.request("GET", p.API_PREFIX + "/status", headers={p.TOKEN_HEADER: f"Bearer {master.token}"})
+        assert conn.getresponse().read() and api.front.pool.busy in (0, 1)
+        wait_for(lambda: api.front.idle == 1, 3, "the connection to be idle at the front door")
+        wait_for(lambda: api.front.idle == 0, 3, "the idle connection to be closed after its time-out")
+        assert conn.sock is not None and conn.sock.recv(1) == b""
+    finally:
+        conn.close()
+        api.stop()
