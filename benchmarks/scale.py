@@ -13,17 +13,21 @@ For each N, with a fresh master (``--nnodes 1:N``, so the first round closes whe
    the next round (``told``), and to every other agent holding it.
 Where an N does not get through a phase within ``--timeout-s``, that is said and the larger N are not run.
 Targets (N = 4096): round <= 5 s, heartbeat p99 <= 100 ms, next round <= 5 s after the time-out, RSS <= 300 MB,
-nodes page <= 2 s. Not measured yet: a job of roles, and the c10d peer.
+nodes page <= 2 s; round and master CPU per heartbeat growing no faster than linearly (a table and
+``results/scale.png``); against torch's c10d rendezvous (``scripts/c10d_peer.py``) at the same N, in the same run,
+as far as it gets: convoy's round <= 0.5x its. Not measured yet: a job of roles.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 from pathlib import Path
 
 import psutil
@@ -31,6 +35,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 
+from c10d_peer import measure_c10d  # noqa: E402
 from sim_agents import SimulatedAgents  # noqa: E402
 
 from convoy.config import STATE_FILE  # noqa: E402
@@ -54,7 +59,8 @@ def start_master(run_dir: Path, nodes: int, heartbeat_timeout_s: float = HEARTBE
     while time.monotonic() < deadline and master.poll() is None:
         found = STARTED.search(log.read_text())
         if found:
-            return master, found.group(1), f"{found.group(2)}:{found.group(3)}", Path(found.group(4)).read_text().strip()
+            token = Path(found.group(4)).read_text().strip()
+            return master, found.group(1), f"{found.group(2)}:{found.group(3)}", token
         time.sleep(0.05)
     master.kill()
     raise RuntimeError(f"the master did not say where it listens within 60 s: {log.read_text()[-2000:]}")
@@ -93,11 +99,13 @@ def measure(nodes: int, steady_s: float, timeout_s: float, keep_alive: bool = Tr
     sim = SimulatedAgents(host, port, token, nodes, keep_alive=keep_alive)
     result: dict[str, float | str] = {"nodes": nodes}
     try:
+        started = time.monotonic()
         sim.start()
         sim.wait_for(lambda: all(a.joined_at for a in sim.agents), timeout_s, f"{nodes} joins")
         last_join = max(a.joined_at for a in sim.agents)
         sim.wait_for(lambda: len(sim.holding(1)) == nodes, timeout_s, "every agent holding round 1")
         result["round_s"] = max(a.rounds[1] for a in sim.agents) - last_join
+        result["from_start_s"] = max(a.rounds[1] for a in sim.agents) - started
         result["nodes_page_s"] = nodes_page_s(address, job_id, token)
         # steady load: the heartbeats sent from one poll after the round on (those in flight while the round's
         # replies went out measure that burst, not the steady state)
@@ -146,13 +154,19 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=120.0)
     parser.add_argument("--no-keep-alive", action="store_true", help="a connection per request (what the agents do "
                         "not do: it tells the master's cost of held connections from the rest)")
+    parser.add_argument("--no-peer", action="store_true", help="skip torch's c10d rendezvous")
+    parser.add_argument("--plot", default=str(Path(__file__).parent / "results" / "scale.png"))
     args = parser.parse_args()
-    rows = []
+    rows, peers = [], []
     for nodes in [int(n) for n in args.nodes.split(",")]:
         print(f"N = {nodes} ...", flush=True)
         row = measure(nodes, args.steady_s, args.timeout_s, keep_alive=not args.no_keep_alive)
         rows.append(row)
         print(f"  {row}", flush=True)
+        if not args.no_peer and (not peers or "stopped" not in peers[-1]):
+            print(f"  torch c10d rendezvous, N = {nodes} ...", flush=True)
+            peers.append(measure_c10d(nodes, args.timeout_s))
+            print(f"  {peers[-1]}", flush=True)
         if "stopped" in row:
             print(f"  stopped at N = {nodes}: {row['stopped']}; larger N not run", flush=True)
             break
@@ -174,6 +188,67 @@ def main() -> None:
         met = ok and isinstance(value, float) and value <= goal
         print(f"target N=4096 {what}: {value if value is not None else 'not reached'} at N = {largest['nodes']} "
               f"{'met' if met else 'missed'}")
+    growth(rows, args.plot)
+    if peers:
+        compare(rows, peers)
+
+
+def growth(rows: list[dict[str, float | str]], plot: str) -> None:
+    """Each step's growth exponent (log ratio of the value over log ratio of N; 1 is linear), and the plot."""
+    done = [row for row in rows if isinstance(row.get("round_s"), float) and isinstance(row.get("cpu_ms_per_beat"),
+                                                                                       float)]
+    print("\ngrowth from one N to the next (exponent: 1 = linear)")
+    worst = {"round_s": -math.inf, "cpu_ms_per_beat": -math.inf}
+    for before, after in zip(done, done[1:], strict=False):
+        steps = []
+        for key in worst:
+            exponent = math.log(float(after[key]) / float(before[key])) / math.log(int(after["nodes"]) /
+                                                                                int(before["nodes"]))
+            worst[key] = max(worst[key], exponent)
+            steps.append(f"{key} x{float(after[key]) / float(before[key]):.2f} (exponent {exponent:.2f})")
+        print(f"  N {before['nodes']} -> {after['nodes']}: " + ", ".join(steps))
+    for key, exponent in worst.items():
+        print(f"target {key} grows no faster than linearly: largest exponent {exponent:.2f} "
+              f"{'met' if len(done) > 1 and exponent <= 1.0 else 'missed'}")
+    if len(done) < 2:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    ns = [int(row["nodes"]) for row in done]
+    for axis, key, label in ((axes[0], "round_s", "round closed after the last join (s)"),
+                             (axes[1], "cpu_ms_per_beat", "master CPU per heartbeat (ms)")):
+        values = [float(row[key]) for row in done]
+        axis.loglog(ns, values, "o-", label="convoy")
+        axis.loglog(ns, [values[0] * n / ns[0] for n in ns], ":", color="grey", label="linear in N")
+        axis.set_xlabel("nodes (simulated agents)")
+        axis.set_title(label, fontsize=9)
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(plot, dpi=110)
+    print(f"plot: {plot}")
+
+
+def compare(rows: list[dict[str, float | str]], peers: list[dict[str, Any]]) -> None:
+    """convoy's round against torch's c10d rendezvous at the largest N both reached."""
+    print("\n     N  convoy round s  c10d round s  ratio   (both from the last join; from the first: convoy, c10d)")
+    both = []
+    for peer in peers:
+        mine = next((row for row in rows if row["nodes"] == peer["nodes"]), {})
+        if "round_s" not in peer or not isinstance(mine.get("round_s"), float):
+            print(f"{peer['nodes']:>6}  c10d: {peer.get('stopped', 'no round')}")
+            continue
+        ratio = float(mine["round_s"]) / peer["round_s"]
+        both.append((peer["nodes"], ratio))
+        print(f"{peer['nodes']:>6} {float(mine['round_s']):>15.3f} {peer['round_s']:>13.3f} {ratio:>6.3f}   "
+              f"({float(mine['from_start_s']):.3f} s, {peer['from_start_s']:.3f} s)")
+    if both:
+        nodes, ratio = both[-1]
+        print(f"target convoy round <= 0.5x c10d's at the largest N it reaches (N = {nodes}): {ratio:.3f}x "
+              f"{'met' if ratio <= 0.5 else 'missed'}")
 
 
 if __name__ == "__main__":
