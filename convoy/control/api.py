@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 from convoy.control.endpoints import ENDPOINTS, PUT_PATHS, READ_TOO, openapi_schema
 from convoy.control.http_head import Head, parse_head, reply_head
 from convoy.control.limits import (HEADER_END, FrontDoor, Limits, Pages, PrefixedReader, Screened, SocketWriter,
-                                   plain_reply, unread)
+                                   close_connection, plain_reply, unread)
 from convoy.control.long_polls import LongPoll, LongPolls
 from convoy.control.protocol import messages as p
 from convoy.control.replies import GZIP_AT, MAX_KEY_LENGTH, Encoded, ReplyCache
@@ -280,7 +280,7 @@ class _Server:
                                           unread(handler.rfile, handler.connection))
         except (OSError, ssl.SSLError):
             pass  # a client that went away mid-request (an agent killed in a long poll) is not an error
-        _close(handler.connection)
+        close_connection(handler.connection)
 
     def _park(self, handler: _Handler) -> None:
         assert handler.parked is not None and self.front is not None
@@ -288,14 +288,6 @@ class _Server:
         if self.long_polls is None:
             return self.serve(handler)
         self.long_polls.park(poll, lambda: pool.submit(poll.priority, handler))
-
-
-def _close(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()
 
 
 class ApiServer:

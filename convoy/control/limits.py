@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import collections
 import errno
-import heapq
 import io
-import itertools
 import re
 import selectors
 import socket
@@ -18,13 +16,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Protocol, Union
 
+from convoy.control.handler_pool import HandlerPool
 from convoy.errors import ConfigError
 from convoy.local_http import DISCARD_S
 
 HEADER_END = re.compile(rb"\r?\n\r?\n")
 OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 LOOP_TICK_S = 0.05
-THREAD_IDLE_S = 5.0
 ACCEPT_BURST = 256
 """Connections accepted per wake-up before the loop serves the others again."""
 DISCARD_BYTES = (1 << 20) + (1 << 16)
@@ -78,52 +76,6 @@ class _Pending:
         """>= 0: refused; this many more bytes are read and dropped before it closes."""
         self.idle = False
         """A keep-alive connection handed back after a request, until its next one begins."""
-
-
-class HandlerPool:
-    """Runs ``serve`` on at most ``size`` threads; what comes when all are busy waits in priority order. A thread
-    with nothing to do waits ``THREAD_IDLE_S`` for more before it ends (a steady stream of requests starts none)."""
-
-    def __init__(self, size: int, serve: Callable[[object], None]) -> None:
-        self.size, self._serve = size, serve
-        self._work = threading.Condition(threading.Lock())
-        self._waiting: list[tuple[int, int, object]] = []
-        self._order = itertools.count()
-        self.threads = 0
-        """Threads alive, busy or not."""
-        self.busy = 0
-        """Threads serving an item now."""
-
-    @property
-    def waiting(self) -> int:
-        return len(self._waiting)
-
-    def submit(self, priority: int, item: object) -> None:
-        with self._work:
-            heapq.heappush(self._waiting, (priority, next(self._order), item))
-            if self.threads > self.busy + len(self._waiting) - 1:  # one is free to take it
-                self._work.notify()
-                return
-            if self.threads >= self.size:
-                return
-            self.threads += 1
-        threading.Thread(target=self._run, name="convoy-api-handler", daemon=True).start()
-
-    def _run(self) -> None:
-        while True:
-            with self._work:
-                if not self._waiting:
-                    self._work.wait(THREAD_IDLE_S)
-                if not self._waiting:
-                    self.threads -= 1
-                    return
-                item = heapq.heappop(self._waiting)[2]
-                self.busy += 1
-            try:
-                self._serve(item)
-            finally:
-                with self._work:
-                    self.busy -= 1
 
 
 class FrontDoor:
@@ -350,6 +302,15 @@ class FrontDoor:
         pending.drain_left = DISCARD_BYTES
         pending.deadline = time.monotonic() + DISCARD_S
         pending.buffer = b""
+
+
+def close_connection(sock: socket.socket) -> None:
+    """Shut a connection down both ways (the client sees the end at once), then close it."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
 
 
 def plain_reply(code: int, error: str) -> bytes:

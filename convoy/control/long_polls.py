@@ -44,6 +44,8 @@ class LongPolls:
         self._deadlines: list[tuple[float, int, LongPoll]] = []
         self._order = itertools.count()
         self._seen: object = None
+        self._wakes_at = 0.0
+        """When the sleeping watcher looks next at the latest (a poll due sooner wakes it)."""
         self._stopping = False
         self._thread = threading.Thread(target=self._watch, name="convoy-long-polls", daemon=True)
         self.resumed = 0
@@ -65,7 +67,8 @@ class LongPolls:
                 key = next(self._order)
                 self._parked[key] = poll
                 heapq.heappush(self._deadlines, (poll.deadline, key, poll))
-                self._changed.notify_all()  # the watcher may sleep past this deadline
+                if poll.deadline < self._wakes_at:  # the watcher would sleep past it
+                    self._changed.notify_all()
         if now:
             self._hand_back([poll])
 
@@ -93,7 +96,9 @@ class LongPolls:
                 if self._stopping:
                     return
                 next_due = self._deadlines[0][0] if self._deadlines else float("inf")
-                self._changed.wait(max(0.0, min(IDLE_LOOK_S, next_due - time.monotonic())))
+                now = time.monotonic()
+                self._wakes_at = min(now + IDLE_LOOK_S, next_due)
+                self._changed.wait(max(0.0, self._wakes_at - now))
 
     def _sweep(self, now: float) -> list[LongPoll]:
         """The polls due or ready now, taken out (the caller holds the lock)."""

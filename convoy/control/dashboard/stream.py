@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from convoy.control.dashboard import views
+from convoy.control.limits import close_connection
 
 MAX_STREAMS = 16
 """Open pages at once (each its own stream); one more is refused with a 503 that says so."""
@@ -80,7 +81,7 @@ class Broadcaster:
             self._thread.join(2.0)
         with self._lock:
             for stream in self._streams:
-                _close(stream.sock)
+                close_connection(stream.sock)
             self._streams.clear()
         for db in self._connections.values():
             db.close()
@@ -168,7 +169,7 @@ class Broadcaster:
             if stream in self._streams:
                 self._streams.remove(stream)
                 self.dropped += 1
-        _close(stream.sock)
+        close_connection(stream.sock)
 
 
 def _next_tick(now: float, every_s: float) -> float:
@@ -178,11 +179,3 @@ def _next_tick(now: float, every_s: float) -> float:
 
 def _message(kind: str, data: dict[str, Any]) -> bytes:
     return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
-
-
-def _close(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()
