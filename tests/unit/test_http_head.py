@@ -24,9 +24,12 @@ def test_a_head_is_split_into_its_line_and_fields_with_names_in_lower_case() -> 
     assert parse_head(b"GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n").keep_alive
 
 
-@pytest.mark.parametrize("block", [b"GET /\r\n\r\n", b"GET / HTTP/1.1 extra\r\n\r\n", b"GET / HTTP/1.1\r\nno colon\r\n\r\n",
-                                   b"GET / HTTP/1.1\r\n: empty name\r\n\r\n", b"GET / HTTP/1.1\r\nName : spaced\r\n\r\n",
-                                   b"GET / HTTP/1.1\r\nA: b\r\n folded\r\n\r\n"])
+MALFORMED = [b"GET /\r\n\r\n", b"GET / HTTP/1.1 extra\r\n\r\n", b"GET / HTTP/1.1\r\nno colon\r\n\r\n",
+             b"GET / HTTP/1.1\r\n: empty name\r\n\r\n", b"GET / HTTP/1.1\r\nName : spaced\r\n\r\n",
+             b"GET / HTTP/1.1\r\nA: b\r\n folded\r\n\r\n"]
+
+
+@pytest.mark.parametrize("block", MALFORMED)
 def test_a_malformed_head_is_refused(block: bytes) -> None:
     with pytest.raises(ValueError, match="malformed"):
         parse_head(block)
