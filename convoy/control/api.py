@@ -1,5 +1,7 @@
-"""The master's HTTP API: a real threaded HTTP/1.1 server that feeds the calls of a ``Routed`` service
-(``JobMaster`` is one; it composes this server, and this file does not know it)."""
+"""The master's HTTP API: an HTTP/1.1 server (a front door loop, a bounded pool of handler threads, long polls parked
+without a thread) that feeds the calls of a ``Routed`` service (``JobMaster`` is one; it composes this server, and
+this file does not know it). Each request's handler answers one request; a keep-alive connection then goes back to
+the front door."""
 
 from __future__ import annotations
 

@@ -105,6 +105,7 @@ class FrontDoor:
         self._idle: dict[int, _Pending] = {}
         """Keep-alive connections between requests, oldest first (so also by deadline): no thread waits on them."""
         self._returned: collections.deque[tuple[socket.socket, tuple[str, int], bytes]] = collections.deque()
+        self._returning = threading.Lock()
         self._wake_read, self._wake_write = socket.socketpair()
         self._wake_read.setblocking(False)
         self._wake_write.setblocking(False)
@@ -129,10 +130,11 @@ class FrontDoor:
     def readmit(self, sock: socket.socket, client: tuple[str, int], leftover: bytes = b"") -> None:
         """A handler is done with a keep-alive connection: the loop watches it for the next request (``leftover``:
         what was read of it already). Any thread may call it; after ``stop`` the connection is closed."""
-        if self._stopping.is_set():
-            sock.close()
-            return
-        self._returned.append((sock, client, leftover))
+        with self._returning:  # (with ``stop``'s last look: none is left behind open)
+            if self._stopping.is_set():
+                sock.close()
+                return
+            self._returned.append((sock, client, leftover))
         try:
             self._wake_write.send(b"\0")
         except (BlockingIOError, OSError):
@@ -147,8 +149,9 @@ class FrontDoor:
             self._thread.join()
         for pending in [*self._pending.values(), *self._idle.values()]:
             self._close(pending)
-        while self._returned:
-            self._returned.popleft()[0].close()
+        with self._returning:
+            while self._returned:
+                self._returned.popleft()[0].close()
         self._selector.close()
         self._listener.close()
         self._wake_read.close()
