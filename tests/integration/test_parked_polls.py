@@ -132,3 +132,21 @@ def test_a_large_round_goes_gzipped_to_a_client_that_accepts_it_and_plain_to_one
         client.close()
     finally:
         master.stop()
+
+
+def test_two_requests_sent_back_to_back_on_one_connection_are_both_answered_in_order(master: JobMaster) -> None:
+    """The second request arrives with the first (pipelined): the bytes the handler read past the first go back to
+    the front door with the connection, and the second is served from them."""
+    import socket
+
+    head = (f"GET {p.API_PREFIX}/status HTTP/1.1\r\nHost: x\r\n{p.TOKEN_HEADER}: Bearer {master.token}\r\n\r\n"
+            f"GET {p.API_PREFIX}/openapi.json HTTP/1.1\r\nHost: x\r\n{p.TOKEN_HEADER}: Bearer {master.token}\r\n"
+            "Connection: close\r\n\r\n").encode()
+    with socket.create_connection(master.api.address, timeout=10) as sock:
+        sock.sendall(head)
+        received = b""
+        while chunk := sock.recv(1 << 16):
+            received += chunk
+    replies = received.split(b"HTTP/1.1 ")[1:]
+    assert [reply[:3] for reply in replies] == [b"200", b"200"]
+    assert b'"job_id"' in replies[0] and b'"openapi"' in replies[1]
