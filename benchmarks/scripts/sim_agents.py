@@ -2,7 +2,9 @@
 one event loop, each speaking the agent's protocol to a real master over real HTTP with the job's token on a
 keep-alive connection of its own, as ``MasterClient`` does: join, long-poll ``/wait`` until its round is ready,
 then heartbeat (a long poll of the agent's ``heartbeat_s``) until told to go silent or to stop. The master cannot
-tell them from agents on other hosts; they start no workers.
+tell them from agents on other hosts; they start no workers. As the agent, each offers a port for the next round
+in its ``/wait`` (``next_port``; nothing listens on it here, as no worker connects) and, told of a new round,
+waits for it at once, joining only where the master answers "rejoin".
 
 What is measured, per agent: when it held each round, and each heartbeat's round trip less the time the master was
 asked to hold it (``late``: what a heartbeat waited beyond its long poll, the master's queue and work). Each
@@ -155,7 +157,7 @@ class SimAgent:
         beating: asyncio.Task[None] | None = None
         try:
             while not self.stopped:
-                round_id = await self._rendezvous()
+                round_id = await self._rendezvous(max(self.rounds, default=0))
                 if round_id is None:
                     return
                 if beating is None:
@@ -173,18 +175,22 @@ class SimAgent:
             self.link.close()
             self.beats.close()
 
-    async def _rendezvous(self) -> int | None:
-        """Join and long-poll until the round is ready; its id (None: the job ended)."""
-        status, joined = await self.link.call("/join", {"node_id": self.node_id, "host": "127.0.0.1", "nproc": 1,
-                                                        "port": 29500, "instance": self.link.key})
-        if status != 200:
-            raise RuntimeError(f"join answered {status}: {joined}")
+    async def _rendezvous(self, last_round: int) -> int | None:
+        """Wait for the round after ``last_round`` if this agent was told of it (it offered a port for it), else
+        join; long-poll until the round is ready; its id (None: the job ended)."""
+        round_id = self.known_round if last_round and self.known_round > last_round else 0
+        if not round_id:
+            status, joined = await self.link.call("/join", {"node_id": self.node_id, "host": "127.0.0.1",
+                                                            "nproc": 1, "port": 29500, "instance": self.link.key})
+            if status != 200:
+                raise RuntimeError(f"join answered {status}: {joined}")
+            round_id = joined["round_id"]
         self.joined_at = self.joined_at or time.monotonic()
         while not self.stopped:
             asked = time.monotonic()
             poll = self.poll_s or self.heartbeat_s  # as the agent: as long as the master asks of heartbeats
-            status, reply = await self.link.call("/wait", {"node_id": self.node_id, "round_id": joined["round_id"],
-                                                           "timeout_s": poll})
+            status, reply = await self.link.call("/wait", {"node_id": self.node_id, "round_id": round_id,
+                                                           "timeout_s": poll, "next_port": 29501})
             if status != 200:
                 raise RuntimeError(f"wait answered {status}: {reply}")
             if reply["state"] == "waiting":  # as the agent: an early answer, the rest of the poll waited here
@@ -195,7 +201,7 @@ class SimAgent:
             if reply["state"] == "ended":
                 return None
             if reply["state"] == "rejoin":
-                return await self._rendezvous()
+                return await self._rendezvous(0)
         return None
 
     async def _heartbeats(self) -> None:

@@ -48,6 +48,9 @@ class Agent:
         self._held_port: socket.socket | None = None
         self._wanted_port = config.workers.master_port
         """Bound to the port this node offered as MASTER_PORT, from its join until its workers start."""
+        self._spare_port: socket.socket | None = None
+        """Bound to the port this node offers for the round after the one it runs (``WaitRequest.next_port``)."""
+        self._last_round = 0
         self._role_processes: RoleProcesses | None = None
         self._forks = forks  # the role processes' fork server (``convoy agent`` may have started it)
         if forks is not None:
@@ -86,6 +89,7 @@ class Agent:
     def _stop_everything(self) -> None:
         self.heartbeat.stopping.set()
         self._revoke()
+        self._release_port(spare=True)
         if self._role_processes is not None:  # unreported: the node has left (the master counted its
             self._role_processes.stop_all()    # processes out) or cannot reach the master
         if self._forks is not None:
@@ -112,21 +116,25 @@ class Agent:
         """
         if not self.config.roles:
             self.group.wait_preloaded(PRELOAD_WAIT_S)
+        round_id = self._carried_round()
         while True:
-            join = p.JoinRequest(node_id=self.config.node_id, host=self.config.host, port=self._hold_port(),
-                                 nproc=self.config.workers.nproc_per_node, instance=self._instance,
-                                 node_rank=self.config.node_rank, **join_memory(self.config.cpus))
-            joined = self.client.call("/join", join, p.JoinResponse)
-            if not self._job_id:
-                self._first_joined(joined.job_id)
-            round_id, self._job_id = joined.round_id, joined.job_id
-            log.debug(f"convoy agent {self.config.node_id}: joined job {self._job_id}; waiting for round {round_id}")
+            if not round_id:
+                join = p.JoinRequest(node_id=self.config.node_id, host=self.config.host, port=self._hold_port(),
+                                     nproc=self.config.workers.nproc_per_node, instance=self._instance,
+                                     node_rank=self.config.node_rank, **join_memory(self.config.cpus))
+                joined = self.client.call("/join", join, p.JoinResponse)
+                if not self._job_id:
+                    self._first_joined(joined.job_id)
+                round_id, self._job_id = joined.round_id, joined.job_id
+                log.debug(f"convoy agent {self.config.node_id}: joined job {self._job_id}; waiting for round "
+                          f"{round_id}")
             self._open_lease()
             if not self.heartbeat.is_alive() and not self.heartbeat.stopping.is_set():
                 self.heartbeat.start()
             while True:
                 poll = self.heartbeat.poll_s or self.config.heartbeat_s  # as long as the master asks of heartbeats
-                wait = p.WaitRequest(node_id=self.config.node_id, round_id=round_id, timeout_s=poll)
+                wait = p.WaitRequest(node_id=self.config.node_id, round_id=round_id, timeout_s=poll,
+                                     next_port=self._offer_next_port())
                 self._asked_at = time.monotonic()
                 reply = self.client.call("/wait", wait, p.WaitResponse, wait_s=wait.timeout_s)
                 if reply.state == "waiting":  # a master that answered early: the rest of the poll is waited out here
@@ -137,11 +145,37 @@ class Agent:
                     self._final_status = reply.job_status
                     return None
                 if reply.state == "rejoin":
+                    round_id = 0
                     break
+
+    def _carried_round(self) -> int:
+        """The round that followed this node's last one, if the node offered a port for it: the master may have
+        placed it there at once (a regroup of the same nodes), and it waits for that round without a join (the
+        master answers "rejoin" where it did not). 0: the node joins."""
+        latest = self.heartbeat.latest
+        if self._spare_port is None or not self._last_round or latest is None or latest.round_id <= self._last_round:
+            return 0
+        self._release_port()
+        self._held_port, self._spare_port = self._spare_port, None  # what the master was offered is MASTER_PORT now
+        return latest.round_id
+
+    def _offer_next_port(self) -> int:
+        """A port held from now on for the round after the one this node waits for (0: none; a job of roles
+        serves no round store)."""
+        if self.config.roles:
+            return 0
+        if self._spare_port is None:
+            try:
+                self._spare_port = hold_port(listen=self.group.uses_round_store)
+            except OSError as exc:  # no free port now: the node joins the next round as usual
+                log.debug(f"convoy agent {self.config.node_id}: no port to offer for the next round: {exc}")
+                return 0
+        return int(self._spare_port.getsockname()[1])
 
     def _run_round(self, round_info: p.RoundInfo) -> bool:
         """Run this node's workers until the round ends; True when the whole job has ended."""
         member = next(m for m in round_info.members if m.node_id == self.config.node_id)
+        self._last_round = round_info.round_id
         reported_failure = reported_done = start_failed = False
         if self.heartbeat.lease is not None and round_info.lease_s > 0:
             self.heartbeat.lease.grant(round_info.round_id, self._asked_at, round_info.lease_s)
@@ -309,10 +343,13 @@ class Agent:
             self._held_port = hold_port(listen=listen)
         return int(self._held_port.getsockname()[1])
 
-    def _release_port(self) -> None:
+    def _release_port(self, spare: bool = False) -> None:
         if self._held_port is not None:
             self._held_port.close()
             self._held_port = None
+        if spare and self._spare_port is not None:
+            self._spare_port.close()
+            self._spare_port = None
 
     def _first_joined(self, job_id: str) -> None:
         """Before this node runs anything of the job: end what an earlier agent of the node left

@@ -295,6 +295,9 @@ class Job:
         nodes = ", ".join(f"node{m.node_rank}={m.host}x{m.nproc}" for m in membership.members)
         size = f"{len(membership.members)} nodes, world size {membership.world_size}"
         message = f"round {membership.round_id}: {size} [{nodes}]"
+        carried = len(self.rendezvous.carried)
+        if carried:
+            message += f"; {carried} of them placed at once, on the port each offered (no join)"
         return [Event("round_closed", message, None, membership.round_id, True)]
 
     def _end(self, status: str, outcome: str, report: WorkerExit | None = None) -> list[Event]:

@@ -121,6 +121,7 @@ class NodePolls:
             membership = job.membership
             if state != "ready" or membership is None:
                 return p.WaitResponse(state=state, job_status=job.status)
+            job.rendezvous.offer_next(req.node_id, membership.round_id, req.next_port)
             self.train_calls.round_seen()
             made_of = (membership, job.status, job.restart_count, job.max_restarts,
                        self.train_calls.train.restore_at_most(membership.round_id))

@@ -73,6 +73,10 @@ class Rendezvous:
     """Nodes a reopened round waits for: it closes once all have joined (the window does not apply)."""
     dropped: int = 0
     """How many nodes were forgotten before a round placed them (what a waiting node's poll looks at again)."""
+    carried: frozenset[str] = frozenset()
+    """Nodes the open (or last opened) round placed at once, on the port each offered for it (``offer_next``)."""
+    _next_ports: dict[str, int] = field(default_factory=dict)
+    """The port each member of the running round offered for the round after it (held by its agent)."""
 
     @property
     def is_open(self) -> bool:
@@ -127,6 +131,14 @@ class Rendezvous:
             return None
         return self.opened_at
 
+    def offer_next(self, node_id: str, round_id: int, port: int) -> None:
+        """A member of the running round ``round_id`` holds ``port`` for the round after it: if the same nodes
+        regroup, it is placed in that round at once on this port, without joining again (at thousands of nodes a
+        join each is the larger part of a regroup). An offer for another round is ignored."""
+        membership = self.membership
+        if port > 0 and membership is not None and round_id == self.round_id and membership.member(node_id):
+            self._next_ports[node_id] = port
+
     def set_previous(self, membership: Membership) -> None:
         """Remember a membership's rank order (for a master that restarts from its state)."""
         self._previous_ranks = {m.node_id: m.node_rank for m in membership.members}
@@ -135,18 +147,31 @@ class Rendezvous:
         """End the current round; nodes must join again. Returns the new round id.
 
         ``expected``: the nodes that will come back (e.g. the survivors of a node loss); the
-        round closes as soon as they all have, instead of waiting out ``wait_s``.
+        round closes as soon as they all have, instead of waiting out ``wait_s``. Those of them that offered a
+        port for this round (``offer_next``) are placed at once: where all did, the round closes now.
         """
-        if self.membership is not None:
-            self.set_previous(self.membership)
+        ended, offered = self.membership, self._next_ports
+        if ended is not None:
+            self.set_previous(ended)
         self.expected = frozenset(expected)
         self.round_id += 1
         self.membership = None
         self.opened_at = now
-        self._joiners = {}
+        self._joiners, self._next_ports = {}, {}
         self._min_reached_at = None
         self._admit_pending(now)
+        self.carried = frozenset(self._carry(ended, offered, now) if ended is not None and self.expected else ())
         return self.round_id
+
+    def _carry(self, ended: Membership, offered: dict[str, int], now: float) -> list[str]:
+        """Place the expected members of ``ended`` that offered a port for the round after it, in rank order."""
+        carried = []
+        for member in ended.members:
+            port = offered.get(member.node_id, 0)
+            if port and member.node_id in self.expected and member.node_id not in self._joiners and self.is_open:
+                self.join(member.node_id, member.host, member.nproc, port, now)
+                carried.append(member.node_id)
+        return carried
 
     def _admit_pending(self, now: float) -> None:
         """Move nodes that joined early for the new round into it."""

@@ -72,6 +72,9 @@ class WaitRequest(Message):
     node_id: NodeId
     round_id: RoundId
     timeout_s: float = Field(ge=0, le=60)
+    next_port: int = Field(default=0, ge=0, lt=65536, description="a port this node holds for the round after "
+                           "this one: if the same nodes regroup, it is placed in that round at once, without a join; "
+                           "0: none")
 
 
 class WaitResponse(Message):

@@ -1,0 +1,84 @@
+"""A regroup of the same nodes places those that offered a port for the next round at once (no join each)."""
+
+from __future__ import annotations
+
+from job_states import failure, join_all, kinds, make_job
+
+from convoy.control.rendezvous import Rendezvous
+
+
+def closed_round(nodes: list[str], max_nodes: int | None = None) -> Rendezvous:
+    rdzv = Rendezvous(min_nodes=1, max_nodes=max_nodes or len(nodes), wait_s=100.0, opened_at=0.0)
+    for i, node in enumerate(nodes):
+        rdzv.join(node, f"10.0.0.{i + 1}", 2, 20000 + i, now=0.1 * i)
+    rdzv.tick(200.0)  # below MAX: the window closes it
+    assert rdzv.membership is not None and rdzv.membership.round_id == 1
+    return rdzv
+
+
+def test_survivors_that_offered_ports_make_the_next_round_at_once_on_those_ports() -> None:
+    rdzv = closed_round(["a", "b", "c"])
+    for i, node in enumerate(["a", "b", "c"]):
+        rdzv.offer_next(node, 1, 31000 + i)
+    assert rdzv.open_next(now=5.0, expected={"b", "c"}) == 2  # a is lost
+    membership = rdzv.membership
+    assert membership is not None and membership.round_id == 2, "every survivor was placed: the round closed"
+    assert [m.node_id for m in membership.members] == ["b", "c"], "rank order kept"
+    assert (membership.master_addr, membership.master_port) == ("10.0.0.2", 31001), "rank 0's offered port"
+    assert [m.rank_offset for m in membership.members] == [0, 2]
+    assert rdzv.carried == {"b", "c"}
+
+
+def test_a_survivor_without_an_offer_joins_and_the_round_waits_for_it() -> None:
+    rdzv = closed_round(["a", "b", "c"])
+    rdzv.offer_next("a", 1, 31000)
+    rdzv.offer_next("b", 1, 31001)
+    rdzv.open_next(now=5.0, expected={"a", "b", "c"})
+    assert rdzv.is_open and rdzv.carried == {"a", "b"} and rdzv.is_waiting("a") and not rdzv.is_waiting("c")
+    rdzv.join("c", "10.0.0.3", 2, 32000, now=6.0)
+    assert rdzv.membership is not None and [m.node_id for m in rdzv.membership.members] == ["a", "b", "c"]
+    assert rdzv.membership.master_port == 31000
+
+
+def test_offers_for_another_round_or_from_non_members_are_ignored_and_an_offer_serves_once() -> None:
+    rdzv = closed_round(["a", "b"])
+    rdzv.offer_next("a", 2, 31000)  # not the running round
+    rdzv.offer_next("x", 1, 31001)  # not a member
+    rdzv.offer_next("b", 1, 0)  # no port
+    rdzv.open_next(now=5.0, expected={"a", "b"})
+    assert rdzv.carried == frozenset() and rdzv.is_open
+    rdzv.join("a", "10.0.0.1", 2, 32000, now=6.0)
+    rdzv.join("b", "10.0.0.2", 2, 32001, now=6.0)
+    rdzv.offer_next("a", 2, 33000)
+    rdzv.offer_next("b", 2, 33001)
+    rdzv.open_next(now=7.0, expected={"a", "b"})
+    assert rdzv.membership is not None and rdzv.membership.master_port == 33000
+    rdzv.open_next(now=8.0, expected={"a", "b"})  # round 3 was made from the offers: none is left for round 4
+    assert rdzv.is_open and rdzv.carried == frozenset()
+
+
+def test_an_open_without_expected_nodes_places_nobody() -> None:
+    rdzv = closed_round(["a", "b"])
+    rdzv.offer_next("a", 1, 31000)
+    rdzv.open_next(now=5.0)
+    assert rdzv.carried == frozenset() and not rdzv.is_waiting("a")
+
+
+def test_a_node_joining_for_the_next_round_is_placed_beside_the_carried_ones() -> None:
+    rdzv = closed_round(["a", "b"], max_nodes=3)
+    rdzv.offer_next("a", 1, 31000)
+    rdzv.offer_next("b", 1, 31001)
+    assert rdzv.join("c", "10.0.0.3", 1, 32002, now=1.0) == 2  # queued while round 1 runs
+    rdzv.open_next(now=5.0, expected={"a", "b", "c"})
+    assert rdzv.membership is not None and [m.node_id for m in rdzv.membership.members] == ["a", "b", "c"]
+
+
+def test_a_restart_after_a_worker_failure_closes_its_round_at_once_and_says_so() -> None:
+    job = make_job(max_restarts=3)
+    join_all(job, now=0.0)
+    for i, node in enumerate(["n0", "n1"]):
+        job.rendezvous.offer_next(node, 1, 31000 + i)
+    events = job.worker_exited(failure("n1", 1, rank=3, local_rank=1, exitcode=7), now=5.0)
+    assert kinds(events) == ["worker_failed", "restart", "round_closed"]
+    assert job.membership is not None and job.membership.round_id == 2 and job.membership.master_port == 31000
+    assert "2 of them placed at once" in events[-1].message
