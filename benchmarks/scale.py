@@ -15,7 +15,7 @@ Where an N does not get through a phase within ``--timeout-s``, that is said and
 Targets (N = 4096): round <= 5 s, heartbeat p99 <= 100 ms, next round <= 5 s after the time-out, RSS <= 300 MB,
 nodes page <= 2 s; round and master CPU per heartbeat growing no faster than linearly (a table and
 ``results/scale.png``); against torch's c10d rendezvous (``scripts/c10d_peer.py``) at the same N, in the same run,
-as far as it gets: convoy's round <= 0.5x its. Not measured yet: a job of roles.
+as far as it gets: convoy's round <= 0.5x its. A job of roles: ``scale_roles.py``.
 """
 
 from __future__ import annotations

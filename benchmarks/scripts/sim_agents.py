@@ -47,12 +47,14 @@ READY_HEAD = re.compile(rb'^\{"state":"(\w+)","job_status":"(\w+)","round":\{"jo
 class Link:
     """One keep-alive HTTP/1.1 connection to the master, reopened when it closes."""
 
-    def __init__(self, host: str, port: int, token: str, keep_alive: bool = True, source: str = "") -> None:
+    def __init__(self, host: str, port: int, token: str, keep_alive: bool = True, source: str = "",
+                 whole: bool = False) -> None:
         """``keep_alive`` False: a connection per request (``Connection: close``), to tell the master's cost of
         held connections from the rest; ``source``: the address connections come from (each simulated host its
-        own, as agents on other hosts have: the master bounds what one client address may hold)."""
+        own, as agents on other hosts have: the master bounds what one client address may hold); ``whole``:
+        every reply is decoded (a job of roles: heartbeat replies carry orders and addresses)."""
         self.host, self.port, self.token, self.keep_alive = host, port, token, keep_alive
-        self.source = source
+        self.source, self.whole = source, whole
         self.key = secrets.token_hex(6)
         self.calls = 0
         self.retries = 0
@@ -105,7 +107,7 @@ class Link:
         raw = await reader.readexactly(length) if length else b""
         if closing:
             self.close()
-        return status, _decoded(raw, gzipped)
+        return status, _decoded(raw, gzipped, self.whole)
 
     def close(self) -> None:
         if self.streams is not None:
@@ -113,12 +115,16 @@ class Link:
             self.streams = None
 
 
-def _decoded(raw: bytes, gzipped: bool) -> dict[str, Any]:
+def _decoded(raw: bytes, gzipped: bool, whole: bool = False) -> dict[str, Any]:
+    """The reply; of a round's membership, only its head. ``whole``: any other large reply is decoded whole (a job
+    of roles' heartbeat replies may carry every process's address), else it is refused."""
     if gzipped:
         inflater = zlib.decompressobj(wbits=31)
         head = inflater.decompress(raw, DECODED_BOUND + 1)
+        if whole and not inflater.eof and READY_HEAD.match(head) is None:
+            head += inflater.decompress(inflater.unconsumed_tail)
         raw = head if inflater.eof else head + b"..."  # (a head only: longer than DECODED_BOUND)
-    if len(raw) <= DECODED_BOUND:
+    if len(raw) <= DECODED_BOUND or (whole and READY_HEAD.match(raw) is None):
         return json.loads(raw) if raw else {}
     head = READY_HEAD.match(raw)
     if head is None:
@@ -152,6 +158,8 @@ class SimAgent:
     poll_s: float = 0.0
     """The poll the master asked for in its last heartbeat reply."""
     moved: asyncio.Event = field(default_factory=asyncio.Event)
+    next_port = 29501
+    """What it offers for the next round in its ``/wait`` (nothing listens there: no worker connects)."""
 
     async def run(self) -> None:
         beating: asyncio.Task[None] | None = None
@@ -190,7 +198,7 @@ class SimAgent:
             asked = time.monotonic()
             poll = self.poll_s or self.heartbeat_s  # as the agent: as long as the master asks of heartbeats
             status, reply = await self.link.call("/wait", {"node_id": self.node_id, "round_id": round_id,
-                                                           "timeout_s": poll, "next_port": 29501})
+                                                           "timeout_s": poll, "next_port": self.next_port})
             if status != 200:
                 raise RuntimeError(f"wait answered {status}: {reply}")
             if reply["state"] == "waiting":  # as the agent: an early answer, the rest of the poll waited here
@@ -219,23 +227,30 @@ class SimAgent:
                 await asyncio.sleep(0.05)
                 continue
             sent, wait_s = time.monotonic(), self.poll_s or self.heartbeat_s
-            status, reply = await self.beats.call("/heartbeat", {"node_id": self.node_id,
-                                                                 "round_id": self.known_round, "wait_s": wait_s})
+            status, reply = await self.beats.call("/heartbeat", self.beat_body(wait_s))
             took = time.monotonic() - sent
             self.last_beat = sent
             if status != 200:
                 raise RuntimeError(f"heartbeat answered {status}: {reply}")
-            changed = reply["round_id"] != self.known_round or reply["job_status"] != "running"
-            self.late.append((sent, max(0.0, took - (0.0 if changed else wait_s))))
+            moved = reply["round_id"] != self.known_round or reply["job_status"] != "running"
+            news = self.heard(reply) or moved
+            self.late.append((sent, max(0.0, took - (0.0 if news else wait_s))))
             self.known_round, self.poll_s = int(reply["round_id"]), float(reply.get("poll_s", 0.0))
-            if changed:
+            if moved:
                 self.told.setdefault(self.known_round, time.monotonic())
                 self.moved.set()
             if reply["job_status"] != "running":
                 self.stopped = True
                 self.moved.set()
-            elif not changed:  # as the agent: an early answer without news, the rest of the poll waited here
+            elif not news:  # as the agent: an early answer without news, the rest of the poll waited here
                 await asyncio.sleep(max(0.0, wait_s - took))
+
+    def beat_body(self, wait_s: float) -> dict[str, Any]:
+        return {"node_id": self.node_id, "round_id": self.known_round, "wait_s": wait_s}
+
+    def heard(self, reply: dict[str, Any]) -> bool:
+        """What a heartbeat reply pushed beyond the round and the job's status: whether it had news (none here)."""
+        return False
 
 
 def source_address(index: int) -> str:
@@ -248,9 +263,10 @@ class SimulatedAgents:
     """``count`` simulated agents on an event loop of their own thread; ``start`` joins them all at once."""
 
     def __init__(self, host: str, port: int, token: str, count: int, heartbeat_s: float = HEARTBEAT_S,
-                 prefix: str = "sim", keep_alive: bool = True) -> None:
-        self.agents = [SimAgent(f"{prefix}{index:05d}", Link(host, port, token, keep_alive, source_address(index)),
-                                Link(host, port, token, keep_alive, source_address(index)), heartbeat_s)
+                 prefix: str = "sim", keep_alive: bool = True, kind: type[SimAgent] = SimAgent) -> None:
+        whole = kind is not SimAgent
+        self.agents = [kind(f"{prefix}{index:05d}", Link(host, port, token, keep_alive, source_address(index), whole),
+                            Link(host, port, token, keep_alive, source_address(index), whole), heartbeat_s)
                        for index in range(count)]
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="sim-agents", daemon=True)

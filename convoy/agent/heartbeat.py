@@ -41,6 +41,9 @@ class Heartbeat(threading.Thread):
         """What the master's replies asked of a job of roles, for the main loop to carry out."""
         self.addresses_version = 0
         """The role addresses' version written to this node's addresses file (role_env.ADDRESSES_FILE_ENV)."""
+        self.addresses: dict[str, list[str]] = {}
+        self.incarnations: dict[str, list[int]] = {}
+        """What that file holds (the master may send only what changed since)."""
         self.restart_coming = threading.Event()
         """Set when a pushed config version applies by a restart: the agent warms the next round's workers now."""
         self.config_version = 0
@@ -85,13 +88,21 @@ class Heartbeat(threading.Thread):
         """Give this node's role processes the master's newer addresses (a moved process is found there)."""
         if reply.addresses_version <= self.addresses_version:
             return
+        addresses, incarnations, changes = reply.addresses, reply.incarnations, reply.address_changes
+        if changes is not None:
+            if changes.since != self.addresses_version:  # not from what this node holds: the next reply sends all
+                log.warning(f"convoy agent {self.config.node_id}: role address changes since version {changes.since} "
+                            f"do not apply to version {self.addresses_version}; asking for all of them")
+                self.addresses_version = 0
+                return
+            addresses, incarnations = changes.applied_to(self.addresses, self.incarnations)
         path = addresses_file(self.config.run_dir, self.config.node_id)
         try:
-            write_addresses(path, reply.addresses_version, reply.addresses, reply.incarnations)
+            write_addresses(path, reply.addresses_version, addresses, incarnations)
         except OSError as exc:  # the processes keep the addresses they have; the next reply tries again
             log.warning(f"convoy agent {self.config.node_id}: cannot write the role addresses to {path}: {exc}")
             return
-        self.addresses_version = reply.addresses_version
+        self.addresses_version, self.addresses, self.incarnations = reply.addresses_version, addresses, incarnations
 
     def _publish_config(self, reply: p.HeartbeatResponse) -> None:
         """Give this node's processes the training config's newer versions (they read the file at each step)."""

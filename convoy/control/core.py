@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from convoy.config import MasterConfig
-from convoy.control.job import RUNNING, Event, Job
+from convoy.control.job import RUNNING, Job
 from convoy.control.nodes import NodeRegistry
 from convoy.control.shards.master import PLAIN_ROLE
 
@@ -20,8 +20,9 @@ class MasterCore:
     nodes: NodeRegistry
     changed: threading.Condition
     """The master's lock: every call holds it while it feeds the state machines; ``notify_all`` wakes the polls."""
-    apply: Callable[[list[Event]], None]
-    """Record the events (the state file, the console, the long polls); called with the lock held."""
+    apply: Callable[..., None]
+    """``apply(events, lazy_parts=False)``: record the events (the state file, the console, the long polls); called
+    with the lock held (``lazy_parts``: ``Store.save``)."""
 
     @property
     def ended(self) -> bool:

@@ -175,6 +175,7 @@ class JobMaster:
                                    req.node_id)])
                 raise ConflictError(f"node id {req.node_id!r} is in use by another running agent; "
                                     "give each agent its own --node-id")
+            before = self._decided()
             round_id, events = self.job.join(req.node_id, req.host, req.nproc, req.port, now, req.node_rank,
                                               same_agent)
             if self.role_master is not None:
@@ -182,12 +183,19 @@ class JobMaster:
                                                     req.cpus)
                 memory = min(filter(None, (req.memory_available_bytes, req.memory_limit_bytes)), default=0)
                 self.role_master.node_room(req.node_id, memory, req.cpus, req.gpus)
-            self._apply(events)
+            # a join that decided nothing (no round closed or opened, no order) is made again by a node whose round
+            # a restarted master lost; the one that closes a round writes the parts, with every join before it
+            self._apply(events, lazy_parts=self._decided() == before)
             refusal = self.job.refusal(req.node_id)
             if refusal is not None:
                 self.nodes.mark(req.node_id, "excluded")
                 raise ConflictError(refusal)
             return p.JoinResponse(job_id=self.job.job_id, round_id=round_id)
+
+    def _decided(self) -> tuple[int, int, str, int]:
+        """What a call may have decided: the round and its membership, the job's status, the role orders queued."""
+        news = self.role_master.orders.news if self.role_master is not None else 0
+        return self.job.round_id, id(self.job.membership), self.job.status, news
 
     def wait(self, req: p.WaitRequest) -> p.WaitResponse | Encoded | LongPoll:
         return self.polls.wait(req)
@@ -295,8 +303,8 @@ class JobMaster:
             if self._refused_since is None and self.store.failing_since is not None:
                 self._refused_since = time.monotonic()
 
-    def _apply(self, events: list[Event]) -> None:
-        """Record, print, and wake waiters; caller holds ``self._changed``.
+    def _apply(self, events: list[Event], lazy_parts: bool = False) -> None:
+        """Record, print, and wake waiters; caller holds ``self._changed``. ``lazy_parts``: see ``Store.save``.
 
         A write that fails (a full disk) changes nothing in memory: the events are kept and
         written by a later save, the console still gets them, and waiters are still woken.
@@ -305,7 +313,7 @@ class JobMaster:
         now, ranks = time.monotonic(), self.job.membership
         rows, every = self.nodes.to_write(ranks, now)
         try:
-            note = self.store.save(self.job, events, self.url, rows)
+            note = self.store.save(self.job, events, self.url, rows, lazy_parts)
             self.nodes.written(ranks, every, now)
         except StateWriteError as exc:
             if not was_failing:  # one line when the writes start failing, one when they work again
@@ -318,6 +326,7 @@ class JobMaster:
         for event in events:
             if event.console:
                 self.console(f"convoy: {printable(event.message, keep_lines=True)}")
+        self.polls.applied()
         self._changed.notify_all()
         if self.ended:
             self._ended.set()
@@ -343,11 +352,13 @@ class JobMaster:
                     events += self.role_master.node_lost(node_id) if self.role_master else []
                     events += self.job.node_lost(node_id, f"sent no heartbeat for {self.nodes.timeout_s:.0f} s", now)
                 events += self.role_master.advance(now) if self.role_master else []
+                self.polls.tick(now)
                 events += self.role_calls.pool_tick()
                 events += self.train_calls.advance(now)
                 events += self._state_write_give_up(now)
                 retry = self.store.failing_since is not None and now - self._last_write_try >= STATE_RETRY_S
                 stale = self.nodes.rows_stale(now) and self.store.failing_since is None  # their last-seen times
-                if events or retry or stale:
+                owed = self.store.parts_owed and self.store.parts_due()  # parts a burst of changes left for later
+                if events or retry or stale or owed:
                     self._last_write_try = now
                     self._apply(events)

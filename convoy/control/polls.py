@@ -17,6 +17,7 @@ from convoy.control.long_polls import LongPoll
 from convoy.control.protocol import messages as p
 from convoy.control.rendezvous import Membership
 from convoy.control.replies import Encoded, encoded_once
+from convoy.control.roles.address_book import AddressBook, Wave, wave_for
 
 BEATS_PER_S = 250.0
 """The heartbeats a second the master's poll length aims at (about a tenth of its two cores at ~0.5 ms each)."""
@@ -53,15 +54,40 @@ class NodePolls:
         """Nodes told that the job ended."""
         self._ready: tuple[tuple[Any, ...], Encoded] | None = None
         """The last ready answer to ``/wait`` and what it was made of."""
+        self.book = AddressBook()
+        """A job of roles: the addresses as the nodes are told them, in waves."""
+        self._roles_moved = True
+        """Whether the roles may have changed since the last wave (every change the master applies sets it)."""
 
     def epoch(self) -> object:
         """What parked polls wait on; while it is the same, none of them has news (read under the lock). A job of
-        roles pushes per-node orders: its polls are looked at on every change."""
+        roles adds the addresses' wave and the count of orders queued for the nodes."""
         job = self.core.job
+        epoch = (job.round_id, job.status, self.stopping.is_set(), id(job.membership), job.rendezvous.dropped,
+                 self.train_calls.config_version)
         if self.role_master is not None:
-            return object()
-        return (job.round_id, job.status, self.stopping.is_set(), id(job.membership), job.rendezvous.dropped,
-                self.train_calls.config_version)
+            return epoch + (self._wave().version, self.role_master.orders.news)
+        return epoch
+
+    def applied(self) -> None:
+        """The master applied a change (its lock held): the roles are looked at again for the next wave."""
+        self._roles_moved = True
+
+    def tick(self, now: float) -> None:
+        """The master's tick (its lock held): a wave that has come due wakes the parked polls' watcher."""
+        if self.role_master is not None and self._roles_moved and self.book.due(now, self._wave_s()):
+            self.core.changed.notify_all()
+
+    def _wave_s(self) -> float:
+        return wave_for(len(self.core.nodes.nodes))
+
+    def _wave(self) -> Wave:
+        """The roles' addresses as the nodes are told them now (lock held): a new wave where one is due."""
+        now = time.monotonic()
+        if self._roles_moved and self.book.due(now, self._wave_s()):
+            self._roles_moved = False
+            self.book.publish(Wave(*self.role_master.published()), now)
+        return self.book.wave
 
     def wait(self, req: p.WaitRequest) -> p.WaitResponse | Encoded | LongPoll:
         """Long poll until the round the node waits for has closed (or moved on)."""
@@ -133,21 +159,27 @@ class NodePolls:
     def _news(self, req: p.HeartbeatRequest) -> bool:
         job, roles = self.core.job, self.role_master
         return self.core.ended or job.round_id != req.round_id or self.stopping.is_set() \
-            or (roles is not None and (roles.has_news(req.node_id) or roles.published()[0] > req.addresses_version)) \
+            or (roles is not None and (roles.has_news(req.node_id) or self._wave().version > req.addresses_version)) \
             or self.train_calls.config_version > req.config_version
 
-    def _heartbeat_answer(self, req: p.HeartbeatRequest) -> p.HeartbeatResponse:
+    def _heartbeat_answer(self, req: p.HeartbeatRequest) -> p.HeartbeatResponse | Encoded:
+        """The node's lease renewed, and what is new for it; the roles' addresses (the bulk of a reply in a job of
+        thousands of processes, the same for every node behind by the same waves) are encoded once per wave."""
         with self.core.changed:
             job, roles, config = self.core.job, self.role_master, self.core.config
             spread = NEWS_SPREAD if self._news(req) else POLL_SPREAD
             self.note_outcome_heard(req.node_id)
             assignments, stops = roles.deliver(req.node_id, time.monotonic()) if roles and not self.core.ended \
                 else ([], [])
-            version, addresses, incarnations = roles.published() if roles else (0, {}, {})
+            wave = self._wave() if roles else Wave()
             train = self.train_calls
-            return p.HeartbeatResponse(
+            reply = p.HeartbeatResponse(
                 job_status=job.status, round_id=job.round_id, message=job.outcome, assignments=assignments,
-                stops=stops, addresses=addresses, addresses_version=version, incarnations=incarnations,
+                stops=stops, addresses_version=wave.version,
                 train_config=train.train.config_state() if train.config_version > req.config_version else None,
                 poll_s=poll_for(len(self.core.nodes.nodes), config.heartbeat_s, config.heartbeat_timeout_s)
                 * (1.0 - spread * random.random()))
+            if wave.version <= req.addresses_version:
+                return reply
+            body = reply.model_dump_json(exclude={"addresses", "incarnations", "address_changes"}).encode()
+            return Encoded(body[:-1] + b"," + self.book.encoded(req.addresses_version) + b"}")

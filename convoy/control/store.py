@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import os
 import sqlite3
 import threading
@@ -41,6 +42,9 @@ EVENTS_FILE = "events.jsonl"
 NEW_COLUMNS = {"job": (("excluded_nodes", "TEXT"), ("port_retries", "INTEGER")), "nodes": (("instance", "TEXT"),)}
 """Columns newer than the first state files, by table, added to those when they are opened."""
 MAX_PENDING_EVENTS = 10_000
+PARTS_SHARE = 0.1
+"""Saves of ``lazy_parts`` changes make and write the parts (the roles' state is O(processes)) at most this share
+of the time: at 1024 role processes each start's save made the whole roles state, 3/4 of the master's time."""
 """Events kept in memory while the state cannot be written; beyond that the oldest are dropped (counted)."""
 
 
@@ -58,6 +62,9 @@ class Store:
         self._pending: collections.deque[tuple[float, Event]] = collections.deque()
         self._pending_rounds: dict[int, tuple[Membership, float]] = {}
         """Rounds that closed while writes failed (a later one may have replaced them in the job by then)."""
+        self._round_written = 0
+        """The last round whose row was written (each is written once: at thousands of members, its list is not
+        made again on every save)."""
         self.lost_events = 0
         """Events dropped from ``_pending`` because it was full, since the last good write."""
         self.failing_since: float | None = None
@@ -67,6 +74,10 @@ class Store:
         self.parts: dict[str, Callable[[], str]] = {}
         """More of the job's state, by name (the shard queues): each save writes the part's text if it changed."""
         self._written_parts: dict[str, str] = {}
+        self.parts_owed = False
+        """A save left the parts for later (``lazy_parts``): a later save writes them (the master's tick, soon)."""
+        self._parts_at, self._parts_cost = -math.inf, 0.0
+        """When the parts were last made and written, and what that took (monotonic seconds)."""
         self._unwritten_lines = 0
         try:
             private_file(self.path)  # SQLite gives its WAL and journal files the database's mode
@@ -96,11 +107,17 @@ class Store:
         with self._lock:
             self._db.close()
 
-    def save(self, job: Job, events: list[Event], master_url: str, nodes: list[NodeRecord]) -> str | None:
+    def save(self, job: Job, events: list[Event], master_url: str, nodes: list[NodeRecord],
+             lazy_parts: bool = False) -> str | None:
         """Record events (after any kept from failed writes) and the job, round and node rows in one
         transaction, with the state of the master's other ``parts`` that changed. Returns a note when state
         that could not be written before now is; raises StateWriteError (the events are kept) when the
-        write fails."""
+        write fails.
+
+        ``lazy_parts``: the change is one a restarted master recovers without the parts (a process's start,
+        which its agent reports again): they are left for a later save where they were written less than
+        ``parts_due`` ago, so that a burst of such changes writes them (O(processes) each) a few times, not once
+        per change."""
         now = time.time()
         with self._lock:
             for event in events:
@@ -108,10 +125,10 @@ class Store:
                     self._pending.popleft()
                     self.lost_events += 1
                 self._pending.append((now, event))
-            if job.membership is not None:
+            if job.membership is not None and job.membership.round_id != self._round_written:
                 self._pending_rounds.setdefault(job.membership.round_id, (job.membership, now))
             try:
-                self._write(job, master_url, nodes, now)
+                self._write(job, master_url, nodes, now, lazy_parts and not self.parts_due())
             except (sqlite3.Error, OSError) as exc:
                 self._roll_back()
                 if self.failing_since is None:
@@ -120,6 +137,7 @@ class Store:
                 raise StateWriteError(f"the job's state in {self.path} cannot be written: {exc}") from exc
             note = self._recovery_note() if self.failing_since is not None else None
             self._pending.clear()
+            self._round_written = max(self._pending_rounds, default=self._round_written)
             self._pending_rounds.clear()
             self.failing_since, self.fault, self.lost_events = None, "", 0
             return note
@@ -137,7 +155,12 @@ class Store:
         return (f"the job's state is written again after {time.monotonic() - self.failing_since:.0f} s; "
                 f"{len(self._pending)} events kept in memory meanwhile are recorded{lost}")
 
-    def _write(self, job: Job, master_url: str, nodes: list[NodeRecord], now: float) -> None:
+    def parts_due(self) -> bool:
+        """Whether the parts may be made and written now: at most ``PARTS_SHARE`` of the time goes to them."""
+        return time.monotonic() - self._parts_at >= self._parts_cost / PARTS_SHARE
+
+    def _write(self, job: Job, master_url: str, nodes: list[NodeRecord], now: float, skip_parts: bool = False
+               ) -> None:
         to_wall = now - time.monotonic()  # node times are monotonic; the table keeps wall-clock times
         membership = job.membership
         rdzv = job.rendezvous
@@ -167,11 +190,16 @@ class Store:
         for closed, closed_at in self._pending_rounds.values():
             self._save_round(closed, closed_at)
         self._db.executemany("INSERT INTO events (ts, kind, node_id, round_id, message) VALUES (?,?,?,?,?)", rows)
-        parts = {name: text() for name, text in self.parts.items()}
+        began = time.monotonic()
+        parts = {} if skip_parts else {name: text() for name, text in self.parts.items()}
         changed = [(name, text) for name, text in parts.items() if self._written_parts.get(name) != text]
         self._db.executemany("INSERT OR REPLACE INTO parts VALUES (?,?)", changed)
+        cost = time.monotonic() - began
         self._db.execute("COMMIT")
         self._written_parts.update(changed)
+        self.parts_owed = skip_parts
+        if not skip_parts:
+            self._parts_at, self._parts_cost = began, cost
         self._append_events(rows)
 
     def _append_events(self, rows: list[tuple[Any, ...]]) -> None:

@@ -26,3 +26,14 @@ def test_64_simulated_agents_hold_a_round_heartbeat_and_regroup_without_a_silent
     assert isinstance(row["beats"], int) and row["beats"] >= 64, "every agent heartbeats in the steady window"
     assert isinstance(row["next_round_s"], float), row
     assert 0 < row["rss_mb"] < 1000 and row["state_mb"] > 0, row
+    assert isinstance(row["told_s"], float) and row["told_s"] <= row["next_round_s"], row
+
+
+def test_64_simulated_agents_of_a_job_of_roles_start_their_processes_and_move_a_lost_nodes() -> None:
+    import scale_roles
+
+    row = scale_roles.measure(64, steady_s=2.0, timeout_s=60.0, heartbeat_timeout_s=5.0)
+    assert "stopped" not in row, row
+    assert isinstance(row["started_s"], float) and row["started_s"] <= row["addresses_s"], row
+    assert isinstance(row["beats"], int) and row["beats"] >= 64, "every agent heartbeats in the steady window"
+    assert isinstance(row["moved_s"], float) and isinstance(row["known_s"], float), row

@@ -174,3 +174,37 @@ def test_status_says_the_newest_snapshot_interval_even_once_it_left_the_recent_e
     newest = [line for line in lines if "snapshots every" in line]
     assert len(newest) == 1 and newest[0].startswith(said.format(5, 4) + " (said "), lines
     assert "snapshots every" not in format_status({**state, "snapshot_interval": None}), "no budget: no line"
+
+
+def test_lazy_parts_are_left_for_a_later_save_within_their_share_of_the_time(store: Store, tmp_path: Path) -> None:
+    """A burst of changes a restarted master recovers without the parts (role starts) writes them now and then,
+    at most ``PARTS_SHARE`` of the time; any other save writes them at once, with what the lazy ones left."""
+    import time
+
+    from convoy.control.store import read_part
+
+    made = []
+
+    def slow_part() -> str:  # ~20 ms to make: the next 200 ms of lazy saves leave it
+        time.sleep(0.02)
+        made.append(1)
+        return json.dumps({"made": len(made)})
+
+    store.parts["roles"] = slow_part
+    job = Job("feedbeef", Rendezvous(1, 1, 0.0, opened_at=0.0), max_restarts=3, join_timeout_s=60.0)
+    store.save(job, [Event("first", "")], "127.0.0.1:1", [], lazy_parts=True)
+    assert read_part(tmp_path, "roles") == '{"made": 1}' and not store.parts_owed, "the first one writes them"
+    store.save(job, [Event("second", "")], "127.0.0.1:1", [], lazy_parts=True)
+    assert len(made) == 1 and store.parts_owed and not store.parts_due(), "left for later"
+    assert [e["kind"] for e in read_status(tmp_path)["events"]][-1] == "second", "its events are written at once"
+    store.save(job, [], "127.0.0.1:1", [])
+    assert read_part(tmp_path, "roles") == '{"made": 2}' and not store.parts_owed
+
+
+def test_a_rounds_row_is_made_once_not_at_every_save(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    job, registry = job_through_a_restart(store)
+    made = []
+    monkeypatch.setattr(store, "_save_round", lambda membership, now: made.append(membership.round_id))
+    for _ in range(3):
+        store.save(job, [], "127.0.0.1:4000", list(registry.nodes.values()))
+    assert made == [], "round 2's row was written when it closed (at thousands of members it is not made again)"

@@ -19,6 +19,9 @@ from convoy.control.pool.store import PoolStore
 
 
 class Scheduler(Protocol):
+    shared: bool
+    """Whether other jobs share it (a claim to keep in sync)."""
+
     def take(self, need: Amount) -> bool:
         """Take ``need`` (CPUs and memory) for a process about to be placed; False: not free now (it waits)."""
 
@@ -38,6 +41,9 @@ class Scheduler(Protocol):
 class Unbounded:
     """No pool: every process fits (the nodes' room still applies), nothing is ever asked back."""
 
+    shared = False
+    """Whether other jobs share it (a claim to keep in sync)."""
+
     def take(self, need: Amount) -> bool:
         return True
 
@@ -56,6 +62,8 @@ class Unbounded:
 
 class PoolScheduler:
     """This job's claim in the machine's pool, and the pool as last read."""
+
+    shared = True
 
     def __init__(self, store: PoolStore, job_id: str, priority: int, run_dir: str = "") -> None:
         self.store, self.job_id, self.priority, self.run_dir = store, job_id, priority, run_dir

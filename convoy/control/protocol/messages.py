@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 from pydantic import Field
 
@@ -136,6 +136,31 @@ class RoleStop(Message):
                             "(convoy.role().preempted) and gets SIGTERM only this many seconds later; 0: SIGTERM now")
 
 
+class AddressChanges(Message):
+    """The role addresses from the node's version ``since`` to the reply's ``addresses_version``: every role's number
+    of ranks, and only the entries that changed, by rank index (a large job sends these, not every address)."""
+
+    since: int = Field(ge=1)
+    sizes: dict[str, int] = Field(default_factory=dict)
+    addresses: dict[str, dict[int, str]] = Field(default_factory=dict)
+    incarnations: dict[str, dict[int, int]] = Field(default_factory=dict)
+
+    def applied_to(self, addresses: dict[str, list[str]], incarnations: dict[str, list[int]]
+                   ) -> tuple[dict[str, list[str]], dict[str, list[int]]]:
+        """The addresses and incarnations a node holds at ``since``, brought to the reply's version (new lists)."""
+        def brought(held: dict[str, list[Any]], changed: dict[str, dict[int, Any]], blank: Any) -> dict[str, list[Any]]:
+            result = {}
+            for role, size in self.sizes.items():
+                entries = (list(held.get(role, ())) + [blank] * size)[:size]
+                for index, entry in changed.get(role, {}).items():
+                    if 0 <= index < size:
+                        entries[index] = entry
+                result[role] = entries
+            return result
+
+        return brought(addresses, self.addresses, ""), brought(incarnations, self.incarnations, 0)
+
+
 class HeartbeatResponse(Message):
     job_status: JobStatusName
     round_id: int
@@ -148,6 +173,8 @@ class HeartbeatResponse(Message):
     incarnations: dict[str, list[int]] = Field(default_factory=dict, description="a job of roles: each role's "
                                                "current incarnation by rank, beside ``addresses`` (a role service "
                                                "refuses a caller of an incarnation that has ended)")
+    address_changes: Optional[AddressChanges] = Field(default=None, description="set in place of ``addresses`` "
+                                                      "and ``incarnations``: what changed since the node's version")
     train_config: Optional[ConfigState] = Field(default=None, description="the training config's versions, when "
                                                 "newer than the node's ``config_version``")
     poll_s: float = Field(default=0.0, ge=0, le=60, description="the poll the master asks of the node's next "

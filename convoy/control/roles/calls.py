@@ -96,7 +96,12 @@ class RoleCalls:
         """A role process started or exited (a job of roles only)."""
         with self.core.changed:
             self.core.nodes.seen(report.node_id, time.monotonic())
-            self.core.apply(self.required().report(report))
+            roles = self.required()
+            news = roles.orders.news
+            events = roles.report(report)
+            # a start that decided nothing more is said again by its agent to a restarted master that missed it
+            self.core.apply(events, lazy_parts=report.state == "started" and roles.orders.news == news
+                            and not self.core.ended)
             self._write_memory()
             return p.Ack()
 

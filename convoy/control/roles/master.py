@@ -11,6 +11,7 @@ own per change: the round only gathers the nodes; a role group re-forms in round
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -19,7 +20,7 @@ from convoy.control.protocol import messages as p
 from convoy.control.roles import gang, saved
 from convoy.control.roles.members import FINISHED, Decision, FailJob, RestartJob, RestartRole, Roles, Start, Stop
 from convoy.control.roles.orders import Key, Orders
-from convoy.control.roles.placement import Need, Placed, Rooms, Taken
+from convoy.control.roles.placement import LeastLoaded, Need, Placed, Rooms, Taken
 from convoy.control.pool.scheduler import Scheduler, Unbounded
 from convoy.control.roles.sizing import RoleSizing
 from convoy.errors import ConfigError
@@ -279,12 +280,17 @@ class RoleMaster:
     def _place(self) -> list[Event]:
         """Assign what waits to nodes with room for it; non-service roles wait until every service has an address,
         and a process no node has room for waits, said once (its role runs below its count meanwhile)."""
+        if not self.pending:  # (before the nodes: each tick asks, and a list of thousands is not free)
+            return []
         nodes = self.live_nodes()
-        if not nodes or not self.pending:
+        if not nodes:
             return []
         ready = {name: bool(state.members) and all(member.address for member in state.members.values())
                  for name, state in self.roles.roles.items()}
         taken, waiting, events = self.taken(), [], []
+        least = LeastLoaded(nodes, taken)
+        counts = Counter(key[0] for key in self.placed if self.is_current(key))
+        addresses = {name: listed for name, listed in self.roles.addresses().items() if listed and all(listed)}
         whole: dict[str, bool] = {}
         for start in self.pending:
             key = (start.role, start.rank, start.incarnation)
@@ -302,8 +308,8 @@ class RoleMaster:
                 continue
             home, port = self.homes.get((start.role, start.rank), ("", 0))
             choice, said = self.rooms.place(key, self.need(start.role, start.rank), nodes, taken, home,
-                                            self._placed_count(start.role), self.roles.world_size(start.role),
-                                            self.specs[start.role].count.minimum)
+                                            counts[start.role], self.roles.world_size(start.role),
+                                            self.specs[start.role].count.minimum, least)
             events += said
             if choice is None:
                 waiting.append(start)
@@ -313,7 +319,9 @@ class RoleMaster:
                 waiting.append(start)
                 continue
             self.pool_waiting.discard(key)
-            events.append(self._assign(start, choice.node_id, port if choice.node_id == home else 0, choice.gpus))
+            counts[start.role] += 1
+            events.append(self._assign(start, choice.node_id, port if choice.node_id == home else 0, addresses,
+                                       choice.gpus))
         self.pending = waiting
         return events
 
@@ -357,10 +365,11 @@ class RoleMaster:
                                       "role's count or resources")
         return []
 
-    def _assign(self, start: Start, node_id: str, port: int, gpus: tuple[int, ...] = ()) -> Event:
+    def _assign(self, start: Start, node_id: str, port: int, addresses: dict[str, list[str]],
+                gpus: tuple[int, ...] = ()) -> Event:
+        """``addresses``: the roles whose every process has one (made once per placing pass)."""
         key = (start.role, start.rank, start.incarnation)
         spec = self.specs[start.role]
-        addresses = {name: listed for name, listed in self.roles.addresses().items() if listed and all(listed)}
         assignment = p.RoleAssignment(
             role=start.role, rank=start.rank, incarnation=start.incarnation, restore=start.restore, port=port,
             world_size=self.roles.world_size(start.role), addresses=addresses, entrypoint=spec.entrypoint,

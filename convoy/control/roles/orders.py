@@ -31,6 +31,8 @@ class Orders:
 
     def __init__(self) -> None:
         self.outboxes: dict[str, Outbox] = {}
+        self.news = 0
+        """Grows with every order queued (a parked heartbeat looks again only when it grew)."""
         self.addresses: tuple[int, dict[str, list[str]], dict[str, list[int]]] = (0, {}, {})
 
     def publish(self, addresses: dict[str, list[str]], incarnations: dict[str, list[int]]
@@ -43,6 +45,7 @@ class Orders:
     def assign(self, node_id: str, assignment: p.RoleAssignment) -> None:
         key = (assignment.role, assignment.rank, assignment.incarnation)
         self.outboxes.setdefault(node_id, Outbox()).assignments[key] = (assignment, NEVER)
+        self.news += 1
 
     def stop(self, node_id: str, stop: p.RoleStop) -> None:
         """Stop the process: an assignment of it not yet reported on is not sent again."""
@@ -50,6 +53,7 @@ class Orders:
         key = (stop.role, stop.rank, stop.incarnation)
         outbox.assignments.pop(key, None)
         outbox.stops[key] = (stop, NEVER)
+        self.news += 1
 
     def reported(self, node_id: str, key: Key, exited: bool) -> None:
         """The agent reported on the process: its assignment is done with, and its stop too once it exited."""

@@ -10,6 +10,7 @@ device is handed to one process at a time).
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -103,6 +104,30 @@ def choose(nodes: Sequence[str], rooms: Mapping[str, NodeRoom], taken: Mapping[s
     return Choice(node, tuple(free[: need.gpus]))
 
 
+class LeastLoaded:
+    """``choose`` for the processes of one placing pass that declare nothing (every node fits them): the node
+    running the fewest, from a heap instead of a look at every node (at thousands of nodes a pass placing one
+    process a node was quadratic). ``taken`` is the pass's, which ``Rooms.place`` grows."""
+
+    def __init__(self, nodes: Sequence[str], taken: Mapping[str, Taken]) -> None:
+        self.taken = taken
+        self.heap = [(taken[node].processes if node in taken else 0, index, node) for index, node in enumerate(nodes)]
+        heapq.heapify(self.heap)
+        self.nodes = set(nodes)
+
+    def choose(self, home: str = "") -> Choice | None:
+        if home in self.nodes:
+            return Choice(home, ())
+        while self.heap:
+            count, index, node = self.heap[0]
+            now = self.taken[node].processes if node in self.taken else 0
+            if now == count:  # (an entry of a node placed on since it was pushed is pushed again with its count)
+                heapq.heapreplace(self.heap, (count + 1, index, node))
+                return Choice(node, ())
+            heapq.heapreplace(self.heap, (now, index, node))
+        return None
+
+
 def describe_room(nodes: Sequence[str], rooms: Mapping[str, NodeRoom], taken: Mapping[str, Taken]) -> str:
     """What each node has left, for a line that says why a process waits."""
     parts = []
@@ -136,11 +161,15 @@ class Rooms:
         self.nodes.setdefault(node_id, NodeRoom(memory_bytes, float(cpus), gpus))
 
     def place(self, key: Key, need: Need, nodes: Sequence[str], taken: dict[str, Taken], home: str,
-              running: int, world_size: int, minimum: int) -> tuple[Choice | None, list[Event]]:
+              running: int, world_size: int, minimum: int, least: LeastLoaded | None = None
+              ) -> tuple[Choice | None, list[Event]]:
         """The node for process ``key`` (and ``taken`` counts it there), or None and, the first time, the line
         that says why it waits: ``running`` of the role's ``world_size`` processes are placed, its MIN
-        ``minimum``."""
-        choice = choose(nodes, self.nodes, taken, need, home)
+        ``minimum``. ``least``: the pass's heap, for a process that declares nothing."""
+        if least is not None and need == Need():
+            choice = least.choose(home)
+        else:
+            choice = choose(nodes, self.nodes, taken, need, home)
         if choice is not None:
             taken.setdefault(choice.node_id, Taken()).add(need, choice.gpus)
             return choice, []

@@ -44,7 +44,8 @@ def pool_tick(master: RoleMaster) -> list[Event]:
     pool has room for it; then place what waits."""
     if not master.begun:
         return []
-    master.scheduler.sync(*claim(master))
+    if master.scheduler.shared:  # (its claim is O(processes): not made for a job without a pool, at every tick)
+        master.scheduler.sync(*claim(master))
     releasing = total(master.need(role, rank).amount() for role, rank, _ in master.releasing)  # freed as they exit
     owed = (master.scheduler.give_back() - releasing).clipped()
     if owed.any():
