@@ -47,13 +47,13 @@ class RoleSimAgent(SimAgent):
                 self.moved.clear()
                 if beating.done():
                     beating.result()
-                if self.known_round > round_id and not self.stopped:
-                    round_id = max(self.known_round, await self._join())
-                    self.rounds[round_id] = time.monotonic()
-                while self.stops and not self.stopped:  # stops first, as the agent
+                while self.stops and not self.stopped:  # as the agent: stops first, then starts, then the round
                     await self._report_stopped(self.stops.pop(0))
                 while self.orders and not self.stopped:
                     await self._report_started(self.orders.pop(0))
+                if self.known_round > round_id and not self.stopped:
+                    round_id = max(self.known_round, await self._join(self.known_round))
+                    self.rounds[round_id] = time.monotonic()
         except Exception as exc:  # noqa: BLE001 (recorded: the benchmark says which agents failed and why)
             self.error = f"{type(exc).__name__}: {exc}"
         finally:
@@ -62,8 +62,12 @@ class RoleSimAgent(SimAgent):
             self.link.close()
             self.beats.close()
 
-    async def _join(self) -> int:
-        """A new round of a job of roles: the node joins it and its processes go on (no wait)."""
+    async def _join(self, newest: int) -> int:
+        """A new round of a job of roles: the node asks whether it is a member already (the master places the
+        nodes that stay at once), else joins it; its processes go on."""
+        status, placed = await self.link.call("/wait", {"node_id": self.node_id, "round_id": newest, "timeout_s": 0})
+        if status == 200 and placed.get("state") == "ready":
+            return newest
         status, joined = await self.link.call("/join", {"node_id": self.node_id, "host": "127.0.0.1", "nproc": 1,
                                                         "port": 29500, "instance": self.link.key})
         if status != 200:

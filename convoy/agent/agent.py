@@ -256,22 +256,28 @@ class Agent:
                 self._final_status = latest.job_status
                 processes.stop_all()  # their exits are not sent: the job's books are closed, nothing is decided
                 return True
+            self._carry_out_orders(processes)  # (first: a process moved here starts before the node rejoins)
             if latest is not None and latest.round_id > round_id:
-                join = p.JoinRequest(node_id=self.config.node_id, host=self.config.host, port=self._hold_port(),
-                                     nproc=self.config.workers.nproc_per_node, instance=self._instance,
-                                     **join_memory(self.config.cpus))
-                self._release_port()  # no torch.distributed store runs on it
-                joined = self.client.call("/join", join, p.JoinResponse)
-                # the round it joined may be a later one (a lost node coming back grows the job): joining that one
-                # again once it runs would read as an agent that restarted, and restart the job
-                round_id = max(latest.round_id, joined.round_id)
-            self._carry_out_orders(processes)
+                # the master places the nodes that stay at once (Rendezvous.carry_all): a member asks no place
+                wait = p.WaitRequest(node_id=self.config.node_id, round_id=latest.round_id, timeout_s=0)
+                placed = self.client.call("/wait", wait, p.WaitResponse).state == "ready"
+                round_id = latest.round_id if placed else self._join_roles_round(latest.round_id)
             for _, report in processes.poll():
                 memory.send(self.client, round_id)  # a measurement the process finished goes first
                 self.client.call("/role_report", report, p.Ack)
             memory.send(self.client, round_id)
             self.heartbeat.changed.wait(POLL_S)
             self.heartbeat.changed.clear()
+
+    def _join_roles_round(self, newest: int) -> int:
+        join = p.JoinRequest(node_id=self.config.node_id, host=self.config.host, port=self._hold_port(),
+                             nproc=self.config.workers.nproc_per_node, instance=self._instance,
+                             **join_memory(self.config.cpus))
+        self._release_port()  # no torch.distributed store runs on it
+        joined = self.client.call("/join", join, p.JoinResponse)
+        # the round it joined may be a later one (a lost node coming back grows the job): joining that one
+        # again once it runs would read as an agent that restarted, and restart the job
+        return max(newest, joined.round_id)
 
     def _carry_out_orders(self, processes: RoleProcesses) -> None:
         """What the master's replies asked, each start reported."""

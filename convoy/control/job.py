@@ -297,7 +297,7 @@ class Job:
         message = f"round {membership.round_id}: {size} [{nodes}]"
         carried = len(self.rendezvous.carried)
         if carried:
-            message += f"; {carried} of them placed at once, on the port each offered (no join)"
+            message += f"; {carried} of them placed at once (no join)"
         return [Event("round_closed", message, None, membership.round_id, True)]
 
     def _end(self, status: str, outcome: str, report: WorkerExit | None = None) -> list[Event]:

@@ -86,6 +86,7 @@ class JobMaster:
         self.role_calls = RoleCalls(core, resume)
         self.role_master = self.role_calls.role_master
         """A job of roles: its processes come from the heartbeats' assignments (None: a plain job)."""
+        self.job.rendezvous.carry_all = self.role_master is not None
         self.train_calls = TrainCalls(core, self.role_master, resume)
         self.train = self.train_calls.train
         self._stopping = threading.Event()

@@ -74,9 +74,15 @@ class Rendezvous:
     dropped: int = 0
     """How many nodes were forgotten before a round placed them (what a waiting node's poll looks at again)."""
     carried: frozenset[str] = frozenset()
-    """Nodes the open (or last opened) round placed at once, on the port each offered for it (``offer_next``)."""
+    """Nodes the open (or last opened) round placed at once, on the port each offered for it (``offer_next``; in a
+    job of roles, ``carry_all``: its last one)."""
     _next_ports: dict[str, int] = field(default_factory=dict)
     """The port each member of the running round offered for the round after it (held by its agent)."""
+    carry_all: bool = False
+    """A job of roles: its rounds only gather the nodes (no store is served on a port), so a regroup places every
+    expected member at once, on the port it last joined with."""
+    _ports: dict[str, int] = field(default_factory=dict)
+    """Each member's port in the last round that closed."""
 
     @property
     def is_open(self) -> bool:
@@ -167,7 +173,7 @@ class Rendezvous:
         """Place the expected members of ``ended`` that offered a port for the round after it, in rank order."""
         carried = []
         for member in ended.members:
-            port = offered.get(member.node_id, 0)
+            port = offered.get(member.node_id) or (self._ports.get(member.node_id, 0) if self.carry_all else 0)
             if port and member.node_id in self.expected and member.node_id not in self._joiners and self.is_open:
                 self.join(member.node_id, member.host, member.nproc, port, now)
                 carried.append(member.node_id)
@@ -188,6 +194,7 @@ class Rendezvous:
                            j.node_rank if j.node_rank >= 0 else self.max_nodes, j.joined_at),
         )
         members, offset = [], 0
+        self._ports = {joiner.node_id: joiner.port for joiner in order}
         for node_rank, joiner in enumerate(order):
             members.append(Member(node_rank, joiner.node_id, joiner.host, joiner.nproc, offset))
             offset += joiner.nproc

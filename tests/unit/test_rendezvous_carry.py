@@ -82,3 +82,15 @@ def test_a_restart_after_a_worker_failure_closes_its_round_at_once_and_says_so()
     assert kinds(events) == ["worker_failed", "restart", "round_closed"]
     assert job.membership is not None and job.membership.round_id == 2 and job.membership.master_port == 31000
     assert "2 of them placed at once" in events[-1].message
+
+
+def test_a_job_of_roles_places_every_node_that_stays_at_once_on_its_last_port() -> None:
+    rdzv = closed_round(["a", "b", "c"])
+    rdzv.carry_all = True  # its rounds only gather the nodes: no store is served on the port
+    rdzv.offer_next("c", 1, 31002)
+    rdzv.open_next(now=5.0, expected={"a", "c"})
+    membership = rdzv.membership
+    assert membership is not None and [m.node_id for m in membership.members] == ["a", "c"]
+    assert membership.master_port == 20000 and rdzv.carried == {"a", "c"}
+    rdzv.open_next(now=6.0, expected={"a", "c"})
+    assert rdzv.membership is not None and rdzv.membership.round_id == 3, "and again from the ports of round 2"
