@@ -42,10 +42,10 @@ EVENTS_FILE = "events.jsonl"
 NEW_COLUMNS = {"job": (("excluded_nodes", "TEXT"), ("port_retries", "INTEGER")), "nodes": (("instance", "TEXT"),)}
 """Columns newer than the first state files, by table, added to those when they are opened."""
 MAX_PENDING_EVENTS = 10_000
+"""Events kept in memory while the state cannot be written; beyond that the oldest are dropped (counted)."""
 PARTS_SHARE = 0.1
 """Saves of ``lazy_parts`` changes make and write the parts (the roles' state is O(processes)) at most this share
 of the time: at 1024 role processes each start's save made the whole roles state, 3/4 of the master's time."""
-"""Events kept in memory while the state cannot be written; beyond that the oldest are dropped (counted)."""
 
 
 class Store:
