@@ -178,10 +178,14 @@ class SimAgent:
         except Exception as exc:  # noqa: BLE001 (recorded: the benchmark says which agents failed and why)
             self.error = f"{type(exc).__name__}: {exc}"
         finally:
-            if beating is not None:
-                beating.cancel()
-            self.link.close()
-            self.beats.close()
+            self.close(beating)
+
+    def close(self, beating: asyncio.Task[None] | None) -> None:
+        """The end of ``run``: its heartbeat loop and both connections."""
+        if beating is not None:
+            beating.cancel()
+        self.link.close()
+        self.beats.close()
 
     async def _rendezvous(self, last_round: int) -> int | None:
         """Wait for the round after ``last_round`` if this agent was told of it (it offered a port for it), else

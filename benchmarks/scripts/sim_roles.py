@@ -57,10 +57,7 @@ class RoleSimAgent(SimAgent):
         except Exception as exc:  # noqa: BLE001 (recorded: the benchmark says which agents failed and why)
             self.error = f"{type(exc).__name__}: {exc}"
         finally:
-            if beating is not None:
-                beating.cancel()
-            self.link.close()
-            self.beats.close()
+            self.close(beating)
 
     async def _join(self, newest: int) -> int:
         """A new round of a job of roles: the node asks whether it is a member already (the master places the

@@ -106,6 +106,13 @@ class Job:
             return self.round_id, events
         return round_id, events + self._closed_events()
 
+    def confirm(self, node_id: str, round_id: int, now: float) -> list[Event]:
+        """The agent of ``node_id`` asked about round ``round_id``: placed where it offered a port for it
+        (``Rendezvous.confirm``); the round's event where that closed it."""
+        if self.status != RUNNING or self.rendezvous.confirm(node_id, round_id, now) is None:
+            return []
+        return self._closed_events()
+
     def tick(self, now: float) -> list[Event]:
         """Advance timers: close a round whose window passed, fail a round that waits too long."""
         if self.status != RUNNING:
@@ -297,7 +304,7 @@ class Job:
         message = f"round {membership.round_id}: {size} [{nodes}]"
         carried = len(self.rendezvous.carried)
         if carried:
-            message += f"; {carried} of them placed at once (no join)"
+            message += f"; {carried} of them placed without a join"
         return [Event("round_closed", message, None, membership.round_id, True)]
 
     def _end(self, status: str, outcome: str, report: WorkerExit | None = None) -> list[Event]:

@@ -92,6 +92,7 @@ class NodePolls:
     def wait(self, req: p.WaitRequest) -> p.WaitResponse | Encoded | LongPoll:
         """Long poll until the round the node waits for has closed (or moved on)."""
         with self.core.changed:
+            self._confirm(req.node_id, req.round_id)
             if req.timeout_s > 0 and self.wait_state(req) == "waiting":
                 return LongPoll(lambda: self.wait_state(req) != "waiting", time.monotonic() + req.timeout_s,
                                 lambda: self._wait_answer(req))
@@ -102,10 +103,18 @@ class NodePolls:
         with self.core.changed:
             now = time.monotonic()
             self.core.nodes.seen(req.node_id, now)
+            self._confirm(req.node_id, req.round_id)
             if req.wait_s > 0 and not self._news(req):
                 return LongPoll(lambda: self._news(req), now + req.wait_s, lambda: self._heartbeat_answer(req),
                                 priority=0)
             return self._heartbeat_answer(req)
+
+    def _confirm(self, node_id: str, round_id: int) -> None:
+        """A call of the node's agent about ``round_id`` (lock held): it is alive and knows of the round, so a
+        node that offered a port for it is placed now (``Job.confirm``; the round's event saved where it closed)."""
+        events = self.core.job.confirm(node_id, round_id, time.monotonic())
+        if events:
+            self.core.apply(events)
 
     def wait_state(self, req: p.WaitRequest) -> str:
         job = self.core.job

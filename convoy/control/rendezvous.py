@@ -74,8 +74,10 @@ class Rendezvous:
     dropped: int = 0
     """How many nodes were forgotten before a round placed them (what a waiting node's poll looks at again)."""
     carried: frozenset[str] = frozenset()
-    """Nodes the open (or last opened) round placed at once, on the port each offered for it (``offer_next``; in a
-    job of roles, ``carry_all``: its last one)."""
+    """Nodes the open (or last opened) round placed without a join (``confirm``)."""
+    _placeable: dict[str, tuple[str, int, int]] = field(default_factory=dict)
+    """Expected nodes of the open round that offered a port for it (``offer_next``; in a job of roles,
+    ``carry_all``: their last one): (host, nproc, port), placed once their agent is heard from."""
     _next_ports: dict[str, int] = field(default_factory=dict)
     """The port each member of the running round offered for the round after it (held by its agent)."""
     carry_all: bool = False
@@ -112,6 +114,7 @@ class Rendezvous:
         """Forget a node that has not been given a place in a running round."""
         self.dropped += 1
         self._pending.pop(node_id, None)
+        self._placeable.pop(node_id, None)
         self.expected = self.expected - {node_id}
         if self._joiners.pop(node_id, None) is not None and len(self._joiners) < self.min_nodes:
             self._min_reached_at = None
@@ -154,7 +157,8 @@ class Rendezvous:
 
         ``expected``: the nodes that will come back (e.g. the survivors of a node loss); the
         round closes as soon as they all have, instead of waiting out ``wait_s``. Those of them that offered a
-        port for this round (``offer_next``) are placed at once: where all did, the round closes now.
+        port for this round (``offer_next``) need no join: the first call their agent makes about this round
+        places them (``confirm``), so a node whose agent died with the round is not placed.
         """
         ended, offered = self.membership, self._next_ports
         if ended is not None:
@@ -166,18 +170,23 @@ class Rendezvous:
         self._joiners, self._next_ports = {}, {}
         self._min_reached_at = None
         self._admit_pending(now)
-        self.carried = frozenset(self._carry(ended, offered, now) if ended is not None and self.expected else ())
+        self.carried, self._placeable = frozenset(), {}
+        for member in ended.members if ended is not None else ():
+            port = offered.get(member.node_id) or (self._ports.get(member.node_id, 0) if self.carry_all else 0)
+            if port and member.node_id in self.expected and member.node_id not in self._joiners:
+                self._placeable[member.node_id] = (member.host, member.nproc, port)
         return self.round_id
 
-    def _carry(self, ended: Membership, offered: dict[str, int], now: float) -> list[str]:
-        """Place the expected members of ``ended`` that offered a port for the round after it, in rank order."""
-        carried = []
-        for member in ended.members:
-            port = offered.get(member.node_id) or (self._ports.get(member.node_id, 0) if self.carry_all else 0)
-            if port and member.node_id in self.expected and member.node_id not in self._joiners and self.is_open:
-                self.join(member.node_id, member.host, member.nproc, port, now)
-                carried.append(member.node_id)
-        return carried
+    def confirm(self, node_id: str, round_id: int, now: float) -> Membership | None:
+        """The agent of ``node_id`` asked about round ``round_id`` (its heartbeat or its wait, told of the round):
+        where the node offered a port for this open round, it is placed now, without a join. Returns the
+        membership if the round closed now."""
+        placeable = self._placeable.pop(node_id, None) if round_id == self.round_id else None
+        if placeable is None or not self.is_open or node_id in self._joiners:
+            return None
+        self.carried = self.carried | {node_id}
+        self.join(node_id, *placeable, now)
+        return self.membership
 
     def _admit_pending(self, now: float) -> None:
         """Move nodes that joined early for the new round into it."""

@@ -100,7 +100,7 @@ def test_a_lost_node_of_eight_workers_spends_no_restart(procs: ProcessScope, run
         in result.stdout, result.explain()
     assert "restarting only it" not in result.stdout and "has used its" not in result.stdout, result.explain()
     assert "with 0 restart(s)" in result.stdout, result.explain()
-    assert re.search(r"convoy: round 2: 1 nodes, .*; 1 of them placed at once \(no join\)", result.stdout), \
+    assert re.search(r"convoy: round 2: 1 nodes, .*; 1 of them placed without a join", result.stdout), \
         "the node that stays is in the next round at once (a job of roles: Rendezvous.carry_all)"
 
 

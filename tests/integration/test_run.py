@@ -174,7 +174,7 @@ def test_status_after_a_job_shows_job_round_nodes_and_events(procs: ProcessScope
     for kind in ("round_closed", "worker_failed", "restart", "job_succeeded"):
         assert kind in events, status.stdout
     assert "rank 1 (node 1, local rank 0) was killed by SIGKILL in round 1" in events
-    assert "round 2: 2 nodes, world size 2" in events and "2 of them placed at once" in events, \
+    assert "round 2: 2 nodes, world size 2" in events and "2 of them placed without a join" in events, \
         "both nodes offered a port for round 2 in their wait: it closed with the restart, without a join"
 
 
