@@ -113,11 +113,12 @@ class SnapshotBudget:
         return every_for(statistics.median(self.with_snapshot) - step_s, step_s, self.max_overhead)
 
     def settle(self, every: int) -> Decision | None:
-        """Take ``every`` (agreed by the ranks); the new decision if k changed (or was first chosen), else None."""
+        """Take ``every`` (agreed by the ranks); the new decision if k changed (or was first chosen), else None.
+        ``decision`` stays the one last announced while k holds: what the events and status said is what it reads."""
+        if self.decision is not None and every == self.every:
+            return None
         step_s = statistics.median(self.without) if self.without else 0.0
         cost_s = statistics.median(self.with_snapshot) - step_s if self.with_snapshot and step_s else 0.0
-        first = self.decision is None
         self.decision = Decision(every, cost_s, step_s, self.max_overhead)
-        changed = first or every != self.every
         self.every = every
-        return self.decision if changed else None
+        return self.decision

@@ -85,3 +85,13 @@ def test_a_budget_and_an_interval_together_are_refused() -> None:
     with pytest.raises(CheckpointError, match="max_overhead is the share"):
         checked_budget(0.0)
     assert checked_budget(None) is None and checked_budget(0.02) == 0.02
+
+
+def test_a_recheck_that_keeps_k_keeps_the_decision_that_was_announced() -> None:
+    """New medians at the same k change nothing said: ``decision`` is the last one the events carried."""
+    budget = SnapshotBudget(0.02)
+    drive(budget, WARMUP + MEASURE, step_s=0.100, cost_s=0.010)
+    announced = budget.decision
+    assert announced is not None and announced.every == 5
+    drive(budget, RECHECK * 2, step_s=0.101, cost_s=0.0099)  # a little different, still k = 5
+    assert budget.every == 5 and budget.decision is announced
