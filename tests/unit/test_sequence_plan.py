@@ -7,7 +7,9 @@ import torch
 
 from convoy.errors import ConfigError
 from convoy.parallel.sequence import attention
-from convoy.parallel.sequence.query_broadcast import auto_micro, chunk_bounds, peers, query_broadcast_bytes, shard_sequence
+from convoy.parallel.sequence.query_broadcast import (
+    auto_chunks, chunk_bounds, peers, plan_chunks, query_broadcast_bytes, shard_sequence,
+)
 
 
 def test_micro_sequences_cover_the_local_part_evenly() -> None:
@@ -20,11 +22,23 @@ def test_micro_sequences_cover_the_local_part_evenly() -> None:
         chunk_bounds(8, 0)
 
 
-def test_auto_micro_keeps_rounds_long_enough_for_the_kernel() -> None:
-    assert auto_micro(512, 4) == 1  # 2048 rows in one round
-    assert auto_micro(2048, 4) == 4  # 8192 rows: 4 rounds of 2048
-    assert auto_micro(4096, 4) == 4  # at most 4
-    assert auto_micro(100, 2) == 1 and auto_micro(3, 4, rows=1) == 3  # never more than the positions
+def test_auto_chunks_cut_heads_first_then_positions_of_at_least_768() -> None:
+    # 128 heads of 64 floats over 128 K/V heads, 2048 positions on each of 4 ranks: 32 chunks of 4 heads
+    assert auto_chunks(2048, 128, 128, 4) == [(h, h + 4, 0, 2048) for h in range(0, 128, 4)]
+    # 64 heads over 8 K/V heads: 32 chunks of 2 query heads, each within one K/V head's group of 8
+    assert auto_chunks(4096, 64, 8, 4) == [(h, h + 2, 0, 4096) for h in range(0, 64, 2)]
+    # 2 heads over 1 K/V head: a head each, and each head's positions cut in 4 to make the 8 chunks
+    chunks = auto_chunks(32768, 2, 1, 4)
+    assert chunks == [(h, h + 1, lo, lo + 8192) for h in range(2) for lo in range(0, 32768, 8192)]
+    # but never into pieces under 768 positions: 6 chunks wanted, 2 made
+    assert auto_chunks(1536, 1, 1, 4, head_bytes=8192) == [(0, 1, 0, 768), (0, 1, 768, 1536)]
+    # a small part: no chunk under 2 MiB of queries (d = 512 at 2048 positions: 4 MiB, so 2 chunks of 4 heads)
+    assert auto_chunks(2048, 8, 8, 4) == [(0, 4, 0, 2048), (4, 8, 0, 2048)]
+    assert auto_chunks(512, 8, 2, 4) == [(0, 8, 0, 512)]
+    # micro cuts the positions only, every head in each; None asks auto_chunks (the least bytes at its default)
+    q = torch.zeros(1, 6, 8, 4)
+    assert plan_chunks(q, 3, 4, 2) == [(0, 6, 0, 4), (0, 6, 4, 8)]
+    assert plan_chunks(q, 3, 4, None) == [(0, 6, 0, 8)]
 
 
 def test_causal_queries_only_travel_to_earlier_ranks() -> None:

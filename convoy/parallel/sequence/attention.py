@@ -154,6 +154,15 @@ def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Ten
     return out, lse
 
 
+def merge_into(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor) -> None:
+    """Fold one more partial of the same query rows into ``out`` and ``lse`` in place (exact: a running
+    log-sum-exp). Rows that see no key on either side stay 0 with lse -inf."""
+    merged = torch.logaddexp(lse, part_lse)
+    finite = torch.where(torch.isinf(merged), 0.0, merged)
+    out.mul_(torch.exp(lse - finite)[..., None]).addcmul_(part, torch.exp(part_lse - finite)[..., None])
+    lse.copy_(merged)
+
+
 def partial_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
                      delta: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool = False,
                      key_mask: torch.Tensor | None = None, scale: float | None = None

@@ -1,20 +1,19 @@
 """Sequence-parallel attention by query broadcast: keys and values stay put, queries travel.
 
 n ranks hold consecutive parts of the sequence (rank r: global positions ``[r l, (r + 1) l)``)
-and map them to their own Q, K, V. Each rank cuts its queries into ``micro`` micro-sequences.
-In round j every rank sends its j-th query micro-sequence to the ranks whose keys it needs
-(all others; with a causal mask only the earlier ranks), each rank attends the queries it got
-to its own K and V (keeping the log-sum-exp), the partial outputs go back to their owner, and
-the owner merges them exactly with its own partial. Every round's messages are posted at the
-start, so later rounds' queries are in flight while a round computes, and a round waits only for
-the queries it attends (answers are collected after the last round). A rank attends its own
-queries and every source's of a round in one block, one call of torch's fused CPU flash kernel.
-The backward goes the same way: a rank sends its output gradient, log-sum-exp and
-``rowsum(dout * out)`` (the holders of keys kept its queries from the forward), each holder adds
-its K and V gradients locally and returns the query gradient. Per rank a forward sends about
-``2 L d (n - 1) / n`` bytes and so does a backward (half that with a causal mask, on average),
-independent of the K/V width, which is why it pays when K and V are larger than Q (long cached
-context, many K/V heads) and never limits the degree by the head count.
+and map them to their own Q, K, V. Each rank cuts its queries into chunks: groups of K/V heads
+(with their query heads) and, where asked (``micro``) or where there are few K/V heads, ranges of
+positions. For chunk j every rank sends its rows to the ranks whose keys they need (all others;
+with a causal mask only the earlier ranks), each rank attends the queries it got to its own K and
+V (keeping the log-sum-exp), the partial outputs go back to their owner, and the owner folds them
+exactly into its output. Two chunks are in flight at a time (the next one travels while this one
+computes), and nothing of the whole sequence is held anywhere: a rank's memory is its own part
+plus those two chunks (``query_stream.py`` runs it). The backward goes the same way: a rank sends
+a chunk's queries, output gradient, log-sum-exp and ``rowsum(dout * out)``, each holder adds its
+K and V gradients in place and returns the query gradient. Per rank a forward sends about
+``2 L d (n - 1) / n`` bytes and a backward ``3 L d (n - 1) / n`` (half that with a causal mask, on
+average), independent of the K/V width, which is why it pays when K and V are larger than Q (long
+cached context, many K/V heads) and never limits the degree by the head count.
 
 Baselines with the same signature live in ``baselines.py`` (all-gather K/V, ring
 pass-K/V, Ulysses all-to-all); ``attention.py`` has the block math all of them share.
@@ -28,7 +27,8 @@ from torch import nn
 
 from convoy.errors import ConfigError
 from convoy.parallel import even_bounds
-from convoy.parallel.sequence.attention import TRAFFIC, check_inputs, default_scale, merge, partial, partial_backward
+from convoy.parallel.sequence.attention import check_inputs, default_scale
+from convoy.parallel.sequence.query_stream import Chunks, QueryBroadcast
 
 SCHEMES = ("query_broadcast", "allgather_kv", "ring", "ulysses")
 _TAG = 7000
@@ -45,12 +45,34 @@ def chunk_bounds(local_len: int, micro: int) -> list[tuple[int, int]]:
     return even_bounds(local_len, micro)
 
 
-def auto_micro(local_len: int, world: int, rows: int = 2048, most: int = 4) -> int:
-    """The micro count ``micro=None`` picks: the most micro-sequences, up to ``most``, that keep a
-    round's block (a micro-sequence of every rank, ``world * local_len / micro`` query rows) at least
-    ``rows`` long. Shorter blocks run the fused kernel less efficiently, and on a fast link a round's
-    messages cost more than the overlap gains; long sequences get the overlap for free."""
-    return max(1, min(most, local_len, world * local_len // rows))
+def auto_chunks(local_len: int, heads: int, kv_heads: int, world: int, head_bytes: int = 256, per_rank: int = 8,
+                rows: int = 768, least: int = 2 << 20) -> Chunks:
+    """The chunks ``micro=None`` picks: ``per_rank`` for every rank of the group, so that the two chunks in flight
+    from every peer (queries in, partial outputs out and back) stay a fraction of this rank's own part, but none
+    under ``least`` bytes of queries (``head_bytes`` a row of one head): where a rank's part is a few MB, its
+    buffers weigh as little and more kernel calls and messages would only cost time. Heads
+    first, every kernel call then spanning the whole local part: groups of K/V heads, or where there are fewer K/V
+    heads than that, parts of each K/V head's query heads; where there are fewer query heads too, the positions
+    are cut into pieces of at least ``rows`` (shorter calls run torch's fused CPU kernels on smaller tiles,
+    markedly slower)."""
+    wanted = max(1, min(per_rank * world, local_len * heads * head_bytes // least))
+    group = heads // kv_heads
+    if kv_heads >= wanted:
+        spans = [(h0 * group, h1 * group) for h0, h1 in even_bounds(kv_heads, wanted)]
+    else:
+        per_kv = min(group, -(-wanted // kv_heads))
+        spans = [(h * group + a, h * group + b) for h in range(kv_heads) for a, b in even_bounds(group, per_kv)]
+    pieces = max(1, min(-(-wanted // len(spans)), local_len // rows))
+    return [(h0, h1, lo, hi) for h0, h1 in spans for lo, hi in even_bounds(local_len, pieces)]
+
+
+def plan_chunks(q: torch.Tensor, kv_heads: int, world: int, micro: int | None) -> Chunks:
+    """For this rank's queries ``q`` ``(B, H, l, D)``: ``micro`` micro-sequences of every head, or with None the
+    chunks ``auto_chunks`` picks."""
+    b, heads, local_len, width = q.shape
+    if micro is None:
+        return auto_chunks(local_len, heads, kv_heads, world, b * width * q.element_size())
+    return [(0, heads, lo, hi) for lo, hi in chunk_bounds(local_len, micro)]
 
 
 def peers(rank: int, world: int, causal: bool) -> tuple[list[int], list[int]]:
@@ -88,143 +110,26 @@ def check_across_ranks(group: dist.ProcessGroup | None, **settings: object) -> N
                               f"every rank must hold the same-shaped part of the sequence")
 
 
-# -- query broadcast --------------------------------------------------------------------------
-def _post(group: dist.ProcessGroup | None, sends: list[tuple[torch.Tensor, int, int]],
-          recvs: list[tuple[torch.Tensor, int, int]]) -> list[dist.Work]:
-    """Start ``sends`` and ``recvs``, each ``(tensor, peer, tag)``, at once; the works to wait for
-    (each exactly once: gloo requires it)."""
-    ops = []
-    for kind, messages in ((dist.isend, sends), (dist.irecv, recvs)):
-        for tensor, peer, tag in messages:
-            ops.append(dist.P2POp(kind, tensor, peer if group is None else dist.get_global_rank(group, peer),
-                                  group, tag))
-    for tensor, _, _ in sends:
-        TRAFFIC.add(tensor)
-    return dist.batch_isend_irecv(ops) if ops else []
-
-
-def _wait(works: list[dist.Work]) -> None:
-    for work in works:
-        work.wait()
-
-
-class _Rounds:
-    """Every round's messages, posted at once so that only the data a round computes on is ever
-    waited for: round j's block goes out to ``to``, the sources' j-th blocks come in from ``froms``
-    (``inbox[j]``), and their answers to this rank's block come back (``answers[j]``)."""
-
-    def __init__(self, blocks: list[torch.Tensor], to: list[int], froms: list[int], answer_width: int,
-                 group: dist.ProcessGroup | None, tag: int) -> None:
-        self.group, self.tag, self.inbox, self.answers, self.arrivals, self.pending = group, tag, [], [], [], []
-        for j, block in enumerate(blocks):
-            rows = block.shape[:-1]
-            self.inbox.append({source: block.new_empty(block.shape) for source in froms})
-            self.answers.append({peer: block.new_empty((*rows, answer_width)) for peer in to})
-            self.arrivals.append(_post(group, [], [(b, source, tag + 2 * j) for source, b in self.inbox[j].items()]))
-            self.pending += _post(group, [(block, peer, tag + 2 * j) for peer in to],
-                                  [(b, peer, tag + 2 * j + 1) for peer, b in self.answers[j].items()])
-
-    def arrived(self, j: int) -> dict[int, torch.Tensor]:
-        """Round j's blocks from the sources, once they are here."""
-        _wait(self.arrivals[j])
-        return self.inbox[j]
-
-    def answer(self, j: int, result: torch.Tensor, lse: torch.Tensor | None = None) -> None:
-        """Send source i (in ``inbox[j]`` order) its rows ``[(i + 1) r, (i + 2) r)`` of ``result``, where
-        ``r`` is a block's length (the rows before are this rank's own), with their ``lse`` as one more
-        column when given (one copy either way)."""
-        size = result.shape[2] // (len(self.inbox[j]) + 1)
-        messages = []
-        for i, source in enumerate(self.inbox[j], start=1):
-            rows = slice(i * size, (i + 1) * size)
-            message = result[:, :, rows].contiguous() if lse is None else torch.cat([result[:, :, rows],
-                                                                                   lse[:, :, rows, None]], dim=-1)
-            messages.append((message, source, self.tag + 2 * j + 1))
-        self.pending += _post(self.group, messages, [])
-
-    def finish(self) -> list[list[torch.Tensor]]:
-        """Wait for every send and answer; each round's answers."""
-        _wait(self.pending)
-        self.pending = []
-        return [list(answers.values()) for answers in self.answers]
-
-
-class _QueryBroadcast(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, key_mask, group, causal, micro, scale):  # noqa: ANN001, ANN205
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        local, width = q.shape[2], q.shape[3]
-        bounds = chunk_bounds(local, micro)
-        to, froms = peers(rank, world, causal)
-        k_pos = torch.arange(rank * local, (rank + 1) * local)
-        rounds = _Rounds([q[:, :, lo:hi].contiguous() for lo, hi in bounds], to, froms, width + 1, group, _TAG)
-        own, kept = [], []
-        for j, (lo, hi) in enumerate(bounds):
-            got = rounds.arrived(j)
-            # its own queries and every source's against the local keys: one block, one large kernel call
-            queries = torch.cat([q[:, :, lo:hi], *got.values()], dim=2)
-            q_pos = torch.cat([k_pos[lo:hi], *(torch.arange(s * local + lo, s * local + hi) for s in got)])
-            kept.append((queries, q_pos))  # the backward needs these queries again: keep them rather than resend
-            out, lse = partial(queries, k, v, q_pos, k_pos, causal, key_mask, scale)
-            rounds.answer(j, out, lse)
-            own.append((out[:, :, :hi - lo], lse[:, :, :hi - lo]))
-        merged = [merge([out] + [a[..., :-1] for a in answers], [lse] + [a[..., -1] for a in answers])
-                  for (out, lse), answers in zip(own, rounds.finish(), strict=True)]
-        out, lse = torch.cat([o for o, _ in merged], dim=2), torch.cat([s for _, s in merged], dim=2)
-        ctx.save_for_backward(q, k, v, out, lse, key_mask)
-        ctx.settings, ctx.kept = (group, causal, micro, scale), kept
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):  # noqa: ANN001, ANN205
-        q, k, v, out, lse, key_mask = ctx.saved_tensors
-        group, causal, micro, scale = ctx.settings
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        local, width = q.shape[2], q.shape[3]
-        bounds = chunk_bounds(local, micro)
-        to, froms = peers(rank, world, causal)
-        k_pos = torch.arange(rank * local, (rank + 1) * local)
-        delta = (dout * out).sum(-1)
-        packs = [torch.cat([dout[:, :, lo:hi], lse[:, :, lo:hi, None], delta[:, :, lo:hi, None]], dim=-1)
-                 for lo, hi in bounds]
-        rounds = _Rounds(packs, to, froms, width, group, _TAG + 4 * micro)
-        kept, ctx.kept = ctx.kept, None
-        dq, dk, dv = torch.empty_like(q), None, None
-        for j, (lo, hi) in enumerate(bounds):
-            queries, q_pos = kept[j]
-            grads = torch.cat([packs[j], *rounds.arrived(j).values()], dim=2)
-            dq_j, dk_j, dv_j = partial_backward(queries, k, v, grads[..., :width], grads[..., -2], grads[..., -1],
-                                                q_pos, k_pos, causal, key_mask, scale)
-            rounds.answer(j, dq_j)
-            dq[:, :, lo:hi] = dq_j[:, :, :hi - lo]
-            dk, dv = (dk_j, dv_j) if dk is None else (dk.add_(dk_j), dv.add_(dv_j))
-        for (lo, hi), answers in zip(bounds, rounds.finish(), strict=True):
-            for answer in answers:
-                dq[:, :, lo:hi] += answer
-        return dq, dk, dv, None, None, None, None, None
-
-
 def query_broadcast_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               group: dist.ProcessGroup | None = None, causal: bool = False,
-                              key_mask: torch.Tensor | None = None, micro: int | None = 1,
+                              key_mask: torch.Tensor | None = None, micro: int | None = None,
                               scale: float | None = None) -> torch.Tensor:
     """Exact attention of this rank's queries over the whole sequence, by query broadcast.
     ``q`` is ``(B, H, l, D)``, ``k``/``v`` ``(B, Hkv, l, D)``, ``key_mask`` ``(B, l)``: this rank's part.
-    ``micro`` is the number of query micro-sequences (rounds); None picks it (``auto_micro``)."""
+    ``micro`` cuts the positions into that many chunks, every head in each; None picks chunks that keep a
+    rank's memory near its own part (``auto_chunks``)."""
     check_inputs(q, k, v, key_mask)
     if v.shape[3] != q.shape[3]:
         raise ConfigError(f"query broadcast returns outputs in the queries' messages, so v's head dim {v.shape[3]} "
                           f"must equal q's {q.shape[3]}")
-    if micro is None:
-        micro = auto_micro(q.shape[2], dist.get_world_size(group))
-    chunk_bounds(q.shape[2], micro)
-    scale = default_scale(q, scale)
-    return _QueryBroadcast.apply(q, k, v, key_mask, group, causal, micro, scale)
+    chunks = plan_chunks(q, k.shape[1], dist.get_world_size(group), micro)
+    plan = peers(dist.get_rank(group), dist.get_world_size(group), causal)
+    return QueryBroadcast.apply(q, k, v, key_mask, group, causal, chunks, plan, default_scale(q, scale), _TAG)
 
 
 def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scheme: str = "query_broadcast",
                        group: dist.ProcessGroup | None = None, causal: bool = False,
-                       key_mask: torch.Tensor | None = None, micro: int | None = 1, scale: float | None = None,
+                       key_mask: torch.Tensor | None = None, micro: int | None = None, scale: float | None = None,
                        check: bool = True) -> torch.Tensor:
     """Sequence-parallel attention with any of ``SCHEMES`` (all exact). ``check`` first compares
     shapes and settings across ranks (one small all-gather) so a mismatch fails every rank."""
@@ -248,7 +153,7 @@ class SequenceParallelAttention(nn.Module):
     transformer block whose input ``x`` is this rank's ``(B, l, d_model)`` part of the sequence."""
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, causal: bool = True,
-                 scheme: str = "query_broadcast", micro: int | None = 1, group: dist.ProcessGroup | None = None,
+                 scheme: str = "query_broadcast", micro: int | None = None, group: dist.ProcessGroup | None = None,
                  bias: bool = False) -> None:
         super().__init__()
         n_kv_heads = n_kv_heads or n_heads

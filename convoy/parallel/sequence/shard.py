@@ -84,5 +84,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
 
     # in float32 whatever autocast made q, k and v: the fused CPU kernels query broadcast runs take no bfloat16
     with torch.autocast("cpu", enabled=False):
-        out = query_broadcast_attention(q.float(), k.float(), v.float(), shard.group, causal, micro=1)
+        out = query_broadcast_attention(q.float(), k.float(), v.float(), shard.group, causal)
     return out.to(q.dtype)
