@@ -1,14 +1,15 @@
 """One rank of the sequence-parallel attention benchmark (or a single-device peer with --single).
 
-    python sequence_worker.py --scheme S --length L --kv-heads K [--causal] --reps N --out FILE
+    python sequence_worker.py --scheme S --length L [--heads H] --kv-heads K [--causal] --reps N --out FILE
     (RANK, WORLD_SIZE, MASTER_ADDR/PORT in env; with --single: one process, no env, and S is
     sdpa, torch's scaled_dot_product_attention on the whole sequence (its fused flash kernels,
     grouped K/V heads taken as they are), or naive, plain autograd attention holding the L x L scores)
 
 A fresh process per configuration, so its peak memory is its own: after a tiny warm-up call
-(libraries, communication buffers), the resident size before the first full forward and
-backward, against the most it ever reached (``ru_maxrss``). Then the
-timed reps: forward alone, and forward plus backward, and the bytes this rank sent in each.
+(libraries, communication buffers) and one forward and backward at full size (what a first pass
+alone allocates for good), the kernel's high-water mark of the resident size is reset; the peak
+is the most that the measured forward and backward then added to what the process held before
+it (reported too, as the process's bytes). Then the timed reps: forward alone, and forward plus backward, and the bytes this rank sent in each.
 With ``--check`` the outputs and gradients are compared with single-device attention on the
 whole sequence, computed in float64 on every rank. ``--scheme A,B`` times several schemes in the
 same processes, their reps interleaved (A B, B A, A B, ...) so that both see the same machine
