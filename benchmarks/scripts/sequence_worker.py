@@ -7,9 +7,10 @@
 
 A fresh process per configuration, so its peak memory is its own: after a tiny warm-up call
 (libraries, communication buffers) and one forward and backward at full size (what a first pass
-alone allocates for good), the kernel's high-water mark of the resident size is reset; the peak
-is the most that the measured forward and backward then added to what the process held before
-it (reported too, as the process's bytes). Then the timed reps: forward alone, and forward plus backward, and the bytes this rank sent in each.
+alone allocates for good), the kernel's high-water mark of the resident size is reset; the peak is
+the most that the measured forward and backward then added to what the process held before it
+(reported too, as the process's bytes). Then the timed reps: forward alone, and forward plus
+backward, and the bytes this rank sent in each.
 With ``--check`` the outputs and gradients are compared with single-device attention on the
 whole sequence, computed in float64 on every rank. ``--scheme A,B`` times several schemes in the
 same processes, their reps interleaved (A B, B A, A B, ...) so that both see the same machine
