@@ -7,6 +7,7 @@ about ``BEATS_PER_S`` a second, and a round's membership (the same for every nod
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 import time
@@ -180,6 +181,11 @@ class NodePolls:
             self.note_outcome_heard(req.node_id)
             assignments, stops = roles.deliver(req.node_id, time.monotonic()) if roles and not self.core.ended \
                 else ([], [])
+            if roles is not None and req.addresses_version > self.book.wave.version \
+                    and roles.orders.outrank(req.addresses_version):
+                # a restarted master saved an older version than the nodes hold: the next wave goes above theirs,
+                # or they would keep the addresses they have (a moved process never found) until it did
+                self._roles_moved, self.book.looked_at = True, -math.inf
             wave = self._wave() if roles else Wave()
             train = self.train_calls
             reply = p.HeartbeatResponse(

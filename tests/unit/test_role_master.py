@@ -217,6 +217,28 @@ def test_a_restarted_master_takes_the_roles_back_from_the_saved_state() -> None:
     assert [(s.role, s.rank) for found in stops.values() for s in found] == [("ps", 0)]
 
 
+def test_a_restarted_master_publishes_above_the_version_its_nodes_hold() -> None:
+    """The state was saved at version v; the old master then published v + 1 (a process started) and the nodes
+    hold it. The new master restores v: told that a node holds v + 1, its next version is v + 2, every address."""
+    master = ps_job()
+    master.advance()
+    ps_node, ps_assignments = next((node, found) for node, found in deliver_all(master).items() if found)
+    saved_version = master.published()[0]
+    saved = json.loads(json.dumps(master.state()))
+    started(master, ps_node, ps_assignments[0], 5000)
+    held, addresses, _ = master.published()
+    assert held == saved_version + 1 and addresses["ps"] == ["127.0.0.1:5000"]
+
+    again = RoleMaster(master.job, tuple(master.specs.values()), max_restarts=2)
+    again.load_state(saved)
+    assert again.published()[0] == saved_version, "what was saved"
+    assert not again.orders.outrank(saved_version - 1), "a node behind is brought up by the next version as it is"
+    assert again.orders.outrank(held)
+    version, addresses, _ = again.published()
+    assert version == held + 1 and addresses == again.roles.addresses()
+    assert not again.orders.outrank(held), "once above, a node holding the older version is simply behind"
+
+
 def test_a_repeated_started_report_records_nothing_new() -> None:
     master = ps_job()
     master.advance()

@@ -42,6 +42,14 @@ class Orders:
             self.addresses = (self.addresses[0] + 1, addresses, incarnations)
         return self.addresses
 
+    def outrank(self, held: int) -> bool:
+        """A node holds version ``held``, not below this master's (one before it published it after its last save):
+        the next version goes above it, with every address in it. True where the version was raised."""
+        if held < self.addresses[0]:
+            return False
+        self.addresses = (held, {}, {})  # no addresses: the next publish differs, whatever the roles hold
+        return True
+
     def assign(self, node_id: str, assignment: p.RoleAssignment) -> None:
         key = (assignment.role, assignment.rank, assignment.incarnation)
         self.outboxes.setdefault(node_id, Outbox()).assignments[key] = (assignment, NEVER)
