@@ -1,19 +1,21 @@
 """Sequence-parallel attention by query broadcast: keys and values stay put, queries travel.
 
-n ranks hold consecutive parts of the sequence (rank r: global positions ``[r l, (r + 1) l)``)
-and map them to their own Q, K, V. Each rank cuts its queries into chunks: groups of K/V heads
-(with their query heads) and, where asked (``micro``) or where there are few K/V heads, ranges of
-positions. For chunk j every rank sends its rows to the ranks whose keys they need (all others;
-with a causal mask only the earlier ranks), each rank attends the queries it got to its own K and
-V (keeping the log-sum-exp), the partial outputs go back to their owner, and the owner folds them
+n ranks hold consecutive parts of the sequence (rank r: global positions ``[r l, (r + 1) l)``) and
+map them to their own Q, K, V. Each rank cuts its queries into chunks: groups of K/V heads (with
+their query heads) and, where asked (``micro``) or where there are few K/V heads, ranges of
+positions. For chunk j every rank sends its rows to the ranks whose keys they need (all others; with
+a causal mask only the earlier ranks), each rank attends the queries it got to its own K and V
+(keeping the log-sum-exp), the partial outputs go back to their owner, and the owner folds them
 exactly into its output. Two chunks are in flight at a time (the next one travels while this one
-computes), and nothing of the whole sequence is held anywhere: a rank's memory is its own part
-plus those two chunks (``query_stream.py`` runs it). The backward goes the same way: a rank sends
-a chunk's queries, output gradient, log-sum-exp and ``rowsum(dout * out)``, each holder adds its
-K and V gradients in place and returns the query gradient. Per rank a forward sends about
-``2 L d (n - 1) / n`` bytes and a backward ``3 L d (n - 1) / n`` (half that with a causal mask, on
-average), independent of the K/V width, which is why it pays when K and V are larger than Q (long
-cached context, many K/V heads) and never limits the degree by the head count.
+computes), so a rank holds its own part plus those two chunks (``query_stream.py`` runs it): with
+the default chunks (8 per rank for a part of many MB) nothing of the whole sequence is held on any
+rank; a single chunk (``micro=1``, or a part of a few MB) holds every rank's queries for a moment.
+The backward goes the same way: a rank sends a chunk's queries, output gradient, log-sum-exp and
+``rowsum(dout * out)``, each holder adds its K and V gradients in place and returns the query
+gradient. Per rank a forward sends about ``2 L d (n - 1) / n`` bytes and a backward ``3 L d (n - 1)
+/ n`` (half that with a causal mask, on average), independent of the K/V width, which is why it pays
+when K and V are larger than Q (long cached context, many K/V heads) and never limits the degree by
+the head count.
 
 Baselines with the same signature live in ``baselines.py`` (all-gather K/V, ring
 pass-K/V, Ulysses all-to-all); ``attention.py`` has the block math all of them share.
