@@ -12,8 +12,8 @@ the default chunks (8 per rank for a part of many MB) nothing of the whole seque
 rank; a single chunk (``micro=1``, or a part of a few MB) holds every rank's queries for a moment.
 The backward goes the same way: a rank sends a chunk's queries, output gradient, log-sum-exp and
 ``rowsum(dout * out)``, each holder adds its K and V gradients in place and returns the query
-gradient. Per rank a forward sends about ``2 L d (n - 1) / n`` bytes and a backward ``3 L d (n - 1)
-/ n`` (half that with a causal mask, on average), independent of the K/V width, which is why it pays
+gradient. Per rank a forward sends about ``2 L d (n - 1) / n`` bytes and a backward
+``3 L d (n - 1) / n`` (half that with a causal mask, on average), independent of the K/V width, which is why it pays
 when K and V are larger than Q (long cached context, many K/V heads) and never limits the degree by
 the head count.
 
