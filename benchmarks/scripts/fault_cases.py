@@ -20,11 +20,11 @@ import shlex
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 from fault_job import LEFTOVERS, Job, LocalJob, wait_for
+from fault_outcome import WAIT_S, CaseOutcome, broken, ended_text, event_time, finish, fmt, guarded, restart_count
 from fault_proxy import ProxiedJob
 from steplog import first, steps_lost
 
@@ -38,28 +38,6 @@ WIDE_HIDDEN = 32768
 """fault_train.py's hidden width for ``full_dev_shm``: about 13 MiB of model and Adam state per snapshot slot."""
 PERSIST_EVERY = 20
 MAX_REGROUPS = 2
-RUN_BOUND_S = 240.0
-"""The most a run may take from the job's start to its exit; past it the run counts as hung."""
-WAIT_S = {"ready": 120.0, "event": 30.0, "train": 60.0, "exit": 60.0}
-
-
-@dataclass
-class CaseOutcome:
-    recovered: bool
-    """The fault had its defined outcome (named so the matrix prints it like the original faults')."""
-    lost: int
-    recover_s: float | None
-    """Fault -> the outcome (readmitted, excluded, resumed, ended)."""
-    pause_s: float | None
-    ended: bool
-    """The job exited within the run's bound."""
-    result: str
-    """Which outcome: finished, failed (with its line), or what went wrong."""
-    detail: str = ""
-    redone: int = 0
-    """``full_dev_shm``: finished steps done again since the last persistent save (expected there)."""
-    restarts: int = 0
-    """The fork-server faults: restarts spent beyond those the injected fault must spend."""
 
 
 def mount_problem(in_namespace: bool) -> str | None:
@@ -77,35 +55,6 @@ def mount_problem(in_namespace: bool) -> str | None:
     finally:
         scratch.rmdir()
     return None if done.returncode == 0 else f"mount failed: {(done.stderr or done.stdout).strip()[:120]}"
-
-
-def finish(job: Job, began: float) -> tuple[int | None, bool]:
-    """A second more of training, then ask the job to end; (exit code, ended within the run's bound)."""
-    settled = time.time() + 1.0
-    wait_for(job, lambda: first(job.steps.steps, lambda s: s.t > settled), 20.0)
-    if job.alive():
-        job.request_stop()
-    left = max(1.0, min(WAIT_S["exit"], began + RUN_BOUND_S - time.monotonic()))
-    code = wait_for(job, job.exit_code, left)
-    job.steps.poll()
-    return code, code is not None
-
-
-def ended_text(code: int | None, job: Job) -> str:
-    if code is None:
-        return f"hung: still running {RUN_BOUND_S:.0f} s after it started (stacks in {job.dump_stacks()})"
-    return "finished" if code == 0 else f"failed (exit {code}): {job.last_error()}"
-
-
-def event_time(job: Job, kind: str, words: str, after: float) -> float | None:
-    rows = job.state_rows("SELECT ts FROM events WHERE kind = ? AND message LIKE ? AND ts > ? ORDER BY id LIMIT 1",
-                          kind, f"%{words}%", after)
-    return float(rows[0][0]) if rows else None  # type: ignore[arg-type]
-
-
-def restart_count(job: Job) -> int:
-    rows = job.state_rows("SELECT restart_count FROM job")
-    return int(rows[0][0]) if rows else 0  # type: ignore[call-overload]
 
 
 def both_ranks_after(job: Job, when: float, after_round: int) -> float | None:
@@ -138,7 +87,7 @@ def committed_steps(job: Job, node_id: str) -> list[int]:
 def run_stale_agent(tmp: Path, index: int, sleep_s: float, seed: int) -> CaseOutcome:
     job = LocalJob(tmp, elastic=True, sleep_s=sleep_s, seed=seed,
                    options=["--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)])
-    return _guarded(job, lambda began: _stale_agent(job, index, began))
+    return guarded(job, lambda began: _stale_agent(job, index, began))
 
 
 def _stale_agent(job: LocalJob, index: int, began: float) -> CaseOutcome:
@@ -148,7 +97,7 @@ def _stale_agent(job: LocalJob, index: int, began: float) -> CaseOutcome:
     agent = job.child("agent", node_id)
     stale_pid = job.steps.current()[node_rank].pid
     if agent is None:
-        return _broken(job, f"no agent of node {node_id}")
+        return broken(job, f"no agent of node {node_id}")
     at = time.time()
     agent.suspend()
     lost_at = wait_for(job, lambda: event_time(job, "regroup", f"node {node_id} sent no heartbeat", at),
@@ -189,7 +138,7 @@ def run_full_run_dir(tmp: Path, index: int, sleep_s: float, seed: int) -> CaseOu
         return CaseOutcome(False, 0, None, None, True, f"could not mount the run dir: {mounted.stderr.strip()}")
     try:
         job = LocalJob(tmp, elastic=False, sleep_s=sleep_s, seed=seed)
-        return _guarded(job, lambda began: _full_run_dir(job, index, began))
+        return guarded(job, lambda began: _full_run_dir(job, index, began))
     finally:
         subprocess.run(["umount", "-l", str(run_dir)], capture_output=True)
 
@@ -248,7 +197,7 @@ def run_full_dev_shm(tmp: Path, index: int, sleep_s: float, seed: int) -> CaseOu
               f'"$@"; code=$?; ls -A /dev/shm > {shlex.quote(str(left_file))}; exit $code')
     job = LocalJob(tmp, elastic=False, sleep_s=sleep_s, seed=seed, wrap=["unshare", "-m", "sh", "-c", script, "sh"],
                    train_extra=["--hidden", str(WIDE_HIDDEN), "--persist-every", str(PERSIST_EVERY)])
-    outcome = _guarded(job, lambda began: _full_dev_shm(job, index, began))
+    outcome = guarded(job, lambda began: _full_dev_shm(job, index, began))
     if left_file.exists():
         left = left_file.read_text().split()
         if left:
@@ -274,7 +223,7 @@ def complete_saves(run_dir: Path) -> list[tuple[int, float]]:
 def _full_dev_shm(job: LocalJob, index: int, began: float) -> CaseOutcome:
     rank = index % 2
     if not wait_for(job, lambda: complete_saves(job.run_dir) or None, WAIT_S["train"]):
-        return _broken(job, "no persistent checkpoint was completed")
+        return broken(job, "no persistent checkpoint was completed")
     fault_round = max(s.round_id for s in job.steps.steps)
     victim = job.steps.current()[rank].pid
     at = time.time()
@@ -302,7 +251,7 @@ def _full_dev_shm(job: LocalJob, index: int, began: float) -> CaseOutcome:
 
 def run_lost_join_reply(tmp: Path, index: int, sleep_s: float, seed: int) -> CaseOutcome:
     job = ProxiedJob(tmp, sleep_s, seed, proxied=index % 2)
-    return _guarded(job, lambda began: _lost_join_reply(job, began))
+    return guarded(job, lambda began: _lost_join_reply(job, began))
 
 
 def _lost_join_reply(job: ProxiedJob, began: float) -> CaseOutcome:
@@ -310,7 +259,7 @@ def _lost_join_reply(job: ProxiedJob, began: float) -> CaseOutcome:
     fault_round = max(s.round_id for s in job.steps.steps)
     rank = next((r for r in (0, 1) if job.node_holding(r) == job.proxied_node), None)
     if rank is None:
-        return _broken(job, f"no rank on {job.proxied_node}")
+        return broken(job, f"no rank on {job.proxied_node}")
     before = restart_count(job)
     job.proxy.arm()
     at = time.time()
@@ -332,7 +281,7 @@ def _lost_join_reply(job: ProxiedJob, began: float) -> CaseOutcome:
 def run_flapping_node(tmp: Path, index: int, sleep_s: float, seed: int) -> CaseOutcome:
     job = LocalJob(tmp, elastic=True, sleep_s=sleep_s, seed=seed,
                    options=["--max-regroups", str(MAX_REGROUPS), "--regroup-window", "600"])
-    return _guarded(job, lambda began: _flapping_node(job, index, began))
+    return guarded(job, lambda began: _flapping_node(job, index, began))
 
 
 def _flapping_node(job: LocalJob, index: int, began: float) -> CaseOutcome:
@@ -377,26 +326,3 @@ def case_problem(fault: str) -> str | None:
     if fault == "full_dev_shm":
         return mount_problem(in_namespace=True)
     return None
-
-
-def fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
-def _broken(job: Job, why: str) -> CaseOutcome:
-    return CaseOutcome(False, 0, None, None, True, f"could not inject: {why}")
-
-
-def _guarded(job: Job, body: Callable[[float], CaseOutcome]) -> CaseOutcome:
-    """Wait until the job trains, run ``body``; always stop the job. A job that never trains is a failed run."""
-    began = time.monotonic()
-    try:
-        if not wait_for(job, lambda: job.ready(2.0, False) or None, WAIT_S["ready"]):
-            code = job.exit_code()
-            return CaseOutcome(False, 0, None, None, code is not None, f"never trained: {job.last_error()}")
-        try:
-            return body(began)
-        except (RuntimeError, KeyError, psutil.Error) as exc:
-            return CaseOutcome(False, 0, None, None, job.exit_code() is not None, f"could not inject: {exc!r}")
-    finally:
-        job.stop()

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import statistics
 
-from fault_cases import PERSIST_EVERY, RUN_BOUND_S, CaseOutcome
+from fault_cases import PERSIST_EVERY
+from fault_outcome import RUN_BOUND_S, CaseOutcome
 
 CASE_GOALS = {
     "stale_agent": "all go on, fenced, readmitted, 0 lost",

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psutil
-from fault_cases import CaseOutcome, _guarded, ended_text, finish, fmt, restart_count
 from fault_job import LocalJob, wait_for
+from fault_outcome import CaseOutcome, ended_text, finish, fmt, guarded, restart_count
 from steplog import first, steps_lost
 
 FORKSERVER_CASES = ("forkserver_kill", "forkserver_stop")
@@ -42,12 +42,12 @@ def server_of(pid: int) -> psutil.Process:
 
 def run_forkserver_kill(tmp: Path, index: int, sleep_s: float, seed: int) -> CaseOutcome:
     job = LocalJob(tmp, elastic=False, sleep_s=sleep_s, seed=seed)
-    return _guarded(job, lambda began: _forkserver_fault(job, index, began, stop=False))
+    return guarded(job, lambda began: _forkserver_fault(job, index, began, stop=False))
 
 
 def run_forkserver_stop(tmp: Path, index: int, sleep_s: float, seed: int) -> CaseOutcome:
     job = LocalJob(tmp, elastic=False, sleep_s=sleep_s, seed=seed)
-    return _guarded(job, lambda began: _forkserver_fault(job, index, began, stop=True))
+    return guarded(job, lambda began: _forkserver_fault(job, index, began, stop=True))
 
 
 def _forkserver_fault(job: LocalJob, index: int, began: float, stop: bool) -> CaseOutcome:
