@@ -336,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from gpu_strategy import bench_strategy
 
-        lines = bench_strategy(args.device, args.quick)
+        # --quick times each grid candidate once for one step: a smoke run of the code paths, not a figure
+        lines = bench_strategy(args.device, args.quick, *((1, 1) if args.quick else ()))
     except Exception as exc:  # noqa: BLE001 (one prepared run on a lent machine: say why, keep what ran)
         traceback.print_exc()
         lines = [line("strategy_pick_on_one_gpu", f"not run: {type(exc).__name__}: {exc}", "<= 1.05x", False)]
