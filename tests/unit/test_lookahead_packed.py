@@ -68,3 +68,44 @@ def test_a_changed_or_replaced_weight_is_packed_again() -> None:
 def test_other_dtypes_keep_their_own_kernels() -> None:
     model = torch.nn.Linear(8, 8).to(torch.float64)
     assert PackedLinears(model).modules == []
+
+
+def test_each_weight_shape_is_timed_once_and_small_passes_below_its_crossover_run_the_stock_kernel(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import convoy.workloads.lookahead.packed as packed_module
+
+    timed: list[tuple[int, ...]] = []
+
+    def crossover(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> int:
+        timed.append(tuple(weight.shape))
+        return 4
+
+    monkeypatch.setattr(packed_module, "stock_wins_up_to", crossover)
+    model = torch.nn.Sequential(torch.nn.Linear(48, 48), torch.nn.Linear(48, 48), torch.nn.Linear(48, 40))
+    packed = PackedLinears(model)
+    stock_calls: list[int] = []
+    linear = torch.nn.functional.linear
+
+    def counted(x: torch.Tensor, *args: object) -> torch.Tensor:
+        stock_calls.append(x.numel() // x.shape[-1])
+        return linear(x, *args)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", counted)
+    for rows in (1, 4, 5, 9):
+        x = torch.randn(1, rows, 48)
+        with torch.inference_mode():
+            want = model(x)
+            stock_calls.clear()
+            with packed:
+                got = model(x)
+        assert torch.allclose(got, want, atol=1e-5), (rows, (got - want).abs().max())
+        assert stock_calls == ([rows] * 3 if rows <= 4 else []), (rows, stock_calls)
+    assert timed == [(48, 48), (40, 48)] and packed.stock_rows == {(48, 48): 4, (40, 48): 4}
+
+
+def test_the_measured_crossover_is_a_row_count_it_tried() -> None:
+    from convoy.workloads.lookahead.packed import CROSSOVER_ROWS, stock_wins_up_to
+
+    weight = torch.randn(96, 48)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    assert stock_wins_up_to(weight, None, packed) in (0, *CROSSOVER_ROWS)
