@@ -19,7 +19,10 @@ each group is a network namespace whose traffic to the other group goes through 
 ``ddp`` and averaging, and the bytes the links carried, read from the links' own counters. The
 bytes target is measured there: each configuration runs for N and for 2N steps, and the
 difference of the two runs' link bytes is what N training steps carry (start-up, rendezvous and
-shutdown cancel out). Needs root for (b); without it the bytes and wall targets print ``missed``
+shutdown cancel out). The slow link trains its own model (``--slow-width``, default 128: 0.8 M parameters,
+3.2 MB of gradients a step, a quarter of a second of the default link for DDP against tens of milliseconds of
+compute) so that the link bounds DDP's step, as it does for the users of DiLoCo-style training; (a)'s model is
+small enough for its 9 runs to fit. Needs root for (b); without it the bytes and wall targets print ``missed``
 with the reason. Writes the loss curves to ``--png``.
 """
 
@@ -122,6 +125,8 @@ def main() -> int:
     parser.add_argument("--slow-steps", type=int, default=None, help="steps per slow-link run (default 120)")
     parser.add_argument("--rate", default="100mbit", help="the slow link's rate (tc syntax)")
     parser.add_argument("--delay", default="1ms", help="the slow link's one-way delay (tc syntax)")
+    parser.add_argument("--slow-width", type=int, default=128,
+                        help="the slow-link runs' model width (4 layers): big enough that the link bounds DDP's step")
     parser.add_argument("--png", default=str(REPO / "benchmarks" / "results" / "local_sgd.png"),
                         help="where the loss-curve plot goes")
     args = parser.parse_args()
@@ -130,6 +135,8 @@ def main() -> int:
     args.slow_steps = args.slow_steps or (24 if args.quick else 120)
     args.model = ["--width", "32", "--layers", "2", "--heads", "2", "--batch", "16", "--corpus-bytes", "500000"
                   ] if args.quick else []
+    slow_model = ["--width", str(args.slow_width), "--layers", "4", "--heads", "4", "--batch", "16",
+                  "--corpus-bytes", "500000"]
     if args.steps < args.every or args.every < 1 or args.seeds < 1:
         parser.error("need --every >= 1, --steps >= --every and --seeds >= 1")
     if args.slow_steps % args.every:
@@ -144,8 +151,8 @@ def main() -> int:
         problem = netns_problem()
         slow: dict[str, dict] = {}
         if not problem:
-            slow_args = argparse.Namespace(**{**vars(args), "steps": args.slow_steps})
-            long_args = argparse.Namespace(**{**vars(args), "steps": 2 * args.slow_steps})
+            slow_args = argparse.Namespace(**{**vars(args), "steps": args.slow_steps, "model": slow_model})
+            long_args = argparse.Namespace(**{**vars(args), "steps": 2 * args.slow_steps, "model": slow_model})
             for name in ("ddp", MAIN):
                 for key, run_args in ((name, slow_args), (f"{name} x2", long_args)):
                     with HostNetwork(2, prefix="cvl", second_octet=81) as net:
@@ -172,7 +179,8 @@ def main() -> int:
     plot(rows, Path(args.png), args.every)
     print(f"loss curves: {args.png}")
     if slow:
-        print(f"\n(b) slow link between the groups ({', '.join(shaped)}), {args.slow_steps} steps")
+        print(f"\n(b) slow link between the groups ({', '.join(shaped)}), {args.slow_steps} steps, "
+              f"{slow['ddp']['params'] / 1e6:.2f} M parameters ({' '.join(slow_model)})")
         print(f"{'config':>20}{'steps':>7}{'wall s':>9}{'s/step':>9}{'MB on the links':>17}{'MB counted':>12}")
         for name, result in slow.items():
             counted, steps = result["cross_bytes_rank0"] * WORLD, len(result["curve"])
@@ -181,6 +189,11 @@ def main() -> int:
         per_step = {name: steps_bytes(slow, name, args.slow_steps) for name in ("ddp", MAIN)}
         print("  link MB per training step (the x2 run less the other, over the steps between them): "
               + ", ".join(f"{name} {value / 1e6:.3f}" for name, value in per_step.items()))
+        steady = {name: (slow[f"{name} x2"]["wall_s"] - slow[name]["wall_s"]) / args.slow_steps
+                  for name in ("ddp", MAIN)}
+        print("  s per training step, the same difference (no start-up, no first connections): "
+              + ", ".join(f"{name} {value:.3f}" for name, value in steady.items())
+              + f"; {MAIN} / ddp {steady[MAIN] / steady['ddp']:.3f}")
     else:
         print(f"\n(b) slow link skipped: {problem}")
 
