@@ -62,3 +62,13 @@ def test_initial_rows_do_not_depend_on_the_placement() -> None:
         assert torch.equal(init_rows(spec, 3, start, end), whole[start:end])
     assert whole.abs().max() <= 1 / spec.num_rows ** 0.5
     assert not torch.equal(init_rows(spec, 4, 0, 10), whole[:10])
+
+
+def test_runs_split_sorted_keys_at_every_change_and_at_every_source() -> None:
+    from convoy.parallel.embedding.bags import _runs
+
+    # three sources: [3, 3, 5], [] (sent nothing), [5, 5, 9]; the 5s of two sources are two bags, two runs
+    run, firsts, per_source = _runs(torch.tensor([3, 3, 5, 5, 5, 9]), [3, 0, 3])
+    assert run.tolist() == [0, 0, 1, 2, 2, 3] and firsts.tolist() == [0, 2, 3, 5] and per_source == [2, 0, 2]
+    run, firsts, per_source = _runs(torch.empty(0, dtype=torch.int64), [0, 0])
+    assert run.tolist() == [] and firsts.tolist() == [] and per_source == [0, 0]

@@ -156,15 +156,33 @@ def check_bags(spec: TableSpec, bags: Bags) -> None:
 
 
 class _Route:
-    """Where this step's entries went and came from; kept between forward and backward."""
+    """Where this step's entries went and came from; kept between forward and backward.
+
+    A sender's entries for one owner are in (table, bag) key order (each table's bags in order, table after table),
+    so what an owner receives is runs of equal keys, source after source: a run is one bag's part on this rank."""
 
     def __init__(self) -> None:
-        self.sent_keys: list[torch.Tensor] = []  # per destination: unique (table, bag) keys sent there
-        self.recv_inverse: list[torch.Tensor] = []  # per source: entry -> position in its unique keys
-        self.recv_unique: list[int] = []
+        self.sent_keys: list[torch.Tensor] = []  # per destination: the distinct (table, bag) keys sent there
+        self.recv_run: torch.Tensor = torch.empty(0, dtype=torch.int64)  # received entry -> its run
+        self.recv_unique: list[int] = []  # runs per source
         self.recv_table: torch.Tensor = torch.empty(0, dtype=torch.int64)
         self.recv_row: torch.Tensor = torch.empty(0, dtype=torch.int64)
         self.recv_weight: torch.Tensor = torch.empty(0)
+
+
+def _runs(keys: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """For keys sorted within each of the consecutive parts of ``counts`` entries: (each entry's run index, each
+    run's first entry, runs per part), a run being equal keys within one part."""
+    starts = torch.ones(len(keys), dtype=torch.bool)
+    if len(keys) > 1:
+        torch.ne(keys[1:], keys[:-1], out=starts[1:])
+    first = 0
+    for count in counts[:-1]:
+        first += count
+        if first < len(keys):
+            starts[first] = True  # a part's first entry starts a run
+    per_part = [int(part.sum()) for part in starts.split(counts)]
+    return starts.cumsum(0) - 1, starts.nonzero().squeeze(1), per_part
 
 
 class _Lookup(torch.autograd.Function):
@@ -276,50 +294,57 @@ class ShardedEmbeddingBagCollection(nn.Module):
         route = _Route()
         route.recv_weight = self._all_to_all(weight, send_counts, recv_counts)
         route.recv_table, route.recv_row = ints[:, 1], ints[:, 2]
-        route.sent_keys = [torch.unique(part) for part in key.split(send_counts)]
-        vectors = torch.empty(len(ints), self.dim)
-        for index, name in enumerate(self.names):
-            mask = route.recv_table == index
-            if bool(mask.any()):
-                vectors[mask] = self.weights[name][route.recv_row[mask]]
-        vectors.mul_(route.recv_weight.unsqueeze(1))
-        partials = []
-        for part_keys, part_vectors in zip(ints[:, 0].split(recv_counts), vectors.split(recv_counts), strict=True):
-            unique, inverse = torch.unique(part_keys, return_inverse=True)
-            route.recv_inverse.append(inverse)
-            route.recv_unique.append(len(unique))
-            partials.append(torch.zeros(len(unique), self.dim).index_add_(0, inverse, part_vectors))
-        back = self._all_to_all(torch.cat(partials) if partials else torch.empty(0, self.dim),
-                                route.recv_unique, [len(k) for k in route.sent_keys])
+        route.sent_keys = [torch.unique_consecutive(part) for part in key.split(send_counts)]
+        route.recv_run, firsts, route.recv_unique = _runs(ints[:, 0], recv_counts)
+        back = self._all_to_all(self._partial_sums(route, firsts), route.recv_unique,
+                                [len(k) for k in route.sent_keys])
         out = torch.zeros(len(self.names) * batch, self.dim)
         out.index_add_(0, torch.cat(route.sent_keys), back)
         return out, route
 
+    def _partial_sums(self, route: _Route, firsts: torch.Tensor) -> torch.Tensor:
+        """Each run's weighted sum of its rows: one bag's part on this rank, in the order the runs came in."""
+        if not len(firsts):
+            return torch.empty(0, self.dim)
+        if len(self.names) == 1:  # one fused gather-and-sum over this rank's rows
+            return torch.nn.functional.embedding_bag(route.recv_row, self.weights[self.names[0]], firsts, mode="sum",
+                                                     per_sample_weights=route.recv_weight)
+        vectors = torch.empty(len(route.recv_row), self.dim)
+        for index, name in enumerate(self.names):
+            mask = route.recv_table == index
+            if bool(mask.any()):
+                vectors[mask] = self.weights[name].index_select(0, route.recv_row[mask])
+        vectors.mul_(route.recv_weight.unsqueeze(1))
+        return torch.zeros(len(firsts), self.dim).index_add_(0, route.recv_run, vectors)
+
     @torch.no_grad()
     def _backward(self, route: _Route, grad: torch.Tensor) -> None:
         sent = [len(k) for k in route.sent_keys]
-        outgoing = grad[torch.cat(route.sent_keys)]
+        outgoing = grad.index_select(0, torch.cat(route.sent_keys))
         incoming = self._all_to_all(outgoing, sent, route.recv_unique)
-        entry_grads = []
-        at = 0
-        for inverse, count in zip(route.recv_inverse, route.recv_unique, strict=True):
-            entry_grads.append(incoming[at:at + count][inverse])
-            at += count
-        grads = torch.cat(entry_grads) if entry_grads else torch.empty(0, self.dim)
+        grads = incoming.index_select(0, route.recv_run)  # each entry's bag gradient
         grads.mul_((route.recv_weight * self.grad_scale).unsqueeze(1))
+        if len(self.names) == 1:
+            if len(grads):
+                self.pending[self.names[0]].append((route.recv_row, grads))
+            return
         for index, name in enumerate(self.names):
             mask = route.recv_table == index
             if bool(mask.any()):
                 self.pending[name].append((route.recv_row[mask], grads[mask]))
 
-    def take_grads(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """This rank's (unique local rows, summed gradient rows) of ``name`` since the last call."""
+    def take_grads(self, name: str, distinct: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This rank's (unique local rows, summed gradient rows) of ``name`` since the last call; with ``distinct``
+        False, (local row, gradient) per entry that reached it, a row as often as it was looked up (for an update
+        that adds them up anyway, as ``index_add_`` does)."""
         parts = self.pending[name]
         self.pending[name] = []
         if not parts:
             return None
-        rows = torch.cat([r for r, _ in parts])
-        grads = torch.cat([g for _, g in parts])
+        rows = torch.cat([r for r, _ in parts]) if len(parts) > 1 else parts[0][0]
+        grads = torch.cat([g for _, g in parts]) if len(parts) > 1 else parts[0][1]
+        if not distinct:
+            return rows, grads
         unique, inverse = torch.unique(rows, return_inverse=True)
         return unique, torch.zeros(len(unique), self.dim).index_add_(0, inverse, grads)
 

@@ -14,7 +14,8 @@ from convoy.parallel.embedding.bags import ShardedEmbeddingBagCollection
 
 
 class SparseSGD:
-    """``row -= lr * grad`` for the rows that appeared since the last step."""
+    """``row -= lr * grad`` for the rows that appeared since the last step (``rows_updated`` counts the row
+    gradients applied: a row looked up n times counts n times)."""
 
     def __init__(self, tables: ShardedEmbeddingBagCollection, lr: float) -> None:
         if not lr > 0:
@@ -28,7 +29,7 @@ class SparseSGD:
     @torch.no_grad()
     def step(self) -> None:
         for name in self.tables.names:
-            got = self.tables.take_grads(name)
+            got = self.tables.take_grads(name, distinct=False)  # index_add_ sums a row's gradients itself
             if got is not None:
                 rows, grads = got
                 self.tables.weights[name].index_add_(0, rows, grads, alpha=-self.lr)
