@@ -29,9 +29,8 @@ def test_placement_row_wise_for_large_tables_table_wise_for_small_ones() -> None
     assert plan["big"].kind == "row" and [plan["big"].rows_on(r) for r in range(4)] == [250_000] * 4
     assert plan["forced"].kind == "row" and [plan["forced"].rows_on(r) for r in range(4)] == [2] * 4
     owners = {name: [r for r in range(4) if plan[name].rows_on(r)] for name in ("a", "b", "c")}
-    for name in ("a", "b", "c"):  # an id's owner is the first rank whose range ends past it
-        ends = plan[name].ends
-        assert [next(r for r in range(4) if ends[r] > row) for row in (0, 99)] == owners[name] * 2
+    for name in ("a", "b", "c"):  # a table-wise table's every id is its owner's
+        assert plan[name].owners(torch.tensor([0, 99])).tolist() == owners[name] * 2
     assert owners == {"b": [0], "c": [1], "a": [2]}  # largest first, each to the least-loaded rank
     assert all(plan[name].rows_on(owners[name][0]) == spec.num_rows
                for name, spec in (("a", specs[1]), ("b", specs[2]), ("c", specs[3])))
@@ -62,6 +61,20 @@ def test_initial_rows_do_not_depend_on_the_placement() -> None:
         assert torch.equal(init_rows(spec, 3, start, end), whole[start:end])
     assert whole.abs().max() <= 1 / spec.num_rows ** 0.5
     assert not torch.equal(init_rows(spec, 4, 0, 10), whole[:10])
+    for first, stride in ((0, 4), (3, 4), (1, 7)):  # a row-wise rank's interleaved rows, across blocks
+        assert torch.equal(init_rows(spec, 3, first, spec.num_rows, stride), whole[first::stride])
+
+
+def test_row_wise_rows_are_interleaved_so_a_hot_head_of_low_ids_spreads_over_every_rank() -> None:
+    place = plan_tables([TableSpec("t", 10, 4, sharding="row")], 4)["t"]
+    ids = torch.arange(10)
+    assert place.owners(ids).tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+    assert place.local(ids).tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2]
+    assert [place.rows_on(r) for r in range(4)] == [3, 3, 2, 2]
+    assert [place.span(r).rows().tolist() for r in range(4)] == [[0, 4, 8], [1, 5, 9], [2, 6], [3, 7]]
+    skewed = (torch.rand(100_000, generator=torch.Generator().manual_seed(0)).pow(3) * 10_000_000).long()
+    share = torch.bincount(place._replace(num_rows=10_000_000).owners(skewed), minlength=4) / len(skewed)
+    assert share.max() < 0.26, share  # contiguous ranges gave rank 0 63% of these
 
 
 def test_runs_split_sorted_keys_at_every_change_and_at_every_source() -> None:

@@ -1,7 +1,8 @@
 """Row-sharded embedding bags beside allreduced dense layers, in plain PyTorch (CPU tensors, gloo).
 
-Each table's rows are split over the ranks (row-wise: contiguous ranges; table-wise: the whole
-table on one rank, for small tables). Every rank feeds its own batch. A forward sends each id
+Each table's rows are split over the ranks (row-wise: interleaved, row ``i`` on rank ``i % world``;
+table-wise: the whole table on one rank, for small tables; ``placement.py``). Every rank feeds its
+own batch. A forward sends each id
 to the rank that owns its row (one all-to-all of counts, one of ids), the owner sums the rows
 of each bag it holds a part of, and the partial sums come back (one all-to-all) to be added up.
 The backward sends each bag's output gradient to the owners that contributed to it; each owner
@@ -13,7 +14,7 @@ model of sharded tables and a DDP dense part trains like one process on the rank
 together, with the loss averaged over the whole batch. Per-sample weights are constants (they
 get no gradient). An empty bag pools to zeros, as ``nn.EmbeddingBag`` does.
 
-``plan_tables`` (placement) is pure; ``store.py``'s ``save_sharded``/``load_sharded``
+``placement.py`` (where rows live, their initial values) is pure; ``store.py``'s ``save_sharded``/``load_sharded``
 write one file per rank and read back whatever the current placement needs, from any world
 size that saved them. A rank's rows are buffers of the module (``state_dict``) and the Adagrad
 accumulators are in the optimizer's ``state_dict``, so ``convoy.Checkpointer(tables, state=
@@ -22,10 +23,7 @@ accumulators are in the optimizer's ``state_dict``, so ``convoy.Checkpointer(tab
 
 from __future__ import annotations
 
-import math
-import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -33,96 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from convoy.errors import ConfigError
-from convoy.parallel import even_bounds
-
-POOLINGS = ("sum", "mean")
-SHARDINGS = ("auto", "row", "table")
-TABLE_WISE_BELOW = 1 << 16
-"""``auto`` places a table whole on one rank when it has fewer rows x dim than this."""
-INIT_BLOCK = 1 << 16
-
-
-@dataclass(frozen=True)
-class TableSpec:
-    name: str
-    num_rows: int
-    dim: int
-    pooling: str = "sum"
-    sharding: str = "auto"
-
-    def __post_init__(self) -> None:
-        if not self.name:
-            raise ConfigError("an embedding table needs a name")
-        if self.num_rows < 1 or self.dim < 1:
-            raise ConfigError(f"table {self.name!r} needs num_rows >= 1 and dim >= 1 "
-                              f"(got {self.num_rows} x {self.dim})")
-        if self.pooling not in POOLINGS:
-            raise ConfigError(f"table {self.name!r}: unknown pooling {self.pooling!r}; choose from {POOLINGS}")
-        if self.sharding not in SHARDINGS:
-            raise ConfigError(f"table {self.name!r}: unknown sharding {self.sharding!r}; choose from {SHARDINGS}")
-
-
-class Placement(NamedTuple):
-    """Rows ``[starts[r], ends[r])`` of the table live on rank ``r``."""
-
-    kind: str
-    starts: tuple[int, ...]
-    ends: tuple[int, ...]
-
-    def rows_on(self, rank: int) -> int:
-        return self.ends[rank] - self.starts[rank]
-
-
-def plan_tables(specs: Sequence[TableSpec], world: int) -> dict[str, Placement]:
-    """Row-wise tables span all ranks; table-wise ones go, largest first, to the rank holding the
-    fewest table-wise rows x dim so far."""
-    if world < 1:
-        raise ConfigError(f"world size must be >= 1 (got {world})")
-    names = [spec.name for spec in specs]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"embedding table names must be unique (got {names})")
-    plan: dict[str, Placement] = {}
-    load = [0] * world
-    table_wise = []
-    for spec in specs:
-        kind = spec.sharding
-        if kind == "auto":
-            kind = "table" if spec.num_rows * spec.dim < TABLE_WISE_BELOW or spec.num_rows < world else "row"
-        if kind == "row":
-            if spec.num_rows < world:
-                raise ConfigError(f"table {spec.name!r} has {spec.num_rows} rows but there are {world} ranks: "
-                                  "row-wise sharding needs a row per rank; use sharding='table' or 'auto'")
-            bounds = even_bounds(spec.num_rows, world)
-            plan[spec.name] = Placement("row", tuple(s for s, _ in bounds), tuple(e for _, e in bounds))
-        else:
-            table_wise.append(spec)
-    for spec in sorted(table_wise, key=lambda s: -s.num_rows * s.dim):
-        owner = min(range(world), key=lambda r: (load[r], r))
-        load[owner] += spec.num_rows * spec.dim
-        # ranks before the owner hold [0, 0), the owner [0, n), ranks after it [n, n): an id's owner is
-        # the first rank whose range ends past it, as for row-wise tables
-        starts = tuple(0 if r <= owner else spec.num_rows for r in range(world))
-        ends = tuple(0 if r < owner else spec.num_rows for r in range(world))
-        plan[spec.name] = Placement("table", starts, ends)
-    return {name: plan[name] for name in names}
-
-
-def init_rows(spec: TableSpec, seed: int, start: int, end: int) -> torch.Tensor:
-    """Rows ``[start, end)`` of the table's initial weights: uniform in +-1/sqrt(num_rows) (as
-    DLRM), generated in fixed blocks so any placement gets the same values."""
-    bound = 1.0 / math.sqrt(spec.num_rows)
-    out = torch.empty(max(0, end - start), spec.dim)
-    if end <= start:
-        return out
-    block = start // INIT_BLOCK
-    while block * INIT_BLOCK < end:
-        lo, hi = block * INIT_BLOCK, min((block + 1) * INIT_BLOCK, spec.num_rows)
-        gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{spec.name}/{block}".encode()))
-        values = torch.rand(hi - lo, spec.dim, generator=gen).mul_(2 * bound).sub_(bound)
-        a, b = max(lo, start), min(hi, end)
-        out[a - start: b - start] = values[a - lo: b - lo]
-        block += 1
-    return out
+from convoy.parallel.embedding.placement import Span, TableSpec, init_rows, plan_tables
 
 
 class Bags(NamedTuple):
@@ -226,19 +135,16 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.weights: dict[str, torch.Tensor] = {}
         self.rows = nn.Module()  # this rank's rows as buffers: in state_dict, so convoy.Checkpointer keeps them
         for name in self.names:
-            place = self.plan[name]
-            start, end = place.starts[self.rank], place.ends[self.rank]
-            self.weights[name] = init_rows(self.specs[name], seed, start, end)
+            first, stride, count = self.span(name)
+            self.weights[name] = init_rows(self.specs[name], seed, first, first + stride * count, stride)
             self.rows.register_buffer(name, self.weights[name])
-        self._ends = [torch.tensor(self.plan[name].ends) for name in self.names]
-        self._starts = [torch.tensor(self.plan[name].starts) for name in self.names]
         self._anchor = torch.zeros((), requires_grad=True)  # lets autograd reach the backward
         self.pending: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {name: [] for name in self.names}
         self.sent_bytes = 0
 
-    def local_rows(self, name: str) -> tuple[int, int]:
-        place = self.plan[name]
-        return place.starts[self.rank], place.ends[self.rank]
+    def span(self, name: str) -> Span:
+        """This rank's rows of ``name``: table rows ``first + stride * k``, local row ``k`` (``placement.py``)."""
+        return self.plan[name].span(self.rank)
 
     def memory_bytes(self) -> int:
         """Bytes of the table rows this rank holds."""
@@ -277,10 +183,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
             weight = given.float() if given is not None else torch.ones(len(ids))
             if self.specs[name].pooling == "mean":
                 weight = weight / lengths.clamp(min=1)[bag]
-            owner = torch.searchsorted(self._ends[index], ids, right=True)
+            owner = self.plan[name].owners(ids)
             keys.append(index * batch + bag)
             tables.append(torch.full_like(ids, index))
-            rows.append(ids - self._starts[index][owner])
+            rows.append(self.plan[name].local(ids))
             weights.append(weight)
             owners.append(owner)
         owner = torch.cat(owners)
@@ -355,10 +261,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def full_table(self, name: str) -> torch.Tensor:
         """The whole table, gathered on every rank (for tests and small tables)."""
         pieces: list[Any] = [None] * self.world
-        dist.all_gather_object(pieces, (self.local_rows(name), self.weights[name]), group=self.group)
+        dist.all_gather_object(pieces, (self.span(name), self.weights[name]), group=self.group)
         table = torch.empty(self.specs[name].num_rows, self.dim)
-        for (start, end), rows in pieces:
-            table[start:end] = rows
+        for span, rows in pieces:
+            table[Span(*span).rows()] = rows
         return table
 
 

@@ -30,7 +30,7 @@ def save_sharded(tables: ShardedEmbeddingBagCollection, directory: str | Path,
     if tables.rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
     dist.barrier(group=tables.group)
-    shard = {name: {"start": tables.local_rows(name)[0], "weight": tables.weights[name],
+    shard = {name: {"span": tuple(tables.span(name)), "weight": tables.weights[name],
                     "row_state": optimizer.row_state(name) if optimizer is not None else None}
              for name in tables.names}
     path = _shard_file(directory, tables.rank, tables.world)
@@ -59,22 +59,25 @@ def load_sharded(tables: ShardedEmbeddingBagCollection, directory: str | Path,
         if saved != [tables.specs[name].num_rows, tables.dim]:
             raise CheckpointError(f"table {name!r} is {tables.specs[name].num_rows} x {tables.dim} here but "
                                   f"{saved} in {directory}; load into the same tables")
-    mine = {name: tables.local_rows(name) for name in tables.names}
+    mine = {name: tables.span(name).rows() for name in tables.names}  # the table rows this rank holds now
     states = {name: optimizer.row_state(name) if optimizer is not None else None for name in tables.names}
     for rank in range(manifest["world"]):
         path = _shard_file(directory, rank, manifest["world"])
         if not path.is_file():
             raise CheckpointError(f"{path} is missing; the checkpoint in {directory} is incomplete")
         shard = torch.load(path, mmap=True, weights_only=True)
-        for name, (start, end) in mine.items():
+        for name, wanted in mine.items():
             part = shard[name]
-            lo, hi = part["start"], part["start"] + len(part["weight"])
-            a, b = max(start, lo), min(end, hi)
-            if a >= b:
+            # a file of an older convoy: contiguous rows from "start"
+            first, stride = part["span"][:2] if "span" in part else (part["start"], 1)
+            offset = wanted - first
+            here = (offset >= 0) & (offset % stride == 0) & (offset // stride < len(part["weight"]))
+            if not bool(here.any()):
                 continue
-            tables.weights[name][a - start:b - start] = part["weight"][a - lo:b - lo]
+            theirs = offset[here] // stride
+            tables.weights[name][here] = part["weight"][theirs]
             if states[name] is not None and part["row_state"] is not None:
-                states[name][a - start:b - start] = part["row_state"][a - lo:b - lo]
+                states[name][here] = part["row_state"][theirs]
     if optimizer is not None and manifest["optimizer"] is not None:
         optimizer.load_state_dict({k: v for k, v in manifest["optimizer"].items() if k != "acc"})
     dist.barrier(group=tables.group)
