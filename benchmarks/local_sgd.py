@@ -19,8 +19,8 @@ each group is a network namespace whose traffic to the other group goes through 
 ``ddp`` and averaging, and the bytes the links carried, read from the links' own counters. The
 bytes target is measured there: each configuration runs for N and for 2N steps, and the
 difference of the two runs' link bytes is what N training steps carry (start-up, rendezvous and
-shutdown cancel out). The slow link trains its own model (``--slow-width``, default 128: 0.8 M parameters,
-3.2 MB of gradients a step, a quarter of a second of the default link for DDP against tens of milliseconds of
+shutdown cancel out). The slow link trains its own model (``--slow-width``, default 128: 0.87 M
+parameters, 3.5 MB of gradients a step, about 0.4 s of the default link a step for DDP against about 0.1 s of
 compute) so that the link bounds DDP's step, as it does for the users of DiLoCo-style training; (a)'s model is
 small enough for its 9 runs to fit. Needs root for (b); without it the bytes and wall targets print ``missed``
 with the reason. Writes the loss curves to ``--png``.
@@ -189,6 +189,9 @@ def main() -> int:
         per_step = {name: steps_bytes(slow, name, args.slow_steps) for name in ("ddp", MAIN)}
         print("  link MB per training step (the x2 run less the other, over the steps between them): "
               + ", ".join(f"{name} {value / 1e6:.3f}" for name, value in per_step.items()))
+        slow_loss = {name: slow[f"{name} x2"]["held_out_loss"] for name in ("ddp", MAIN)}
+        print(f"  held-out loss after {2 * args.slow_steps} steps: ddp {slow_loss['ddp']:.4f}, {MAIN} "
+              f"{slow_loss[MAIN]:.4f} ({slow_loss[MAIN] / slow_loss['ddp'] - 1:+.2%})")
         steady = {name: (slow[f"{name} x2"]["wall_s"] - slow[name]["wall_s"]) / args.slow_steps
                   for name in ("ddp", MAIN)}
         print("  s per training step, the same difference (no start-up, no first connections): "
@@ -206,8 +209,10 @@ def main() -> int:
         print(f"target cross_group_bytes: not measured ({problem}: no links to count on) (goal <= {BYTES_GOAL:.4f}) "
               "missed")
     gap = statistics.median(r["held_out_loss"] for r in rows[MAIN]) / ddp_loss - 1
-    print(f"target final_loss: {MAIN} held-out loss {gap * 100:+.2f}% vs ddp, median of {args.seeds} seed(s) "
-          f"(goal within {LOSS_GOAL * 100:.0f}%) {'met' if gap <= LOSS_GOAL else 'missed'}")
+    slow_gap = f", on the slow link's model {slow_loss[MAIN] / slow_loss['ddp'] - 1:+.2%}" if slow else ""
+    worst = max(gap, slow_loss[MAIN] / slow_loss["ddp"] - 1) if slow else gap
+    print(f"target final_loss: {MAIN} held-out loss {gap * 100:+.2f}% vs ddp, median of {args.seeds} seed(s)"
+          f"{slow_gap} (goal within {LOSS_GOAL * 100:.0f}%) {'met' if worst <= LOSS_GOAL else 'missed'}")
     if slow:
         wall = slow[MAIN]["wall_s"] / slow["ddp"]["wall_s"]  # the N-step runs, start-up included
         print(f"target slow_link_wall: {MAIN} / ddp wall time {wall:.3f} (goal <= {WALL_GOAL}) "
