@@ -1,22 +1,22 @@
 """Row-sharded embedding bags beside allreduced dense layers, in plain PyTorch (CPU tensors, gloo).
 
 Each table's rows are split over the ranks (row-wise: interleaved, row ``i`` on rank ``i % world``;
-table-wise: the whole table on one rank, for small tables; ``placement.py``). Every rank feeds its
-own batch. A forward sends each id
-to the rank that owns its row (one all-to-all of counts, one of ids), the owner sums the rows
-of each bag it holds a part of, and the partial sums come back (one all-to-all) to be added up.
-The backward sends each bag's output gradient to the owners that contributed to it; each owner
-keeps gradients only for the rows that appeared, and a sparse optimizer (``SparseSGD``,
-``SparseRowWiseAdagrad`` in ``sparse_optim.py``) updates only those. Dense layers stay under DDP.
+table-wise: the whole table on one rank, for small tables; ``placement.py``). Every rank feeds its own
+batch. A forward sends each id to the rank that owns its row (one all-to-all of counts, one of ids),
+the owner sums the rows of each bag it holds a part of, and the partial sums come back (one
+all-to-all) to be added up. The backward sends each bag's output gradient to the owners that
+contributed to it; each owner keeps gradients only for the rows that appeared, and a sparse optimizer
+(``SparseSGD``, ``SparseRowWiseAdagrad`` in ``sparse_optim.py``) updates only those. Dense layers stay
+under DDP.
 
 Row gradients are averaged over ranks like DDP's dense ones (``grad_scale = 1 / world``), so a
 model of sharded tables and a DDP dense part trains like one process on the ranks' batches put
 together, with the loss averaged over the whole batch. Per-sample weights are constants (they
 get no gradient). An empty bag pools to zeros, as ``nn.EmbeddingBag`` does.
 
-``placement.py`` (where rows live, their initial values) is pure; ``store.py``'s ``save_sharded``/``load_sharded``
-write one file per rank and read back whatever the current placement needs, from any world
-size that saved them. A rank's rows are buffers of the module (``state_dict``) and the Adagrad
+``placement.py`` (where rows live, their initial values) is pure; ``store.py``'s ``save_sharded`` /
+``load_sharded`` write one file per rank and read back whatever the current placement needs, from any
+world size that saved them. A rank's rows are buffers of the module (``state_dict``) and the Adagrad
 accumulators are in the optimizer's ``state_dict``, so ``convoy.Checkpointer(tables, state=
 {"sparse": optimizer})`` snapshots them in memory and resumes them at the same world size.
 """
