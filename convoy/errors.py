@@ -21,6 +21,10 @@ class MasterUnreachableError(ConvoyError):
     """An agent could not reach the master for longer than it may wait."""
 
 
+class JobEndedError(MasterUnreachableError):
+    """A call to a master that went away after the caller had heard the job end: no answer is needed any more."""
+
+
 class AuthError(ConvoyError):
     """A request to the master did not carry the job's token."""
 

@@ -20,7 +20,7 @@ from convoy.agent.role_procs import JobContext, RoleProcesses
 from convoy.agent.workers import Worker, WorkerGroup
 from convoy.control.protocol import messages as p
 from convoy.control.protocol.client import MasterClient
-from convoy.errors import ConvoyError, MasterUnreachableError, WorkerStartError
+from convoy.errors import ConvoyError, JobEndedError, MasterUnreachableError, WorkerStartError
 from convoy.ports import hold_port, port_taken
 from convoy.procs import Interrupted, raise_interrupted, signal_name
 from convoy.shm import remove_segments
@@ -40,6 +40,7 @@ class Agent:
                                    config.tls_ca)
         self.group = group or WorkerGroup(config.workers, config.run_dir, host=config.host)
         self.heartbeat = Heartbeat(config)
+        self.client.ended = self.heartbeat.heard_end
         self.master_url = f"{config.master_host}:{config.master_port}"
         self._final_status = ""
         self._job_id = ""
@@ -71,6 +72,9 @@ class Agent:
         except Interrupted as exc:
             self._leave(f"interrupted by {exc}")
             return exc.exit_code
+        except JobEndedError:  # a report of the last moments, to a master that has closed the job's books
+            self._final_status = self.heartbeat.latest.job_status if self.heartbeat.latest else "failed"
+            return self._job_exit_code()
         except MasterUnreachableError as exc:
             log.warning(f"convoy agent {self.config.node_id}: {exc}; stopping workers")
             return EXIT_FAILED

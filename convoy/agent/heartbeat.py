@@ -52,6 +52,11 @@ class Heartbeat(threading.Thread):
         """The poll the master asked for in its last reply (0: none yet, the agent's own ``heartbeat_s``); longer in a
         large job, to bound the master's load, and spread at random."""
 
+    def heard_end(self) -> bool:
+        """Whether the master has said that the job ended (it exits once every agent has heard, or a bound passed)."""
+        latest = self.latest
+        return latest is not None and latest.job_status != "running"
+
     def run(self) -> None:
         while not self.stopping.is_set():
             known_round = self.latest.round_id if self.latest else 0

@@ -10,12 +10,13 @@ import socket
 import ssl
 import time
 import zlib
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 from pydantic import BaseModel
 
 from convoy.control.protocol import messages as p
-from convoy.errors import AuthError, ConfigError, ConflictError, ConvoyError, MasterUnreachableError, StateWriteError
+from convoy.errors import (AuthError, ConfigError, ConflictError, ConvoyError, JobEndedError, MasterUnreachableError,
+                           StateWriteError)
 
 Reply = TypeVar("Reply", bound=BaseModel)
 MAX_REPLY_BYTES = 64 << 20
@@ -49,6 +50,9 @@ class MasterClient:
         self._key_prefix = secrets.token_hex(8)
         self._calls = 0
         """Each call carries ``Idempotency-Key: <prefix>-<count>``, the same on every retry of it."""
+        self.ended: Callable[[], bool] = lambda: False
+        """Asked before each retry: True once the caller has heard the job end (its master is on its way out), when
+        a call that cannot reach the master raises ``JobEndedError`` at once instead of retrying to the deadline."""
 
     def close(self) -> None:
         if self._conn is not None:
@@ -73,6 +77,7 @@ class MasterClient:
             except ssl.SSLError as exc:
                 self.close()
                 if isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError)):  # cut off (a master restarting)
+                    self._unless_ended(path, exc)
                     if time.monotonic() + pause > deadline:
                         raise MasterUnreachableError(f"master at {self.host}:{self.port} unreachable for "
                                                      f"{self.give_up_after_s:.0f} s ({exc})") from exc
@@ -84,6 +89,7 @@ class MasterClient:
                                              "and that the master serves TLS") from exc
             except (OSError, http.client.HTTPException) as exc:
                 self.close()
+                self._unless_ended(path, exc)
                 if time.monotonic() + pause > deadline:
                     raise MasterUnreachableError(
                         f"master at {self.host}:{self.port} unreachable for {self.give_up_after_s:.0f} s ({exc})"
@@ -107,6 +113,10 @@ class MasterClient:
             if status == 400:  # a value of the request is wrong; the master's text names it
                 raise ConfigError(f"master answered 400 to {path}: {_error_text(data)}")
             raise ConvoyError(f"master answered {status} to {path}: {data.decode(errors='replace')}")
+
+    def _unless_ended(self, path: str, exc: BaseException) -> None:
+        if self.ended():
+            raise JobEndedError(f"{path}: the master at {self.host}:{self.port} is gone after the job ended ({exc})")
 
     def get(self, path: str) -> dict[str, Any]:
         """GET ``path`` (with its query) once: the JSON answer; a ConvoyError says why there is none."""
