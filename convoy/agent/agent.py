@@ -15,7 +15,7 @@ from convoy.agent.heartbeat import Heartbeat
 from convoy.agent.local_api import ClientPool, LocalApi
 from convoy.agent.log_pump import peer_lost
 from convoy.agent.reap import NodeCgroup, reap
-from convoy.agent.role_memory import RoleMemory, join_memory
+from convoy.agent.role_memory import RoleMemory, join_memory, send_event
 from convoy.agent.role_procs import JobContext, RoleProcesses
 from convoy.agent.workers import Worker, WorkerGroup
 from convoy.control.protocol import messages as p
@@ -314,14 +314,8 @@ class Agent:
                 rank, kind, message = self.group.events.get_nowait()
             except queue.Empty:
                 return
-            event = p.WorkerEvent(node_id=self.config.node_id, round_id=round_info.round_id, rank=max(rank, 0),
-                                  kind=kind, message=message[:4096])
-            try:
-                self.client.call("/event", event, p.Ack)
-            except MasterUnreachableError:
-                raise
-            except ConvoyError as exc:  # refused (e.g. over the node's budget): the line is in the log anyway
-                log.warning(f"convoy agent {self.config.node_id}: event {kind} not recorded: {exc}")
+            send_event(self.client, p.WorkerEvent(node_id=self.config.node_id, round_id=round_info.round_id,
+                                                  rank=max(rank, 0), kind=kind, message=message[:4096]))
 
     def _report_failure(self, round_info: p.RoundInfo, worker: Worker) -> None:
         code = worker.returncode or 0

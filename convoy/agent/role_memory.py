@@ -178,13 +178,8 @@ class RoleMemory:
             client.call("/memory", report, p.Ack)
         while not self.events.empty():
             (_, rank, _), kind, message = self.events.get_nowait()
-            event = p.WorkerEvent(node_id=self.node_id, round_id=round_id, rank=rank, kind=kind, message=message[:4096])
-            try:
-                client.call("/event", event, p.Ack)
-            except MasterUnreachableError:
-                raise
-            except ConvoyError as exc:  # refused (over the node's budget): the line is in the log anyway
-                log.warning(f"convoy agent {self.node_id}: event {kind} not recorded: {exc}")
+            send_event(client, p.WorkerEvent(node_id=self.node_id, round_id=round_id, rank=rank, kind=kind,
+                                             message=message[:4096]))
 
     def forget(self, key: Key) -> None:
         """A process stopped on purpose: its sampler stops and its limit is released."""
@@ -300,3 +295,14 @@ def _number(path: Path) -> int:
         return NO_LIMIT if text == "max" else int(text)
     except (OSError, ValueError):
         return 0
+
+
+def send_event(client: MasterClient, event: p.WorkerEvent) -> None:
+    """Record ``event`` with the master; one it refuses (over the node's budget) is only logged: the line is in the
+    process's log anyway. An unreachable master raises."""
+    try:
+        client.call("/event", event, p.Ack)
+    except MasterUnreachableError:
+        raise
+    except ConvoyError as exc:
+        log.warning(f"convoy agent {event.node_id}: event {event.kind} not recorded: {exc}")
