@@ -38,7 +38,9 @@ def bench_strategy(device: str, quick: bool, grid_steps: int = 3, grid_rounds: i
     # on a GPU the limit is the GPU's own memory, as the dry-run rank takes it (strategy/device.py)
     limit = float(torch.cuda.mem_get_info(torch.device(device))[1]) if on_gpu else 150e6
     hardware = Hardware(1, 1, limit, os.cpu_count() or 1)
-    result = run_search(EXAMPLE, model_args, hardware, exhaustive_steps=grid_steps, exhaustive_rounds=grid_rounds)
+    # a smoke run halves among 4 candidates rather than 8: the same code paths, in half the time
+    result = run_search(EXAMPLE, model_args, hardware, exhaustive_steps=grid_steps, exhaustive_rounds=grid_rounds,
+                        keep=4 if quick else 8)
     for note in result["notes"]:
         print(f"note: {note}")
     print(table(result, show_dropped=False))
