@@ -1,5 +1,6 @@
-"""One rank of benchmarks/allreduce.py: time flat, leader, reduce_scatter (each hierarchical one also with
-its cross-group phase coded, ``compress=True``) and auto allreduce.
+"""One rank of benchmarks/allreduce.py: time flat, leader, reduce_scatter, their coded variants (the cross-group
+phase losslessly coded: ``leader_coded``, ``reduce_scatter_coded``) and auto allreduce (which, between two hosts,
+tries the coded ones too).
 
 Groups are the ranks of each host (``LOCAL_WORLD_SIZE`` consecutive ranks). Reps of the
 algorithms are interleaved, in a fresh random order each rep; each starts after a barrier and
@@ -39,12 +40,10 @@ def sent_bytes() -> int:
     return int(Path(f"/sys/class/net/{link}/statistics/tx_bytes").read_text())
 
 
-def run(comm: HierarchicalAllreduce, coded: HierarchicalAllreduce, buffer: torch.Tensor, algorithm: str) -> str:
+def run(comm: HierarchicalAllreduce, buffer: torch.Tensor, algorithm: str) -> str:
     if algorithm == "flat_torch":
         dist.all_reduce(buffer)
         return algorithm
-    if algorithm.endswith("_coded"):
-        return coded.allreduce(buffer, "sum", algorithm.removesuffix("_coded"), check=False) + "_coded"
     return comm.allreduce(buffer, "sum", algorithm, check=False)
 
 
@@ -53,14 +52,14 @@ def main() -> None:
     parser.add_argument("--sizes-mb", default="1,4,16,64")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--uncoded-only", action="store_true", help="leave out the coded variants (what auto can pick)")
+    parser.add_argument("--uncoded-only", action="store_true",
+                        help="time no coded variant on its own (auto may still run one)")
     args = parser.parse_args()
     algorithms = tuple(a for a in ALGORITHMS if not (args.uncoded_only and a.endswith("_coded")))
     ctx = convoy.init()
     topology = Topology.uniform(ctx.world_size, ctx.local_world_size)
     comm = HierarchicalAllreduce(topology)
     comm.choose(1)  # measure the links once, before anything is timed
-    coded = HierarchicalAllreduce(topology, compress=True, tune=False)
     counts_bytes = ctx.local_rank == 0
     results = []
     for size_mb in [float(s) for s in args.sizes_mb.split(",")]:
@@ -68,13 +67,13 @@ def main() -> None:
         expected = values.clone()
         dist.all_reduce(expected)
         buffer = values.clone()
-        chosen = {algorithm: run(comm, coded, buffer, algorithm) for algorithm in algorithms}  # warm
+        chosen = {algorithm: run(comm, buffer, algorithm) for algorithm in algorithms}  # warm
         trial_calls, trial_s = 1, 0.0  # auto's trial at this size, if it holds one: a one-time cost, reported
         while not comm.settled(buffer.numel() * 4):
             buffer.copy_(values)  # as before every timed rep
             dist.barrier()
             began = time.perf_counter()
-            run(comm, coded, buffer, "auto")
+            run(comm, buffer, "auto")
             trial_s += time.perf_counter() - began
             trial_calls += 1
         times: dict[str, list[float]] = {algorithm: [] for algorithm in algorithms}
@@ -89,7 +88,7 @@ def main() -> None:
                 dist.barrier()
                 before = sent_bytes() if counts_bytes else 0
                 began = time.perf_counter()
-                run(comm, coded, buffer, algorithm)
+                run(comm, buffer, algorithm)
                 times[algorithm].append(time.perf_counter() - began)
                 dist.barrier()  # every rank of the host is done sending before the counter is read
                 sent[algorithm] += (sent_bytes() - before) if counts_bytes else 0
@@ -110,7 +109,6 @@ def main() -> None:
             "intra": [cost.intra.latency_s, cost.intra.s_per_byte],
             "inter": [cost.inter.latency_s, cost.inter.s_per_byte]}}))
     comm.close()
-    coded.close()
     convoy.exit_without_teardown()
 
 

@@ -20,10 +20,21 @@ CHOICE_MARGIN = 0.05
 """A more elaborate algorithm must beat a simpler one by this much (in prediction or in a trial)."""
 TRIAL_WITHIN = 0.25
 """``auto`` tries, at the real size, every algorithm predicted within this much of the fastest."""
-ALGORITHMS = ("flat", "leader", "reduce_scatter")
+PLAIN = ("flat", "leader", "reduce_scatter")
 """``flat``: one ring over all ranks. ``leader``: reduce to each group's first rank, allreduce
 among those, broadcast back. ``reduce_scatter``: reduce-scatter inside each group, allreduce
 shard i among the ranks at local index i of every group, all-gather inside each group."""
+CODED = ("leader_coded", "reduce_scatter_coded")
+"""The two hierarchical algorithms with what crosses between two groups losslessly coded
+(``allreduce/float_codec.py``): fewer bytes on the slow link for some CPU time per byte. Only
+measured lines price them (the model has no term for the coding's CPU time)."""
+ALGORITHMS = (*PLAIN, *CODED)
+"""Simplest first: where two are close, ``auto`` keeps the earlier one."""
+
+
+def uncoded(algorithm: str) -> str:
+    """The algorithm whose phases ``algorithm`` runs (``leader_coded`` -> ``leader``)."""
+    return algorithm.removesuffix("_coded")
 
 
 def check_algorithm(algorithm: str, auto: bool = True) -> None:
@@ -236,10 +247,14 @@ class CostModel:
         return 2 * (k - 1) * per_step
 
     def predict(self, topology: Topology, algorithm: str, nbytes: float) -> float:
+        """Seconds for ``algorithm`` at ``nbytes``: its measured line, else the rings' model (a coded variant
+        unmeasured: its plain algorithm's, the coding's CPU time left out)."""
         check_algorithm(algorithm, auto=False)
         lines = dict(self.measured)
         if algorithm in lines:
             return lines[algorithm].cost(1, nbytes)
+        if algorithm in CODED:
+            return self.predict(topology, uncoded(algorithm), nbytes)
         biggest = max(len(group) for group in topology.groups)
         if algorithm == "flat":
             return self._ring(topology, range(topology.world_size), nbytes)
@@ -252,11 +267,13 @@ class CostModel:
         return local + self._ring(topology, shards[0], nbytes / biggest, streams=len(shards))
 
     def _predicted(self, topology: Topology, nbytes: float) -> dict[str, float]:
-        usable = [a for a in ALGORITHMS if a != "reduce_scatter" or topology.is_uniform]
+        measured = dict(self.measured)
+        usable = [a for a in ALGORITHMS if (uncoded(a) != "reduce_scatter" or topology.is_uniform)
+                  and (a in PLAIN or (a in measured and len(topology.groups) == 2))]  # coded: where measured
         return {algorithm: self.predict(topology, algorithm, nbytes) for algorithm in usable}
 
     def choose(self, topology: Topology, nbytes: float, margin: float = CHOICE_MARGIN) -> str:
-        """The simplest algorithm (flat, then leader, then reduce_scatter) predicted within ``margin``
+        """The simplest algorithm (flat, leader, reduce_scatter, then the coded ones) predicted within ``margin``
         of the fastest: a more elaborate one must win by more than that, as measured lines are noisy
         and the flat ring is the safe default."""
         if len(topology.groups) in (1, topology.world_size):

@@ -108,7 +108,7 @@ def measured_links(hardware: cands.Hardware, features: ModelFeatures,
     if hardware.nodes > 1 and hardware.nproc_per_node > 1:
         from convoy.parallel.allreduce.collectives import HierarchicalAllreduce
 
-        comm = HierarchicalAllreduce(topology, host_memory=False, tune=False)
+        comm = HierarchicalAllreduce(topology, host_memory=False, tune=False, compress=False)  # weighs plain ones
     costs = CommCosts.from_dict(shared(measure_comm(topology, comm, hardware.nproc_per_node, features).to_dict()))
     if costs.fsdp_pass_s is not None:
         units = len(features.block_param_bytes) + 1

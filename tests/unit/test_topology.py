@@ -113,6 +113,25 @@ def test_auto_trials_only_the_algorithms_predicted_close_to_the_fastest() -> Non
     assert [size_class(n) for n in (0, 1, MB - 1, MB, 2 * MB - 1, 2 * MB)] == [1, 1, 20, 21, 21, 22]
 
 
+def test_coded_algorithms_are_weighed_only_where_measured_and_only_between_two_groups() -> None:
+    """The model has no term for the coding's CPU time: an unmeasured coded variant is never a candidate; a
+    measured one is, between two groups only, and listed after the plain ones (it must win by the margin)."""
+    plain = (("flat", Link(1e-3, 3 / 0.12e9)), ("leader", Link(1e-3, 2 / 0.12e9)),
+             ("reduce_scatter", Link(1e-3, 2 / 0.12e9)))
+    coded = (("leader_coded", Link(2e-3, 1.8 / 0.12e9)), ("reduce_scatter_coded", Link(2e-3, 1.9 / 0.12e9)))
+    two_by_two, four_by_one = Topology.uniform(4, 2), Topology.uniform(4, 1)
+    unmeasured = CostModel(Link(0.0, 1e-9), Link(0.0, 1e-9), plain)
+    assert unmeasured.candidates(two_by_two, 64 * MB) == ["leader", "reduce_scatter"]
+    assert unmeasured.predict(two_by_two, "leader_coded", 64 * MB) == unmeasured.predict(two_by_two, "leader", 64 * MB)
+    model = CostModel(Link(0.0, 1e-9), Link(0.0, 1e-9), plain + coded)
+    assert model.candidates(two_by_two, 64 * MB) == ["leader", "reduce_scatter", "leader_coded",
+                                                     "reduce_scatter_coded"]
+    assert model.choose(two_by_two, 64 * MB) == "leader_coded"  # 10% fewer seconds a byte: past the 5% margin
+    assert model.choose(two_by_two, 1024) == "flat"  # the coded ones' larger fixed cost: not at 1 KB
+    assert "leader_coded" not in model.candidates(Topology.from_groups([[0, 1], [2, 3], [4, 5]]), 64 * MB)
+    assert model.candidates(four_by_one, 64 * MB) == ["flat"]
+
+
 def test_a_trial_of_quick_calls_gets_more_rounds_within_its_budget() -> None:
     assert trial_rounds(1.0) == TRIAL_ROUNDS  # 64 MB over a slow link: the minimum
     assert trial_rounds(0.1) == int(TRIAL_BUDGET_S / 0.1)  # 3 candidates of 33 ms

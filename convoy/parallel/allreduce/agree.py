@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from convoy.errors import ConfigError
 from convoy.parallel.allreduce.host_memory import reduce_path
-from convoy.parallel.topology import ALGORITHMS, Topology, check_algorithm
+from convoy.parallel.topology import ALGORITHMS, CODED, Topology, check_algorithm, uncoded
 
 OPS = ("sum", "avg")
 CHOICES = (*ALGORITHMS, "auto")
@@ -28,7 +28,10 @@ def check_call(tensor: torch.Tensor, op: str, algorithm: str, topology: Topology
     if op == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
         raise ConfigError(f"op 'avg' needs a floating-point or complex tensor, not {tensor.dtype}; "
                           "use op 'sum' and divide")
-    if algorithm == "reduce_scatter" and not topology.is_uniform:
+    if algorithm in CODED and len(topology.groups) != 2:
+        raise ConfigError(f"algorithm {algorithm!r} codes what two groups exchange; this topology has "
+                          f"{len(topology.groups)} group(s): use {uncoded(algorithm)!r} or 'auto'")
+    if uncoded(algorithm) == "reduce_scatter" and not topology.is_uniform:
         topology.shard_groups()  # raises the reason
     return path
 

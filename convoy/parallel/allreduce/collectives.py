@@ -9,7 +9,8 @@ trials, the job's cache) in ``autotune.py``; the checks of a call in ``agree.py`
 the calls. Both hierarchical algorithms cut the tensor into chunks and pipeline them, so the fast in-group
 phases of one chunk overlap the slow cross-group phase of another. Where a group's ranks share
 a machine, those in-group phases run through shared memory (``host_memory.py``), else on gloo;
-with ``compress``, the cross-group phase sends chunks losslessly coded (``float_codec.py``).
+the coded algorithms (``leader_coded``, ``reduce_scatter_coded``; ``auto`` tries them between two groups) send
+the cross-group phase's chunks losslessly coded (``float_codec.py``).
 
 Threads: the DDP hook reduces on a thread of its own, on a ``Lane`` (``lanes.py``) of private process
 groups and its own shared-memory segment, so its calls never pair with the main thread's on another
@@ -35,7 +36,8 @@ from convoy.parallel.allreduce.autotune import Trial, cache_file, load_cache, me
 from convoy.parallel.allreduce.float_codec import CodedSum, codable
 from convoy.parallel.allreduce.host_memory import HOST_MEMORY, chunk_sizes, host_allreduce
 from convoy.parallel.allreduce.lanes import Lane, open_lane, own_device
-from convoy.parallel.topology import ALGORITHMS, CostModel, Topology, check_algorithm, size_class
+from convoy.parallel.topology import (ALGORITHMS, CODED, PLAIN, CostModel, Topology, check_algorithm, size_class,
+                                     uncoded)
 
 CHUNK_BYTES = 1 << 20
 BUCKET_BYTES = 25 << 20
@@ -57,10 +59,13 @@ class HierarchicalAllreduce:
     ``tune``: where the cost model finds several algorithms close at a message size, ``auto``
     tries each on the first real calls of that size and keeps the fastest (``choose``).
 
-    ``compress``: for two groups (more are refused), the cross-group phase sends float32, float64 and bfloat16 chunks
-    losslessly coded (``float_codec.py``: 7/8, 15/16 and 3/4 of the bytes) for some CPU time per
-    byte. Worth it where the link between the groups is slow (``benchmarks/allreduce.py`` compares), not
-    on fast links; the result is the same to the bit.
+    ``compress``: with two groups, the cross-group phase can send float32, float64 and bfloat16 CPU chunks
+    losslessly coded (``float_codec.py``: 7/8, 15/16 and 3/4 of the bytes) for some CPU time per byte:
+    the algorithms ``leader_coded`` and ``reduce_scatter_coded``, the same sum to the bit. Worth it where
+    the link between the groups is slow, not on fast links (``benchmarks/allreduce.py`` compares). None
+    (the default): ``auto`` measures and tries them beside the plain ones, and keeps one only where it
+    wins. True: every cross-group phase is coded (more than two groups are refused). False: ``auto``
+    never codes (a call that names a coded algorithm still gets it).
 
     Threads: the calls of the thread that made the object (``allreduce``, ``allreduce_coalesced``,
     ``choose``, ``settled``, ``measure``) run on the default group and the object's sub-groups; the DDP
@@ -71,7 +76,7 @@ class HierarchicalAllreduce:
 
     def __init__(self, topology: Topology | None = None, *, cost: CostModel | None = None,
                  cache_dir: str | Path | None = None, chunk_bytes: int = CHUNK_BYTES, host_memory: bool = True,
-                 tune: bool = True, compress: bool = False) -> None:
+                 tune: bool = True, compress: bool | None = None) -> None:
         if not dist.is_initialized():
             raise ConfigError("call convoy.init() (or init_process_group) before creating a HierarchicalAllreduce")
         if chunk_bytes < 1:
@@ -81,7 +86,7 @@ class HierarchicalAllreduce:
         if self.topology.world_size != self.world_size:
             raise ConfigError(f"topology covers {self.topology.world_size} ranks but the process group has "
                               f"{self.world_size}; give one group entry per rank of the job")
-        if compress and len(self.topology.groups) > 2:
+        if compress is True and len(self.topology.groups) > 2:
             raise ConfigError(f"compress=True codes what two groups exchange; this topology has "
                               f"{len(self.topology.groups)} groups (leave compress off)")
         self.chunk_bytes, self.tune = chunk_bytes, tune
@@ -91,9 +96,11 @@ class HierarchicalAllreduce:
         run_dir = os.environ.get("CONVOY_RUN_DIR")
         self.cache_dir = Path(cache_dir) if cache_dir else (Path(run_dir) / "collectives" if run_dir else None)
         self.members = self.topology.groups[self.topology.group_of(self.rank)]
-        self._coded = compress and len(self.topology.groups) == 2
+        self._code_all = compress is True and len(self.topology.groups) == 2
+        self._may_code = compress is None and len(self.topology.groups) == 2 and self.device.type == "cpu"
+        """Whether ``auto`` measures and tries the coded algorithms (they code CPU chunks only)."""
         self._host_memory_wanted = host_memory
-        self._settings = f"chunk={chunk_bytes} host_memory={host_memory} compress={self._coded}"  # the cache's key
+        self._settings = f"chunk={chunk_bytes} host_memory={host_memory} compress={compress}"  # the cache's key
         self._main = open_lane(self.topology, self.rank, False, host_memory, max(chunk_bytes, 16))
         self._hook_lane: Lane | None = None
         self._hook_queue: Queue[Callable[[], None] | None] | None = None
@@ -120,12 +127,13 @@ class HierarchicalAllreduce:
         if trial is not None:
             dist.barrier(group=lane.world)  # a trial call times the algorithm, not the ranks' arrival skew
         began = time.perf_counter()
-        if chosen == "flat" or self.world_size == 1:
+        phases, coded = uncoded(chosen), self._code_all or chosen in CODED
+        if phases == "flat" or self.world_size == 1:
             dist.all_reduce(flat, group=lane.world)
-        elif chosen == "leader":
-            self._leader(lane, flat, host)
+        elif phases == "leader":
+            self._leader(lane, flat, host, coded)
         else:
-            self._reduce_scatter(lane, flat, host)
+            self._reduce_scatter(lane, flat, host, coded)
         if trial is not None:
             trial.record(chosen, time.perf_counter() - began)
             if trial.complete:
@@ -260,22 +268,23 @@ class HierarchicalAllreduce:
         """Whether this rank's group runs its in-group phases of CPU tensors through shared memory."""
         return self._main.segment is not None
 
-    def _through_host(self, lane: Lane, flat: torch.Tensor, crossing: str) -> None:
+    def _through_host(self, lane: Lane, flat: torch.Tensor, crossing: str, coded: bool) -> None:
         assert lane.segment is not None
-        cross = (lambda chunk: self._cross(lane, chunk, crossing)) if len(self.topology.groups) > 1 else None
+        cross = (lambda chunk: self._cross(lane, chunk, crossing, coded)) if len(self.topology.groups) > 1 else None
         host_allreduce(flat, lane.segment, cross, crossing, max(self.chunk_bytes // flat.element_size(), 1))
 
-    def _cross(self, lane: Lane, chunk: torch.Tensor, crossing: str) -> Any:
-        """Start summing ``chunk`` across the groups (over the leaders, or this rank's shard ring); a handle."""
+    def _cross(self, lane: Lane, chunk: torch.Tensor, crossing: str, coded: bool) -> Any:
+        """Start summing ``chunk`` across the groups (over the leaders, or this rank's shard ring); a handle.
+        ``coded``: two groups exchange it coded, where its dtype has a code (otherwise plain)."""
         group = lane.leaders if crossing == "leader" else lane.shard
-        if self._coded and codable(chunk.dtype) and chunk.device.type == "cpu":
+        if coded and codable(chunk.dtype) and chunk.device.type == "cpu":
             return CodedSum(chunk, group, self.topology.partner(self.rank, crossing))
         return dist.all_reduce(chunk, group=group, async_op=True)
 
-    def _leader(self, lane: Lane, flat: torch.Tensor, host: bool) -> None:
+    def _leader(self, lane: Lane, flat: torch.Tensor, host: bool, coded: bool) -> None:
         """Reduce to the leader, allreduce among leaders, broadcast; chunk by chunk, pipelined."""
         if host:
-            self._through_host(lane, flat, "leader")
+            self._through_host(lane, flat, "leader", coded)
             return
         leader, local = self.members[0], len(self.members) > 1
         # cut as host_allreduce cuts: a lone rank's group runs this while the others' groups use host memory
@@ -286,7 +295,7 @@ class HierarchicalAllreduce:
             for index, chunk in enumerate(chunks):
                 if local:
                     reduces[index].wait()
-                across.append(self._cross(lane, chunk, "leader"))
+                across.append(self._cross(lane, chunk, "leader", coded))
         if not local:
             for work in across:
                 work.wait()
@@ -298,11 +307,11 @@ class HierarchicalAllreduce:
         for work in broadcasts:
             work.wait()
 
-    def _reduce_scatter(self, lane: Lane, flat: torch.Tensor, host: bool) -> None:
+    def _reduce_scatter(self, lane: Lane, flat: torch.Tensor, host: bool, coded: bool) -> None:
         """Reduce-scatter in the group, allreduce each shard across groups, all-gather; pipelined."""
         assert lane.shard is not None, "check_call refuses reduce_scatter on groups of unequal size"
         if host:
-            self._through_host(lane, flat, "reduce_scatter")
+            self._through_host(lane, flat, "reduce_scatter", coded)
             return
         size = len(self.members)
         padded = -(-flat.numel() // size) * size
@@ -322,7 +331,7 @@ class HierarchicalAllreduce:
             if scatters:
                 scatters[index].wait()
             if len(self.topology.groups) > 1:
-                across.append(self._cross(lane, shard, "reduce_scatter"))
+                across.append(self._cross(lane, shard, "reduce_scatter", coded))
         gathers = []
         for index, (shard, chunk) in enumerate(zip(shards, chunks, strict=True)):
             if across:
@@ -365,7 +374,8 @@ class HierarchicalAllreduce:
 
     def measure(self) -> CostModel:
         """Measure the links and every usable algorithm now (collective; ``autotune.measure``)."""
-        usable = [a for a in ALGORITHMS if a != "reduce_scatter" or self._main.shard is not None]
+        usable = [a for a in ALGORITHMS if (uncoded(a) != "reduce_scatter" or self._main.shard is not None)
+                  and (a in PLAIN or self._may_code)]
         return measure(self.topology, self.rank, self._main.intra, self._main.leaders,
                        lambda buffer, algorithm: self.allreduce(buffer, "sum", algorithm, check=False), usable,
                        self.device)
@@ -382,17 +392,3 @@ class HierarchicalAllreduce:
             self._hook_queue = queue
         return self._hook_queue
 
-
-_CACHED: dict[str, HierarchicalAllreduce] = {}
-
-
-def allreduce(tensor: torch.Tensor, topology: Topology | None = None, algorithm: str = "auto",
-              op: str = "sum") -> str:
-    """Allreduce ``tensor`` in place with the topology's hierarchy (default: one group per node
-    from the environment); returns the algorithm used. The sub-groups for a topology are built
-    on its first call, so every rank must make that call."""
-    topology = topology or Topology.from_env()
-    comm = _CACHED.get(topology.key())
-    if comm is None:
-        comm = _CACHED[topology.key()] = HierarchicalAllreduce(topology)
-    return comm.allreduce(tensor, op, algorithm)
