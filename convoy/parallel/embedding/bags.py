@@ -30,8 +30,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from convoy.errors import ConfigError
+from convoy.errors import CheckpointError, ConfigError
 from convoy.parallel.embedding.placement import Span, TableSpec, init_rows, plan_tables
+
+
+LAYOUT = 2
+"""The rows' layout a ``state_dict`` records (2: row-wise tables interleaved; before it, contiguous ranges)."""
+
+
+def _spans(state: Any) -> str:
+    """A recorded layout in words (``get_extra_state``)."""
+    if not isinstance(state, torch.Tensor) or state.dim() != 1 or len(state) % 3 != 1:
+        return f"unreadable: {type(state).__name__}"
+    values = state.tolist()
+    spans = [f"first {values[i]} stride {values[i + 1]} x {values[i + 2]}" for i in range(1, len(values), 3)]
+    return f"layout {values[0]}, " + "; ".join(spans)
 
 
 class Bags(NamedTuple):
@@ -149,6 +162,26 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def memory_bytes(self) -> int:
         """Bytes of the table rows this rank holds."""
         return sum(w.numel() * w.element_size() for w in self.weights.values())
+
+    def get_extra_state(self) -> torch.Tensor:
+        """What ``state_dict`` records beside the rows: the layout and this rank's span of each table, so that
+        rows saved under another placement are refused on load, not restored into the wrong places."""
+        return torch.tensor([LAYOUT, *(value for name in self.names for value in self.span(name))])
+
+    def set_extra_state(self, state: Any) -> None:
+        mine = self.get_extra_state()
+        if not isinstance(state, torch.Tensor) or not torch.equal(state.cpu().to(mine.dtype), mine):
+            raise CheckpointError(f"these embedding rows were saved under a placement ({_spans(state)}) other than "
+                                  f"this rank's ({_spans(mine)}); restore them with "
+                                  "store.load_sharded from a save_sharded file, which reads any placement")
+
+    def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        rows = any(key.startswith(f"{prefix}rows.") for key in state_dict)
+        if rows and f"{prefix}_extra_state" not in state_dict:
+            raise CheckpointError("these embedding rows were saved without their placement (by convoy before row-wise "
+                                  "tables were interleaved, row i on rank i % world): they cannot be placed safely; "
+                                  "restore them with store.load_sharded from a save_sharded file")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, features: Mapping[str, Bags]) -> dict[str, torch.Tensor]:
         missing = [name for name in self.names if name not in features]
