@@ -304,9 +304,8 @@ class JobMaster:
             if self._refused_since is None and self.store.failing_since is not None:
                 self._refused_since = time.monotonic()
 
-    def _apply(self, events: list[Event], lazy_parts: bool = False, may_wait: bool = True) -> None:
-        """Record, print, and wake waiters; caller holds ``self._changed``. ``lazy_parts``: see ``Store.save``; such
-        a change right after a write waits for the next (``Store.may_defer``) unless not ``may_wait`` (the tick's).
+    def _apply(self, events: list[Event], lazy_parts: bool = False) -> None:
+        """Record, print, and wake waiters; caller holds ``self._changed``. ``lazy_parts``: see ``Store.save``.
 
         A write that fails (a full disk) changes nothing in memory: the events are kept and
         written by a later save, the console still gets them, and waiters are still woken.
@@ -315,7 +314,7 @@ class JobMaster:
         now, ranks = time.monotonic(), self.job.membership
         try:
             note = None
-            if lazy_parts and may_wait and self.store.may_defer():
+            if lazy_parts and self.store.may_defer():
                 self.store.defer(events)  # written with the next save, the tick's at the latest
             else:
                 rows, every = self.nodes.to_write(ranks, now)
@@ -364,7 +363,7 @@ class JobMaster:
                 events += self._state_write_give_up(now)
                 retry = self.store.failing_since is not None and now - self._last_write_try >= STATE_RETRY_S
                 stale = self.nodes.rows_stale(now) and self.store.failing_since is None  # their last-seen times
-                parts = self.store.parts_owed and self.store.parts_due()  # parts a burst of changes left for later
-                if events or retry or stale or parts or self.store.write_owed:
-                    self._last_write_try = now  # what only a burst left (its parts too, where due) writes lazily
-                    self._apply(events, lazy_parts=not (events or retry or stale or parts), may_wait=False)
+                owed = self.store.write_owed or (self.store.parts_owed and self.store.parts_due())  # left by a burst
+                if events or retry or stale or owed:
+                    self._last_write_try = now
+                    self._apply(events)
