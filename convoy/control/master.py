@@ -146,8 +146,8 @@ class JobMaster:
         self.api.stop()
         self.dashboard.stop()
         with self._changed:
-            if self.store.failing_since is not None or self.store.write_owed:
-                self._apply([])  # a last try, or what a burst of changes left for the next write
+            if self.store.failing_since is not None:
+                self._apply([])  # a last try
             if self.store.failing_since is not None:
                 self.console(f"convoy: {self.store.pending} events of the job could not be written to "
                              f"{self.store.path} ({self.store.fault})")
@@ -312,14 +312,10 @@ class JobMaster:
         """
         was_failing = self.store.failing_since is not None
         now, ranks = time.monotonic(), self.job.membership
+        rows, every = self.nodes.to_write(ranks, now)
         try:
-            note = None
-            if lazy_parts and self.store.may_defer():
-                self.store.defer(events)  # written with the next save, the tick's at the latest
-            else:
-                rows, every = self.nodes.to_write(ranks, now)
-                note = self.store.save(self.job, events, self.url, rows, lazy_parts)
-                self.nodes.written(ranks, every, now)
+            note = self.store.save(self.job, events, self.url, rows, lazy_parts)
+            self.nodes.written(ranks, every, now)
         except StateWriteError as exc:
             if not was_failing:  # one line when the writes start failing, one when they work again
                 self.console(f"convoy: {exc}; the job goes on in memory and the write is retried")
@@ -363,7 +359,7 @@ class JobMaster:
                 events += self._state_write_give_up(now)
                 retry = self.store.failing_since is not None and now - self._last_write_try >= STATE_RETRY_S
                 stale = self.nodes.rows_stale(now) and self.store.failing_since is None  # their last-seen times
-                owed = self.store.write_owed or (self.store.parts_owed and self.store.parts_due())  # left by a burst
+                owed = self.store.parts_owed and self.store.parts_due()  # parts a burst of changes left for later
                 if events or retry or stale or owed:
                     self._last_write_try = now
                     self._apply(events)

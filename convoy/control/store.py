@@ -47,11 +47,6 @@ PARTS_SHARE = 0.1
 """Saves of ``lazy_parts`` changes make and write the parts (the roles' state is O(processes)) at most this share
 of the time: at 1024 role processes each start's save made the whole roles state, 3/4 of the master's time."""
 
-WRITE_DEFER_S = 0.1
-"""A ``lazy_parts`` change (one a restarted master recovers without the state file) that comes this soon after a
-write waits for the next one (the master's tick writes it within ``TICK_S``): a burst of N process starts is a few
-transactions, not N (at 4096 processes, a write per start held the master's lock for seconds)."""
-
 
 class Store:
     """Write-through state; one connection guarded by a lock (the HTTP server is threaded).
@@ -83,9 +78,6 @@ class Store:
         """A save left the parts for later (``lazy_parts``): a later save writes them (the master's tick, soon)."""
         self._parts_at, self._parts_cost = -math.inf, 0.0
         """When the parts were last made and written, and what that took (monotonic seconds)."""
-        self.write_owed = False
-        """``defer`` kept events for the next write (the master's tick writes them soon)."""
-        self._written_at = -math.inf
         self._unwritten_lines = 0
         try:
             private_file(self.path)  # SQLite gives its WAL and journal files the database's mode
@@ -115,24 +107,6 @@ class Store:
         with self._lock:
             self._db.close()
 
-    def may_defer(self) -> bool:
-        """Whether a ``lazy_parts`` change may wait for the next write: one came less than ``WRITE_DEFER_S`` ago
-        (and writes work: a failing store retries on its own schedule)."""
-        return self.failing_since is None and time.monotonic() - self._written_at < WRITE_DEFER_S
-
-    def defer(self, events: list[Event]) -> None:
-        """Keep ``events`` for the next write, in order, stamped now."""
-        with self._lock:
-            self._keep(time.time(), events)
-            self.write_owed = True
-
-    def _keep(self, now: float, events: list[Event]) -> None:
-        for event in events:
-            if len(self._pending) >= MAX_PENDING_EVENTS:
-                self._pending.popleft()
-                self.lost_events += 1
-            self._pending.append((now, event))
-
     def save(self, job: Job, events: list[Event], master_url: str, nodes: list[NodeRecord],
              lazy_parts: bool = False) -> str | None:
         """Record events (after any kept from failed writes) and the job, round and node rows in one
@@ -146,7 +120,11 @@ class Store:
         per change."""
         now = time.time()
         with self._lock:
-            self._keep(now, events)
+            for event in events:
+                if len(self._pending) >= MAX_PENDING_EVENTS:
+                    self._pending.popleft()
+                    self.lost_events += 1
+                self._pending.append((now, event))
             if job.membership is not None and job.membership.round_id != self._round_written:
                 self._pending_rounds.setdefault(job.membership.round_id, (job.membership, now))
             try:
@@ -159,7 +137,6 @@ class Store:
                 raise StateWriteError(f"the job's state in {self.path} cannot be written: {exc}") from exc
             note = self._recovery_note() if self.failing_since is not None else None
             self._pending.clear()
-            self.write_owed, self._written_at = False, time.monotonic()
             self._round_written = max(self._pending_rounds, default=self._round_written)
             self._pending_rounds.clear()
             self.failing_since, self.fault, self.lost_events = None, "", 0
@@ -187,6 +164,7 @@ class Store:
         to_wall = now - time.monotonic()  # node times are monotonic; the table keeps wall-clock times
         membership = job.membership
         rdzv = job.rendezvous
+        ranks = {m.node_id: m.node_rank for m in membership.members} if membership else {}
         rows = [(ts, e.kind, e.node_id, e.round_id, e.message) for ts, e in self._pending]
         if self.failing_since is not None:
             rows.append((now, "state_written", None, job.round_id, self._recovery_note()))
@@ -206,7 +184,7 @@ class Store:
         for node in nodes:
             self._db.execute(
                 "INSERT OR REPLACE INTO nodes VALUES (?,?,?,?,?,?,?,?)",
-                (node.node_id, node.host, node.nproc, node.state, _rank_of(membership, node.node_id),
+                (node.node_id, node.host, node.nproc, node.state, ranks.get(node.node_id),
                  node.first_seen + to_wall, node.last_seen + to_wall, node.instance),
             )
         for closed, closed_at in self._pending_rounds.values():
@@ -332,10 +310,3 @@ def private_file(path: Path) -> None:
         os.fchmod(fd, 0o600)
     finally:
         os.close(fd)
-
-
-def _rank_of(membership: Membership | None, node_id: str) -> int | None:
-    """The node's rank in the round (a lookup in the round's own index: a save writes a few nodes' rows, and
-    building a table of all N members for each would make a burst of N saves cost N²)."""
-    member = membership.member(node_id) if membership is not None else None
-    return member.node_rank if member is not None else None
