@@ -164,7 +164,6 @@ class Store:
         to_wall = now - time.monotonic()  # node times are monotonic; the table keeps wall-clock times
         membership = job.membership
         rdzv = job.rendezvous
-        ranks = {m.node_id: m.node_rank for m in membership.members} if membership else {}
         rows = [(ts, e.kind, e.node_id, e.round_id, e.message) for ts, e in self._pending]
         if self.failing_since is not None:
             rows.append((now, "state_written", None, job.round_id, self._recovery_note()))
@@ -184,7 +183,7 @@ class Store:
         for node in nodes:
             self._db.execute(
                 "INSERT OR REPLACE INTO nodes VALUES (?,?,?,?,?,?,?,?)",
-                (node.node_id, node.host, node.nproc, node.state, ranks.get(node.node_id),
+                (node.node_id, node.host, node.nproc, node.state, _rank_of(membership, node.node_id),
                  node.first_seen + to_wall, node.last_seen + to_wall, node.instance),
             )
         for closed, closed_at in self._pending_rounds.values():
@@ -310,3 +309,10 @@ def private_file(path: Path) -> None:
         os.fchmod(fd, 0o600)
     finally:
         os.close(fd)
+
+
+def _rank_of(membership: Membership | None, node_id: str) -> int | None:
+    """The node's rank in the round (a lookup in the round's own index: a save writes a few nodes' rows, and
+    building a table of all N members for each would make a burst of N saves cost N²)."""
+    member = membership.member(node_id) if membership is not None else None
+    return member.node_rank if member is not None else None
