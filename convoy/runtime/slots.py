@@ -48,8 +48,11 @@ class SnapshotNoSpace(CheckpointError):
     """The segment's filesystem (``/dev/shm``) has no room for it; nothing of it is left behind."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TensorRef:
+    """Where a slot holds one tensor of the state (read-only by use: made for every tensor at every step, a plain
+    dataclass is made 4x quicker than a frozen one)."""
+
     index: int
     dtype: str
     shape: tuple[int, ...]
@@ -123,7 +126,7 @@ def place(state: Any, later: Callable[[torch.Tensor], bool] | None = None) -> Pl
     def ref(tensor: torch.Tensor) -> TensorRef:
         nonlocal cursor
         index, offset = len(tensors), cursor
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor.nbytes
         dtype = _DTYPE_NAMES.get(tensor.dtype) or _DTYPE_NAMES.setdefault(
             tensor.dtype, str(tensor.dtype).removeprefix("torch."))
         waits = later is not None and later(tensor)
