@@ -24,7 +24,9 @@ POOLINGS = ("sum", "mean")
 SHARDINGS = ("auto", "row", "table")
 TABLE_WISE_BELOW = 1 << 16
 """``auto`` places a table whole on one rank when it has fewer rows x dim than this."""
-INIT_BLOCK = 1 << 16
+INIT_CLASSES, INIT_CLASS_BLOCK = 256, 4096
+"""Initial rows are drawn per class of rows ``i % INIT_CLASSES`` (a world that divides it draws only its own rows), in
+blocks of ``INIT_CLASS_BLOCK`` rows of a class (a contiguous range draws only the blocks around it)."""
 
 
 @dataclass(frozen=True)
@@ -114,18 +116,34 @@ def plan_tables(specs: Sequence[TableSpec], world: int) -> dict[str, Placement]:
 
 def init_rows(spec: TableSpec, seed: int, start: int, end: int, stride: int = 1) -> torch.Tensor:
     """Rows ``start, start + stride, ...`` below ``end`` of the table's initial weights: uniform in +-1/sqrt(num_rows)
-    (as DLRM), generated in fixed blocks so any placement gets the same values."""
+    (as DLRM), the same under any placement. Row ``i`` is drawn in its class ``i % INIT_CLASSES``, in fixed blocks
+    of that class's rows, so a rank of interleaved rows (``stride`` a divisor of ``INIT_CLASSES``) draws only its
+    own rows, and a contiguous range only the blocks around it."""
     bound = 1.0 / math.sqrt(spec.num_rows)
-    wanted = torch.arange(start, max(start, end), stride, dtype=torch.int64)
-    out = torch.empty(len(wanted), spec.dim)
-    if not len(wanted):
+    count = len(range(start, max(start, end), stride))
+    out = torch.empty(count, spec.dim)
+    if not count:
         return out
-    block = start // INIT_BLOCK
-    while block * INIT_BLOCK < end:
-        lo, hi = block * INIT_BLOCK, min((block + 1) * INIT_BLOCK, spec.num_rows)
-        gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{spec.name}/{block}".encode()))
-        values = torch.rand(hi - lo, spec.dim, generator=gen).mul_(2 * bound).sub_(bound)
-        a, b = (int(torch.searchsorted(wanted, edge)) for edge in (lo, hi))
-        out[a:b] = values[wanted[a:b] - lo]
-        block += 1
+    period = INIT_CLASSES // math.gcd(stride, INIT_CLASSES)  # wanted rows of one class: every period-th
+    for first in range(min(period, count)):
+        row = start + stride * first
+        positions = torch.arange(first, count, period)
+        within = (start + stride * positions) // INIT_CLASSES  # each wanted row's place in its class (ascending)
+        out[positions] = _class_rows(spec, seed, row % INIT_CLASSES, within).mul_(2 * bound).sub_(bound)
     return out
+
+
+def _class_rows(spec: TableSpec, seed: int, klass: int, within: torch.Tensor) -> torch.Tensor:
+    """Uniform [0, 1) values of the rows at ``within`` (ascending) of class ``klass``, drawn block by block."""
+    values = torch.empty(len(within), spec.dim)
+    first_block, last_block = int(within[0]) // INIT_CLASS_BLOCK, int(within[-1]) // INIT_CLASS_BLOCK
+    edges = torch.searchsorted(within, torch.arange(first_block, last_block + 2) * INIT_CLASS_BLOCK).tolist()
+    class_rows = len(range(klass, spec.num_rows, INIT_CLASSES))
+    for block, (a, b) in enumerate(zip(edges, edges[1:], strict=False), start=first_block):
+        if a == b:
+            continue
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{spec.name}/{klass}/{block}".encode()))
+        drawn = torch.rand(min(INIT_CLASS_BLOCK, class_rows - block * INIT_CLASS_BLOCK), spec.dim, generator=gen)
+        lo, hi = int(within[a]) - block * INIT_CLASS_BLOCK, int(within[b - 1]) - block * INIT_CLASS_BLOCK + 1
+        values[a:b] = drawn[lo:hi] if hi - lo == b - a else drawn[within[a:b] - block * INIT_CLASS_BLOCK]
+    return values
