@@ -246,6 +246,10 @@ class CostModel:
             per_step = max(per_step, self.intra.cost(1, step_bytes))
         return 2 * (k - 1) * per_step
 
+    def plain_only(self) -> CostModel:
+        """This model without the coded algorithms' lines (what ``auto`` weighs where it does not code)."""
+        return CostModel(self.intra, self.inter, tuple(line for line in self.measured if line[0] in PLAIN))
+
     def predict(self, topology: Topology, algorithm: str, nbytes: float) -> float:
         """Seconds for ``algorithm`` at ``nbytes``: its measured line, else the rings' model (a coded variant
         unmeasured: its plain algorithm's, the coding's CPU time left out)."""

@@ -130,6 +130,7 @@ def test_coded_algorithms_are_weighed_only_where_measured_and_only_between_two_g
     assert model.choose(two_by_two, 1024) == "flat"  # the coded ones' larger fixed cost: not at 1 KB
     assert "leader_coded" not in model.candidates(Topology.from_groups([[0, 1], [2, 3], [4, 5]]), 64 * MB)
     assert model.candidates(four_by_one, 64 * MB) == ["flat"]
+    assert model.plain_only().candidates(two_by_two, 64 * MB) == ["leader", "reduce_scatter"]  # compress=False's
 
 
 def test_a_trial_of_quick_calls_gets_more_rounds_within_its_budget() -> None:

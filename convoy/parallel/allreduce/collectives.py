@@ -90,7 +90,7 @@ class HierarchicalAllreduce:
             raise ConfigError(f"compress=True codes what two groups exchange; this topology has "
                               f"{len(self.topology.groups)} groups (leave compress off)")
         self.chunk_bytes, self.tune = chunk_bytes, tune
-        self._cost, self._cost_given = cost, cost is not None
+        self._cost_given = cost is not None
         self._cache_lock = threading.RLock()  # the lanes' settled sizes, written by both threads, saved together
         self.device = own_device()
         run_dir = os.environ.get("CONVOY_RUN_DIR")
@@ -99,6 +99,7 @@ class HierarchicalAllreduce:
         self._code_all = compress is True and len(self.topology.groups) == 2
         self._may_code = compress is None and len(self.topology.groups) == 2 and self.device.type == "cpu"
         """Whether ``auto`` measures and tries the coded algorithms (they code CPU chunks only)."""
+        self._cost = cost if cost is None or self._may_code else cost.plain_only()
         self._host_memory_wanted = host_memory
         self._settings = f"chunk={chunk_bytes} host_memory={host_memory} compress={compress}"  # the cache's key
         self._main = open_lane(self.topology, self.rank, False, host_memory, max(chunk_bytes, 16))
