@@ -206,11 +206,13 @@ class ProcessScope:
                 continue
         return found
 
-    def wait_no_leftovers(self, timeout: float = 10.0) -> list[str]:
-        """Wait until none of this test's processes runs; return descriptions of any still there."""
+    def wait_no_leftovers(self, timeout: float = 10.0, pids: Sequence[int] = ()) -> list[str]:
+        """Wait until none of this test's processes runs, and each of ``pids`` has exited; return descriptions
+        of any still there. Name the pids the test knows: a process part-way through its exit has no readable
+        command line or environment any more, so the search by tag alone can miss it while it still runs."""
         deadline = time.monotonic() + timeout
         while True:
-            left = self.leftovers()
+            left = self.leftovers() + [proc for proc in map(_running, pids) if proc is not None]
             if not left or time.monotonic() > deadline:
                 return [_describe(p) for p in left]
             time.sleep(0.1)
@@ -242,6 +244,15 @@ def as_a_terminal_starts_it() -> None:
     a Ctrl-C; ``nohup`` ignores SIGHUP). A test that wants one ignored ignores it in its own command."""
     for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_DFL)
+
+
+def _running(pid: int) -> psutil.Process | None:
+    """The process ``pid`` while it has not exited (a zombie has); None once it has."""
+    try:
+        proc = psutil.Process(pid)
+        return None if proc.status() == psutil.STATUS_ZOMBIE else proc
+    except psutil.NoSuchProcess:
+        return None
 
 
 def _describe(proc: psutil.Process) -> str:
