@@ -67,9 +67,9 @@ class _Handler:
     between requests); a long poll with nothing to say yet is ``parked``, and ``resume`` answers it later on any
     handler thread."""
 
-    def __init__(self, item: tuple[socket.socket, tuple[str, int], bytes], head: Head, client: tuple[str, int],
+    def __init__(self, item: tuple[socket.socket, tuple[str, int], bytes, Head], client: tuple[str, int],
                  server: _Server) -> None:
-        sock, _, buffered = item
+        sock, _, buffered, head = item
         self.connection, self.client_address, self.server, self.headers = sock, client, server, head
         self.path, self.close_connection = head.target, not head.keep_alive
         self.parked: tuple[LongPoll, str, str, str | None] | None = None
@@ -259,19 +259,17 @@ class _Server:
         if not authorized(parsed.get(p.TOKEN_HEADER), self.token):
             self.master.unauthorized(client, printable(parsed.target[:200]))
             return plain_reply(401, "missing or wrong job token")
-        return 0 if parsed.target == p.API_PREFIX + "/heartbeat" else 1
+        return 0 if parsed.target == p.API_PREFIX + "/heartbeat" else 1, parsed
 
     def serve(self, item: object) -> None:
         """A request the front door screened, or a parked long poll that is due (its handler)."""
         if isinstance(item, _Handler):
             handler = item
         else:
-            sock, client, head = item  # type: ignore[misc]
-            if self.pages is not None and not _is_api(head):
-                return self.pages.serve(item)
-            end = HEADER_END.search(head)
-            assert end is not None  # (the front door hands on whole heads only, screened by ``screen``)
-            handler = _Handler(item, parse_head(head[:end.end()]), client, self)  # type: ignore[arg-type]
+            _, client, _, parsed = item  # type: ignore[misc]
+            if not isinstance(parsed, Head):  # (what the pages' screen admitted)
+                return self.pages.serve(item)  # type: ignore[union-attr]
+            handler = _Handler(item, client, self)  # type: ignore[arg-type]
         try:
             handler.resume() if handler.parked is not None else handler.handle()
             if handler.parked is not None:

@@ -55,8 +55,9 @@ class Limits:
     max_header_bytes: int = 16 << 10
 
 
-Screened = Union[int, bytes]
-"""What the screen decides of a header block: a priority (lower first) to serve it, or a whole refusal to send."""
+Screened = Union[int, tuple[int, object], bytes]
+"""What the screen decides of a header block: a priority (lower first) to serve it, alone or with what the screen
+made of the head (handed on, so that the handler does not parse it again), or a whole refusal to send."""
 
 
 class Pages(Protocol):
@@ -291,9 +292,10 @@ class FrontDoor:
         verdict = self._screen(pending.buffer[:end.end()], pending.client[0])
         if isinstance(verdict, bytes):
             return self._refuse(pending, verdict)
+        priority, screened = verdict if isinstance(verdict, tuple) else (verdict, None)
         self._forget(pending)
         pending.sock.setblocking(True)
-        self.pool.submit(verdict, (pending.sock, pending.client, pending.buffer))
+        self.pool.submit(priority, (pending.sock, pending.client, pending.buffer, screened))
 
     def _refuse(self, pending: _Pending, reply: bytes) -> None:
         """Send the refusal at once (a small write into an empty socket buffer), then drop what the client

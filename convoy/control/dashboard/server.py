@@ -99,7 +99,7 @@ class Dashboard:
         return PRIORITY
 
     def serve(self, item: object) -> None:
-        sock, client, _ = item  # type: ignore[misc]
+        sock, client, *_ = item  # type: ignore[misc]
         handler: _Handler | None = None
         try:
             handler = _Handler(item, client, self)  # type: ignore[arg-type]
@@ -153,7 +153,7 @@ class _Handler(BaseHTTPRequestHandler):
         return "convoy"
 
     def setup(self) -> None:
-        sock, _, prefix = self.request
+        sock, _, prefix, _ = self.request
         self.connection = sock
         sock.settimeout(self.dashboard.limits.idle_timeout_s)
         self.rfile = io.BufferedReader(PrefixedReader(sock, prefix))
