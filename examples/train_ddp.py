@@ -29,6 +29,13 @@ def average_gradients(net: torch.nn.Module, world_size: int) -> None:
     torch.nn.utils.vector_to_parameters(flat, grads)
 
 
+def told_to_end(path: str, rank: int) -> bool:
+    """Whether rank 0 sees ``path``; every rank gets rank 0's answer, so all end after the same step."""
+    seen = torch.tensor([rank == 0 and os.path.exists(path)], dtype=torch.int32)
+    torch.distributed.broadcast(seen, src=0)
+    return bool(seen.item())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=30)
@@ -37,6 +44,8 @@ def main() -> None:
     parser.add_argument("--persist-every", type=int, default=10, help="persistent checkpoint every N steps (0: never)")
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-at-step", type=int, default=-1)
+    parser.add_argument("--until", default="", help="end after the step in which this file appears (rank 0 "
+                        "looks, every rank stops at the same step), before --steps if it comes first")
     parser.add_argument("--out", default="", help="write the final parameters here (rank 0)")
     parser.add_argument("--grad-sync", choices=["ddp", "allreduce"], default="ddp",
                         help="DDP, or one all_reduce of all gradients in a fixed order (bit-reproducible)")
@@ -72,8 +81,11 @@ def main() -> None:
         ckpt.step(step)
         if args.step_time:
             time.sleep(args.step_time)
-        if ctx.rank == 0 and (step % 5 == 0 or step == args.steps - 1):
+        last = step == args.steps - 1 or (args.until and told_to_end(args.until, ctx.rank))
+        if ctx.rank == 0 and (step % 5 == 0 or last):
             print(f"step {step} loss {loss.item():.4f}", flush=True)
+        if last:
+            break
     ckpt.close()
     if args.out and ctx.rank == 0:
         torch.save(net.state_dict(), args.out)
