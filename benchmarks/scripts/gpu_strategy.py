@@ -4,7 +4,7 @@ its feasible candidates (``benchmarks/strategy.py``'s grid, in the same run).
 On a GPU the dry-run rank takes the device and its memory as the limit (``convoy/strategy/device.py``); the model
 is ``examples/train_strategy.py``'s transformer, sized so that a step of its whole batch should not fit in 80 GB
 without activation checkpointing or bf16 (the section prints whether plain DDP fit, as the search measured it).
-``--quick --device cpu``: a small model under a 150 MB limit (the same code paths, for a smoke run).
+``--quick --device cpu``: a small model under a 110 MB limit, where plain DDP does not fit (the same code paths, for a smoke run).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ GPU_MODEL = ["--width", "2048", "--layers", "16", "--heads", "16", "--vocab", "3
              "--batch", "32"]
 """~0.9B parameters (14 GB of weights, gradients and Adam state in fp32); its activations at 32 x 2048 tokens are
 far more than the rest of an 80 GB GPU holds unless checkpointed or in bf16."""
-QUICK_MODEL = ["--width", "128", "--layers", "4", "--heads", "4", "--vocab", "2048", "--context", "512", "--batch", "8"]
+QUICK_MODEL = ["--width", "128", "--layers", "4", "--heads", "4", "--vocab", "2048", "--context", "256", "--batch", "8"]
 
 
 def bench_strategy(device: str, quick: bool, grid_steps: int = 3, grid_rounds: int = 2) -> list[str]:
@@ -36,7 +36,7 @@ def bench_strategy(device: str, quick: bool, grid_steps: int = 3, grid_rounds: i
     on_gpu = device.startswith("cuda")
     model_args = QUICK_MODEL if quick or not on_gpu else GPU_MODEL
     # on a GPU the limit is the GPU's own memory, as the dry-run rank takes it (strategy/device.py)
-    limit = float(torch.cuda.mem_get_info(torch.device(device))[1]) if on_gpu else 150e6
+    limit = float(torch.cuda.mem_get_info(torch.device(device))[1]) if on_gpu else 110e6
     hardware = Hardware(1, 1, limit, os.cpu_count() or 1)
     # a smoke run halves among 4 candidates rather than 8: the same code paths, in half the time
     result = run_search(EXAMPLE, model_args, hardware, exhaustive_steps=grid_steps, exhaustive_rounds=grid_rounds,
