@@ -4,7 +4,8 @@ its feasible candidates (``benchmarks/strategy.py``'s grid, in the same run).
 On a GPU the dry-run rank takes the device and its memory as the limit (``convoy/strategy/device.py``); the model
 is ``examples/train_strategy.py``'s transformer, sized so that a step of its whole batch should not fit in 80 GB
 without activation checkpointing or bf16 (the section prints whether plain DDP fit, as the search measured it).
-``--quick --device cpu``: a small model under a 110 MB limit, where plain DDP does not fit (the same code paths, for a smoke run).
+``--quick --device cpu``: a small model under a 110 MB limit, where plain DDP does not fit (the same code paths,
+for a smoke run).
 """
 
 from __future__ import annotations
