@@ -4,8 +4,11 @@ grows with the number of nodes (``polls.poll_for``)."""
 
 from __future__ import annotations
 
+import functools
+import gc
 import threading
 import time
+import weakref
 
 from helpers import wait_for
 
@@ -104,3 +107,29 @@ def test_the_poll_asked_of_each_node_grows_with_the_job_and_stays_within_the_lea
     assert poll_for(int(4 * BEATS_PER_S), 1.0, 60.0) == 4.0  # N / BEATS_PER_S beats a second
     assert poll_for(100_000, 1.0, 30.0) == 10.0  # a third of the heartbeat time-out at most
     assert poll_for(100_000, 1.0, 600.0) == 60.0  # and the protocol's bound
+
+
+def test_a_poll_handed_back_lets_go_of_its_handler_without_the_garbage_collector() -> None:
+    """The handler holds its poll and the poll's ``resume`` the handler: once handed back, the poll drops ``resume``,
+    so an answered handler is freed when its last reference goes, not at the master's rare full collection."""
+    class Handler:
+        poll: LongPoll | None = None
+
+    board = Board()
+    polls = LongPolls(board.changed, board.epoch)
+    handler, pool = Handler(), []  # the pool: what serves the handler once its poll goes back
+    handler.poll = _poll(board, [], "node0")[0]
+    polls.park(handler.poll, functools.partial(pool.append, handler))
+    gone = weakref.ref(handler)
+    gc.disable()
+    try:
+        polls.start()
+        board.move()
+        wait_for(lambda: pool, 5, "the poll to go back")
+        assert handler.poll.resume is None
+        del handler
+        pool.clear()  # served, and let go
+        assert gone() is None, "a cycle still holds the answered handler"
+    finally:
+        gc.enable()
+        polls.stop()
