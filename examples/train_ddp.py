@@ -81,7 +81,7 @@ def main() -> None:
         ckpt.step(step)
         if args.step_time:
             time.sleep(args.step_time)
-        last = step == args.steps - 1 or (args.until and told_to_end(args.until, ctx.rank))
+        last = step == args.steps - 1 or (bool(args.until) and told_to_end(args.until, ctx.rank))
         if ctx.rank == 0 and (step % 5 == 0 or last):
             print(f"step {step} loss {loss.item():.4f}", flush=True)
         if last:
