@@ -46,6 +46,13 @@ def events(run_dir: Path) -> list[tuple[float, str, str]]:
         db.close()
 
 
+def _readmitted(run_dir: Path) -> bool:
+    """Both ranks have trained a step in a round after the one without the node (round 3 on)."""
+    rounds = [int(p.name.removeprefix("round")) for p in (run_dir / "logs").iterdir() if p.name.startswith("round")]
+    return any(all(any("step" in s for s in lines(run_dir, round_id, rank)) for rank in (0, 1))
+               for round_id in rounds if round_id >= 3)
+
+
 def test_a_stopped_agents_worker_stops_itself_once_its_lease_expires(procs: ProcessScope, tmp_path: Path) -> None:
     """Its agent SIGSTOPped past the heartbeat timeout, the worker commits nothing once its lease lapsed and stops
     itself (one line) once it expired, while the agent is still stopped: it used to train on until the agent woke
@@ -53,7 +60,7 @@ def test_a_stopped_agents_worker_stops_itself_once_its_lease_expires(procs: Proc
     run_dir = tmp_path / "run"
     job = procs.start(["run", "--nnodes", "1:2", "--nproc-per-node", 1, "--rdzv-wait", 5, "--stop-grace", 1,
                        "--heartbeat-timeout", HEARTBEAT_TIMEOUT_S, "--run-dir", run_dir,
-                       FENCED, "--steps", 320, "--sleep", 0.05])
+                       FENCED, "--steps", 100000, "--until", tmp_path / "end", "--sleep", 0.05])
     wait_for(lambda: len([s for s in lines(run_dir, 1, 1) if "step" in s]) >= 10, 90, "rank 1 to train 10 steps")
     started = next(s for s in lines(run_dir, 1, 1) if "agent" in s)
     agent, worker = started["agent"], started["pid"]
@@ -68,6 +75,8 @@ def test_a_stopped_agents_worker_stops_itself_once_its_lease_expires(procs: Proc
         wait_for(lambda: [s for s in lines(run_dir, 2, 0) if "step" in s], 60, "the job to go on without the node")
     finally:
         os.kill(agent, signal.SIGCONT)
+    wait_for(lambda: _readmitted(run_dir), 60, "the node to be readmitted and both ranks to train in that round")
+    (tmp_path / "end").touch()  # the steps were a clock: the job ends after the ranks' next step
     result = job.wait(timeout=90)
     assert result.returncode == 0, result.explain()
 
