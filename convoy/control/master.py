@@ -304,8 +304,9 @@ class JobMaster:
             if self._refused_since is None and self.store.failing_since is not None:
                 self._refused_since = time.monotonic()
 
-    def _apply(self, events: list[Event], lazy_parts: bool = False) -> None:
-        """Record, print, and wake waiters; caller holds ``self._changed``. ``lazy_parts``: see ``Store.save``.
+    def _apply(self, events: list[Event], lazy_parts: bool = False, rows_only: bool = False) -> None:
+        """Record, print, and wake waiters; caller holds ``self._changed``. ``lazy_parts``, ``rows_only``: see
+        ``Store.save``.
 
         A write that fails (a full disk) changes nothing in memory: the events are kept and
         written by a later save, the console still gets them, and waiters are still woken.
@@ -314,7 +315,7 @@ class JobMaster:
         now, ranks = time.monotonic(), self.job.membership
         rows, every = self.nodes.to_write(ranks, now)
         try:
-            note = self.store.save(self.job, events, self.url, rows, lazy_parts)
+            note = self.store.save(self.job, events, self.url, rows, lazy_parts, rows_only)
             self.nodes.written(ranks, every, now)
         except StateWriteError as exc:
             if not was_failing:  # one line when the writes start failing, one when they work again
@@ -362,4 +363,4 @@ class JobMaster:
                 owed = self.store.parts_owed and self.store.parts_due()  # parts a burst of changes left for later
                 if events or retry or stale or owed:
                     self._last_write_try = now
-                    self._apply(events)
+                    self._apply(events, rows_only=not (events or retry or owed))

@@ -17,7 +17,7 @@ from convoy.control.core import MasterCore
 from convoy.control.long_polls import LongPoll
 from convoy.control.protocol import messages as p
 from convoy.control.rendezvous import Membership
-from convoy.control.replies import Encoded, encoded_once
+from convoy.control.replies import Encoded, Joined, encoded_once
 from convoy.control.roles.address_book import AddressBook, Wave, wave_for
 
 BEATS_PER_S = 250.0
@@ -197,4 +197,4 @@ class NodePolls:
             if wave.version <= req.addresses_version:
                 return reply
             body = reply.model_dump_json(exclude={"addresses", "incarnations", "address_changes"}).encode()
-            return Encoded(body[:-1] + b"," + self.book.encoded(req.addresses_version) + b"}")
+            return Joined(body[:-1] + b",", self.book.tail(req.addresses_version))

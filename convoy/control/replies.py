@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import collections
 import gzip
+import struct
 import threading
+import zlib
 
 MAX_KEY_LENGTH = 128
 MAX_REPLIES = 4096
@@ -29,6 +31,52 @@ def encoded_once(data: bytes) -> Encoded:
     reply = Encoded(data)
     reply.gzipped = gzip.compress(data, 6, mtime=0) if len(data) >= GZIP_AT else None
     return reply
+
+
+GZIP_HEAD = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"
+"""A gzip member's header (RFC 1952): deflate, no flags, no time, unknown system."""
+
+
+_DEFLATING = threading.Lock()
+
+
+class Tail(bytes):
+    """The end of many replies whose heads differ (a wave of the roles' addresses, the bulk of every heartbeat reply
+    at thousands of processes); ``deflated``: the same as a raw deflate stream that ends the data, made once, on
+    the first reply long enough to go compressed."""
+
+    _deflated: bytes | None = None
+
+    @property
+    def deflated(self) -> bytes:
+        """Made by the first of the handler threads that send it; the others wait for it rather than make it too."""
+        with _DEFLATING:
+            if self._deflated is None:
+                packer = zlib.compressobj(6, zlib.DEFLATED, -zlib.MAX_WBITS)
+                self._deflated = packer.compress(self) + packer.flush(zlib.Z_FINISH)
+            return self._deflated
+
+
+class Joined(Encoded):
+    """``head + tail``, whose gzip form is the head deflated now and the tail's deflated once: one gzip member whose
+    head's blocks end byte-aligned (a sync flush), then the tail's blocks, which refer only to the tail's own bytes.
+    At 4096 processes compressing each heartbeat reply whole took 6 s of the master's time while the nodes learnt
+    the addresses."""
+
+    def __new__(cls, head: bytes, tail: Tail) -> Joined:
+        reply = super().__new__(cls, head + tail)
+        reply._head_length, reply._tail = len(head), tail
+        return reply
+
+    @property  # type: ignore[override]
+    def gzipped(self) -> bytes | None:
+        if len(self) < GZIP_AT:
+            return None
+        head = self[:self._head_length]
+        packer = zlib.compressobj(1, zlib.DEFLATED, -zlib.MAX_WBITS)
+        blocks = packer.compress(head) + packer.flush(zlib.Z_SYNC_FLUSH)
+        check = zlib.crc32(self._tail, zlib.crc32(head))
+        return GZIP_HEAD + blocks + self._tail.deflated + struct.pack("<II", check, len(self) & 0xFFFFFFFF)
 
 
 class ReplyCache:

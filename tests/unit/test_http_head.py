@@ -1,6 +1,6 @@
 """The master's request heads and replies (``http_head.py``) and its compressed replies (``replies.encoded_once``,
-``client.inflated``): malformed heads are refused, keep-alive follows the version and Connection, a reply's head
-is whole, and a gzip reply inflates within a bound only."""
+``replies.Joined``, ``client.inflated``): malformed heads are refused, keep-alive follows the version and
+Connection, a reply's head is whole, and a gzip reply inflates within a bound only."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from convoy.control.http_head import parse_head, reply_head
 from convoy.control.protocol.client import inflated
-from convoy.control.replies import GZIP_AT, encoded_once
+from convoy.control.replies import GZIP_AT, Joined, Tail, encoded_once
 
 
 def test_a_head_is_split_into_its_line_and_fields_with_names_in_lower_case() -> None:
@@ -51,3 +51,17 @@ def test_a_long_reply_is_compressed_once_and_inflates_only_within_its_bound() ->
         inflated(gzip.compress(b"\0" * (1 << 20)), 1 << 16)  # a small body that would inflate far
     with pytest.raises(http.client.HTTPException, match="does not inflate"):
         inflated(b"not gzip at all", 1 << 16)
+
+
+def test_a_reply_of_its_own_head_and_a_shared_tail_is_one_gzip_member_that_inflates_to_both() -> None:
+    """A heartbeat reply: the node's own head, then the roles' addresses every node behind by the same waves gets.
+    The tail is deflated once for all of them; each reply is a standard gzip (any client inflates it)."""
+    tail = Tail(b'"addresses":{"actor":[' + b",".join(b'"127.1.%d.%d:20000"' % (i // 250, i % 250)
+                                                       for i in range(8000)) + b"]}}")
+    replies = [Joined(b'{"job_status":"running","poll_s":%d,' % n, tail) for n in range(3)]
+    for n, reply in enumerate(replies):
+        assert bytes(reply) == b'{"job_status":"running","poll_s":%d,' % n + tail
+        assert gzip.decompress(reply.gzipped) == bytes(reply) == inflated(reply.gzipped, 1 << 24)
+        assert len(reply.gzipped) < len(reply) / 4
+    assert replies[0].gzipped[-len(tail.deflated) - 8:-8] == tail.deflated, "the tail's blocks as made once"
+    assert Joined(b"{", Tail(b"}")).gzipped is None, "a short reply goes as it is"

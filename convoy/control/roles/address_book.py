@@ -14,6 +14,8 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
+from convoy.control.replies import Tail
+
 WAVE_REPLIES_PER_S = 1000.0
 """A wave answers every node: waves come at most as often as keeps these replies a second (at ~0.5 ms each, a
 quarter of the master's two cores), and at once where the last one is that old (a small job is told at once)."""
@@ -73,6 +75,7 @@ class AddressBook:
         self._changes: dict[int, Changes] = {}
         self._encoded: dict[int, bytes] = {}
         """What ``encoded`` made for each version a node held, for the current wave."""
+        self._tails: dict[int, Tail] = {}
 
     def due(self, now: float, wave_s: float) -> bool:
         """Whether the addresses may be looked at for a new wave now."""
@@ -88,7 +91,7 @@ class AddressBook:
             self._kept[self.wave.version] = self.wave
         while len(self._kept) > KEPT_WAVES:
             del self._kept[min(self._kept)]
-        self.wave, self._changes, self._encoded = wave, {}, {}
+        self.wave, self._changes, self._encoded, self._tails = wave, {}, {}, {}
         return True
 
     def for_node(self, held: int) -> Wave | Changes | None:
@@ -120,4 +123,12 @@ class AddressBook:
             else:
                 found = b""
             self._encoded[held] = found
+        return found
+
+    def tail(self, held: int) -> Tail:
+        """``encoded(held)`` closing a reply's JSON object: the tail of every reply to a node holding ``held``,
+        compressed once (``replies.Joined``)."""
+        found = self._tails.get(held)
+        if found is None:
+            found = self._tails[held] = Tail(self.encoded(held) + b"}")
         return found

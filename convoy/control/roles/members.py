@@ -10,10 +10,11 @@ Model: ``control/job.py``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from convoy.control.job import Event
+from convoy.control.roles.flat import flat
 from convoy.errors import ConfigError
 from convoy.roles_config import FIXED_COUNT, REPLACE, RESTART_JOB, RESTART_ROLE, RESTORE_ONE, RoleSpec
 
@@ -359,7 +360,7 @@ class Roles:
             name: {"target": state.target, "restarts": state.restarts, "launches": state.launches,
                    "replaced_at": state.replaced_at, "replacements": state.replacements,
                    "group_round": state.group_round, "preempted": state.preempted, "grow_to": state.grow_to,
-                   "members": {str(rank): asdict(member) for rank, member in state.members.items()}}
+                   "members": {str(rank): flat(member) for rank, member in state.members.items()}}
             for name, state in self.roles.items()}}
 
     def load_state(self, saved: dict[str, Any]) -> None:

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from convoy.control.job import Event
+from convoy.control.roles.flat import flat
 from convoy.control.pool.claims import Amount
 
 GIB = 1 << 30
@@ -190,7 +191,7 @@ class Rooms:
         return waited if waited > limit_s else None
 
     def state(self) -> dict[str, Any]:
-        return {"nodes": {node: asdict(room) for node, room in self.nodes.items()},
+        return {"nodes": {node: flat(room) for node, room in self.nodes.items()},
                 "told_waiting": [list(key) for key in sorted(self.told_waiting)], "short": self.short}
 
     def load_state(self, saved: dict[str, Any]) -> None:

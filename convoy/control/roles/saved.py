@@ -4,10 +4,10 @@ again at once."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any, Protocol
 
 from convoy.control.job import Event
+from convoy.control.roles.flat import flat
 from convoy.control.roles.members import Roles, Start
 from convoy.control.roles.orders import Key, Orders
 from convoy.control.roles.placement import Placed, Rooms
@@ -35,8 +35,8 @@ class RoleMaster(Protocol):
 def state(master: RoleMaster) -> dict[str, Any]:
     return {
         "roles": master.roles.state(), "sizing": master.sizing.state(), "begun": master.begun,
-        "pending": [asdict(start) for start in master.pending],
-        "placed": [[*key, asdict(placed)] for key, placed in master.placed.items()],
+        "pending": [flat(start) for start in master.pending],
+        "placed": [[*key, flat(placed)] for key, placed in master.placed.items()],
         "homes": [[*key, *home] for key, home in master.homes.items()],
         "stopping": [list(key) for key in master.stopping], "lost": master.lost, "orders": master.orders.state(),
         "rooms": master.rooms.state(), "faults": [list(fault) for fault in master.faults],

@@ -15,6 +15,7 @@ from typing import Any
 
 from convoy.control.job import Event
 from convoy.control.protocol import messages as p
+from convoy.control.roles.flat import flat
 from convoy.control.roles.memory_model import (IterationShape, MarginModel, MeasuredIteration, MemoryPrediction,
                                                check_limit, place_workers, predict, relaunch_limit)
 from convoy.errors import ConfigError
@@ -245,8 +246,8 @@ class RoleSizing:
                     "prediction": asdict(sized.prediction) if sized.prediction else None,
                     "measuring_node": sized.measuring_node, "measuring_begun": sized.measuring_begun,
                     "relaunches": sized.relaunches, "rank_limits": sized.rank_limits}
-        return {"margin": self.margin.state(), "nodes": {node: asdict(memory) for node, memory in self.nodes.items()},
-                "processes": [[*key, asdict(record)] for key, record in self.processes.items()],
+        return {"margin": self.margin.state(), "nodes": {node: flat(memory) for node, memory in self.nodes.items()},
+                "processes": [[*key, flat(record)] for key, record in self.processes.items()],
                 "roles": {name: role_state(sized) for name, sized in self.roles.items()}}
 
     def load_state(self, saved: dict[str, Any]) -> None:
