@@ -75,8 +75,11 @@ class NodePolls:
         self._roles_moved = True
 
     def tick(self, now: float) -> None:
-        """The master's tick (its lock held): a wave that has come due wakes the parked polls' watcher."""
-        if self.role_master is not None and self._roles_moved and self.book.due(now, self._wave_s()):
+        """The master's tick (its lock held): a wave, or an order not reported on, that has come due again wakes
+        the parked polls' watcher."""
+        if self.role_master is None:
+            return
+        if self.role_master.orders.come_due(now) or (self._roles_moved and self.book.due(now, self._wave_s())):
             self.core.changed.notify_all()
 
     def _wave_s(self) -> float:

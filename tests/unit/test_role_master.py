@@ -94,6 +94,24 @@ def test_an_unanswered_assignment_is_sent_again_and_a_started_one_is_not() -> No
         "the PS's assignment is not sent again once it started"
 
 
+def test_an_order_not_reported_on_comes_due_again_and_wakes_its_nodes_parked_heartbeat() -> None:
+    """A lost reply that carried an assignment: REDELIVER_S later the order counts as unsent again (``has_news``,
+    ``news`` grows: the node's parked heartbeat answers with it), not at the node's next poll (16 s at 4096 nodes)."""
+    master = ps_job()
+    master.advance()
+    node, listed = next((n, a) for n, a in deliver_all(master, now=10.0).items() if a)
+    news = master.orders.news
+    assert not master.orders.come_due(10.0 + REDELIVER_S / 2) and not master.has_news(node)
+    assert master.orders.come_due(10.0 + REDELIVER_S) and master.has_news(node) and master.orders.news > news
+    assert master.deliver(node, 10.0 + REDELIVER_S)[0] == listed, "sent again, whole"
+    for assignment in listed:
+        started(master, node, assignment, 5000 + assignment.rank)
+    master.orders.come_due(100.0)
+    keys = {(a.role, a.rank, a.incarnation) for a in listed}
+    assert not keys & {(a.role, a.rank, a.incarnation) for a in master.deliver(node, 100.0)[0]}, \
+        "reported on: done with (the workers placed since may go out)"
+
+
 def test_a_failed_worker_is_placed_back_on_its_node_and_port_alone() -> None:
     master = ps_job()
     placed = running_job(master)
