@@ -109,8 +109,9 @@ class NodePolls:
             self.core.nodes.seen(req.node_id, now)
             self._confirm(req.node_id, req.round_id)
             if req.wait_s > 0 and not self._news(req):
+                roles = self.role_master
                 return LongPoll(lambda: self._news(req), now + req.wait_s, lambda: self._heartbeat_answer(req),
-                                priority=0)
+                                priority=0, urgent=(lambda: roles.has_news(req.node_id)) if roles is not None else None)
             return self._heartbeat_answer(req)
 
     def _confirm(self, node_id: str, round_id: int) -> None:

@@ -12,7 +12,7 @@ import weakref
 
 from helpers import wait_for
 
-from convoy.control.long_polls import LongPoll, LongPolls
+from convoy.control.long_polls import URGENT, LongPoll, LongPolls
 from convoy.control.polls import BEATS_PER_S, poll_for
 
 
@@ -58,6 +58,23 @@ def test_parked_polls_go_back_when_the_state_they_wait_on_moves_and_not_before()
     board.move()
     wait_for(lambda: len(resumed) == 200, 5, "every parked poll to go back")
     assert polls.parked == 0 and sorted(resumed) == sorted(f"node{index}" for index in range(200))
+    polls.stop()
+
+
+def test_a_ready_poll_that_says_it_is_urgent_goes_back_before_the_others() -> None:
+    """A heartbeat carrying orders (a lost node's process to start) is answered ahead of those carrying only the new
+    round: the handler pool takes it by the priority it has when handed back."""
+    board, handed = Board(), []
+    polls = LongPolls(board.changed, board.epoch)
+    polls.start()
+    for index in range(6):
+        poll, _ = _poll(board, [], f"node{index}")
+        poll.priority, poll.urgent = 0, (lambda index=index: index in (2, 5))
+        polls.park(poll, lambda poll=poll: handed.append((poll.answer(), poll.priority)))
+    board.move()
+    wait_for(lambda: len(handed) == 6, 5, "every parked poll to go back")
+    assert sorted(handed) == [("node0", 0), ("node1", 0), ("node2", URGENT), ("node3", 0), ("node4", 0),
+                              ("node5", URGENT)]
     polls.stop()
 
 
