@@ -2,7 +2,11 @@
 (``Agent._run_roles``) to a real master: join and wait for the first round, then heartbeats that carry the master's
 orders and the roles' addresses; each process it is told to start is reported started at once (with an address of
 its simulated host: nothing listens there), each it is told to stop is reported ended by SIGTERM, and a new round
-is joined without a wait, as the agent does (it offers no port for the next round: no round store runs)."""
+is joined without a wait, as the agent does (it offers no port for the next round: no round store runs).
+
+Agents holding the same addresses' version hold equal addresses, and changes sent to them are the same (one dict,
+shared by ``sim_agents._whole``): each such change is applied once for all of them (``_applied``), as a real agent
+applies its own on its own host."""
 
 from __future__ import annotations
 
@@ -17,6 +21,20 @@ from convoy.control.protocol import messages as p
 
 Key = tuple[str, int, int]
 """(role, rank, incarnation): one process."""
+KEPT_APPLIED = 64
+_APPLIED: dict[tuple[int, int], tuple[dict[str, Any], tuple[dict[str, list[str]], dict[str, list[int]]]]] = {}
+"""(id of the shared changes, the version they apply to) -> (those changes, kept alive; what applying them gave)."""
+
+
+def _applied(changes: dict[str, Any], held: int, addresses: dict[str, list[str]], incarnations: dict[str, list[int]]
+             ) -> tuple[dict[str, list[str]], dict[str, list[int]]]:
+    key = (id(changes), held)
+    found = _APPLIED.get(key)
+    if found is None or found[0] is not changes:
+        found = _APPLIED[key] = (changes, p.AddressChanges.model_validate(changes).applied_to(addresses, incarnations))
+        while len(_APPLIED) > KEPT_APPLIED:
+            del _APPLIED[next(iter(_APPLIED))]
+    return found[1]
 
 
 @dataclass
@@ -109,8 +127,8 @@ class RoleSimAgent(SimAgent):
             if changes is None:
                 self.addresses, self.incarnations = reply.get("addresses") or {}, reply.get("incarnations") or {}
             elif changes["since"] == self.addresses_version:  # as the agent: applied to what it holds
-                self.addresses, self.incarnations = p.AddressChanges.model_validate(changes).applied_to(
-                    self.addresses, self.incarnations)
+                self.addresses, self.incarnations = _applied(changes, self.addresses_version, self.addresses,
+                                                             self.incarnations)
             else:
                 raise RuntimeError(f"changes since {changes['since']} sent to an agent holding "
                                    f"{self.addresses_version}")
