@@ -44,6 +44,8 @@ REPLY_BOUND = 1 << 20
 """The most a reply may hold (a round of 4096 members is about 0.5 MB)."""
 DECODED_BOUND = 64 << 10
 """Replies longer than this are a round's membership: only their head is read."""
+LOOK_S = 0.1
+"""How often ``wait_for`` looks at the agents."""
 SHARED_TAILS = (b',"address_changes":', b',"addresses":')
 """Where the roles' addresses begin in a heartbeat reply (the last members of its object, after the node's own)."""
 KEPT_TAILS = 32
@@ -130,7 +132,7 @@ def _decoded(raw: bytes, gzipped: bool, whole: bool = False) -> dict[str, Any]:
         if whole and not inflater.eof and READY_HEAD.match(head) is None:
             head += inflater.decompress(inflater.unconsumed_tail)
         raw = head if inflater.eof else head + b"..."  # (a head only: longer than DECODED_BOUND)
-    if whole and len(raw) > DECODED_BOUND and READY_HEAD.match(raw) is None:
+    if whole and raw and READY_HEAD.match(raw) is None:
         return _whole(raw)
     if len(raw) <= DECODED_BOUND or (whole and READY_HEAD.match(raw) is None):
         return json.loads(raw) if raw else {}
@@ -144,10 +146,10 @@ _TAILS: collections.OrderedDict[bytes, dict[str, Any]] = collections.OrderedDict
 
 
 def _whole(raw: bytes) -> dict[str, Any]:
-    """A long reply decoded: its own head here, the roles' addresses that end it once for every agent that gets the
-    same bytes (a dict they share and never change). A real agent decodes its copy on its own host; here 4096 decodes
-    of a wave (0.5 ms each, 2 ms with applying the changes) were 8 s of the simulator's core, which then answered
-    the master's orders seconds late. Where the reply does not split there (no addresses), it is decoded whole."""
+    """A reply of a job of roles decoded: its own head here, the roles' addresses that end it once for every agent
+    that gets the same bytes (a dict they share and never change). A real agent decodes its copy on its own host;
+    here 4096 decodes of a wave (0.5 ms each, 2 ms with applying the changes) were 8 s of the simulator's core,
+    which then answered the master's orders seconds late. A reply that does not split there is decoded whole."""
     for marker in SHARED_TAILS:
         at = raw.rfind(marker)
         if at > 0:
@@ -317,13 +319,15 @@ class SimulatedAgents:
             self.tasks.append(asyncio.run_coroutine_threadsafe(agent.run(), self.loop))  # type: ignore[arg-type]
 
     def wait_for(self, done: Callable[[], bool], timeout_s: float, what: str) -> float:
-        """Seconds until ``done()``; a TimeoutError naming ``what`` (and the agents' errors) after ``timeout_s``."""
+        """Seconds until ``done()``; a TimeoutError naming ``what`` (and the agents' errors) after ``timeout_s``.
+        What is measured the agents time themselves; a look is O(agents) and takes the simulator's lock of the
+        interpreter, so it looks every ``LOOK_S`` (every 10 ms was a fifth of the simulator's core at 4096)."""
         began = time.monotonic()
         while not done():
             errors = self.errors()
             if errors or time.monotonic() - began > timeout_s:
                 raise TimeoutError(f"{what}: not within {timeout_s:.0f} s; agents' errors: {errors[:3]}")
-            time.sleep(0.01)
+            time.sleep(LOOK_S)
         return time.monotonic() - began
 
     def holding(self, round_id: int) -> list[SimAgent]:
