@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from convoy.control.job import Event
-from convoy.control.roles.flat import flat
 from convoy.control.pool.claims import Amount
+from convoy.control.roles.flat import flat
 
 GIB = 1 << 30
 
