@@ -73,9 +73,8 @@ class AddressBook:
         """When the roles' addresses were last looked at for a wave (making one costs O(processes))."""
         self._kept: dict[int, Wave] = {}
         self._changes: dict[int, Changes] = {}
-        self._encoded: dict[int, bytes] = {}
-        """What ``encoded`` made for each version a node held, for the current wave."""
         self._tails: dict[int, Tail] = {}
+        """What ``tail`` made for each version a node held, for the current wave."""
 
     def due(self, now: float, wave_s: float) -> bool:
         """Whether the addresses may be looked at for a new wave now."""
@@ -91,7 +90,7 @@ class AddressBook:
             self._kept[self.wave.version] = self.wave
         while len(self._kept) > KEPT_WAVES:
             del self._kept[min(self._kept)]
-        self.wave, self._changes, self._encoded, self._tails = wave, {}, {}, {}
+        self.wave, self._changes, self._tails = wave, {}, {}
         return True
 
     def for_node(self, held: int) -> Wave | Changes | None:
@@ -111,24 +110,21 @@ class AddressBook:
         """``for_node(held)`` as the members of a heartbeat reply's JSON object (``"addresses":..,"incarnations":..``
         or ``"address_changes":..``; empty for nothing), made once per wave and version held: at thousands of
         processes a wave's addresses are the bulk of every reply, the same for every node."""
-        found = self._encoded.get(held)
+        return bytes(self.tail(held)[:-1])
+
+    def tail(self, held: int) -> Tail:
+        """``encoded(held)`` closing a reply's JSON object: the tail of every reply to a node holding ``held``,
+        made once per wave and version held and compressed once (``replies.Joined``)."""
+        found = self._tails.get(held)
         if found is None:
             sent = self.for_node(held)
             if isinstance(sent, Changes):
                 fields = {key: value for key, value in asdict(sent).items() if key != "version"}
-                found = b'"address_changes":' + json.dumps(fields, separators=(",", ":")).encode()
+                members = b'"address_changes":' + json.dumps(fields, separators=(",", ":")).encode()
             elif isinstance(sent, Wave):
-                found = json.dumps({"addresses": sent.addresses, "incarnations": sent.incarnations},
-                                   separators=(",", ":")).encode()[1:-1]
+                members = json.dumps({"addresses": sent.addresses, "incarnations": sent.incarnations},
+                                     separators=(",", ":")).encode()[1:-1]
             else:
-                found = b""
-            self._encoded[held] = found
-        return found
-
-    def tail(self, held: int) -> Tail:
-        """``encoded(held)`` closing a reply's JSON object: the tail of every reply to a node holding ``held``,
-        compressed once (``replies.Joined``)."""
-        found = self._tails.get(held)
-        if found is None:
-            found = self._tails[held] = Tail(self.encoded(held) + b"}")
+                members = b""
+            found = self._tails[held] = Tail(members + b"}")
         return found
