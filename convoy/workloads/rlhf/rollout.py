@@ -27,6 +27,7 @@ import torch
 
 from convoy.errors import ConfigError
 from convoy.parallel.transport import ConnectionLost, Credentials
+from convoy.parallel.transport.errors import Refused
 from convoy.worker.events import emit
 from convoy.worker.report import report
 from convoy.workloads.rlhf.config import GRPOConfig
@@ -156,8 +157,9 @@ class LeaseKeeper(threading.Thread):
         while not self.stopping.wait(self.every_s):
             try:
                 self.store.call("renew")
-            except (ConfigError, ConnectionLost):
-                return  # the store is gone for good, or this process stops: the main loop finds out
+            except (ConfigError, ConnectionLost, Refused):
+                return  # the store is gone for good, or refuses this process (a replaced incarnation: it stops):
+                # the main loop finds out on its next call
 
 
 class Rollout:
